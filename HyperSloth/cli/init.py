@@ -1,0 +1,81 @@
+"""`hypersloth-init`: write a starter config file from a template."""
+
+from __future__ import annotations
+
+import sys
+from importlib import resources
+from pathlib import Path
+
+import fire
+
+# Template name on the command line -> file under HyperSloth/templates/.
+TEMPLATES: dict[str, str] = {
+    "tiny-cpu": "tiny_cpu.py",
+    "lora-2gpu": "lora_2gpu.py",
+    "qlora-2gpu": "qlora_2gpu.py",
+}
+# What must exist before training with each template (its model and its registered dataset).
+PREPARE: dict[str, list[str]] = {
+    "tiny-cpu": ["hypersloth-tiny-model", "hypersloth-build-dataset ... --name sample-chat"],
+    "lora-2gpu": ["hypersloth-build-dataset ... --name my-chat   # register your data under the config's dataset_name"],
+    "qlora-2gpu": ["hypersloth-build-dataset ... --name my-chat   # register your data under the config's dataset_name"],
+}
+
+
+def _template_key(template: str) -> str:
+    return template.strip().lower().replace("_", "-")
+
+
+def template_text(template: str) -> str:
+    """Source of a template by name (dashes or underscores); ValueError listing the names if unknown."""
+    key = _template_key(template)
+    if key not in TEMPLATES:
+        raise ValueError(f"unknown template '{template}'; choose one of: {', '.join(TEMPLATES)}")
+    return resources.files("HyperSloth").joinpath("templates", TEMPLATES[key]).read_text()
+
+
+def _fail(message: str) -> None:
+    """Print a user error and exit with status 2 (no traceback)."""
+    print(f"hypersloth-init: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def init(path: str = "hypersloth_config.py", template: str = "tiny-cpu", force: bool = False) -> None:
+    """Write a commented HyperSloth config file from a template.
+
+    Templates:
+      tiny-cpu    tiny random Qwen3 on 2 CPU worker processes (no GPU, no download); the default
+      lora-2gpu   16-bit LoRA of unsloth/Qwen3-0.6B on GPUs [0, 1]
+      qlora-2gpu  4-bit QLoRA of unsloth/Qwen3-8B-bnb-4bit on GPUs [0, 1]
+
+    Args:
+      path: where to write the config file.
+      template: one of the templates above (underscores work too: tiny_cpu).
+      force: overwrite PATH if it already exists.
+    """
+    try:
+        text = template_text(str(template))
+    except ValueError as err:
+        _fail(str(err))
+    target = Path(str(path))
+    if target.exists() and not force:
+        _fail(f"{target} already exists; pass --force to overwrite it")
+    if target.is_dir():
+        _fail(f"{target} is a folder; give a file path such as {target / 'hypersloth_config.py'}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(text)
+    print(f"Wrote {target} (template {_template_key(str(template))})")
+    print("Next:")
+    for step in PREPARE[_template_key(str(template))]:
+        print(f"  {step}")
+    print(f"  hypersloth-plan {target}     # check the batch plan")
+    print(f"  hypersloth-train {target}    # train")
+
+
+def main() -> None:
+    """Console entry point."""
+    fire.Fire(init)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,483 @@
+"""HyperSloth configuration: pydantic models, the Python config-file loader and pre-launch checks.
+
+A config file is plain Python that defines `hyper_config_model` (HyperConfig) and optionally
+`training_config_model` (TrainingArgsConfig), or the dicts `hyper_config` / `training_config`.
+Every user mistake surfaces as one `ConfigError` whose message says what to change.
+
+This module imports nothing else from HyperSloth and never imports torch: the launcher and the
+CLIs validate a config before any heavy library is loaded.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import itertools
+import json
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+REGISTRY_FILE = "data_config.json"
+_MODULE_COUNTER = itertools.count()
+
+
+class ConfigError(Exception):
+    """The single error type users see for a bad or unrunnable config."""
+
+
+class FastModelArgs(BaseModel):
+    """How to load the base model (Unsloth `FastLanguageModel` or transformers)."""
+
+    # protected_namespaces=(): 'model_name' is a field here, not pydantic's model_* API.
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model_name: str = Field(description="Hub id or local folder of the base model, e.g. 'unsloth/Qwen3-0.6B'.")
+    max_seq_length: int = Field(2048, gt=0, description="Longest sequence in tokens; longer samples are cut.")
+    load_in_4bit: bool = Field(False, description="Load weights in 4-bit (QLoRA; needs CUDA + bitsandbytes).")
+    load_in_8bit: bool = Field(False, description="Load weights in 8-bit (needs CUDA + bitsandbytes).")
+    full_finetuning: bool = Field(
+        False, description="Train every weight. Set by HyperConfig when lora_args=None; prefer that spelling."
+    )
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="Compute dtype; 'auto' = bfloat16 on CUDA, float32 on CPU."
+    )
+    backend: Literal["auto", "unsloth", "transformers"] = Field(
+        "auto", description="'auto' = unsloth when CUDA is present and unsloth imports, else transformers+PEFT."
+    )
+    attn_implementation: str | None = Field(
+        None, description="Attention kernel for the transformers backend only; None = 'sdpa'."
+    )
+    use_gradient_checkpointing: bool | Literal["unsloth"] = Field(
+        False, description="Recompute activations in backward to save memory; 'unsloth' = Unsloth's offloaded variant."
+    )
+
+    @field_validator("model_name")
+    @classmethod
+    def _model_name_not_empty(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("model_name is empty: give a Hub id (e.g. 'unsloth/Qwen3-0.6B') or a local folder")
+        return value
+
+    @model_validator(mode="after")
+    def _one_quantisation(self) -> FastModelArgs:
+        if self.load_in_4bit and self.load_in_8bit:
+            raise ValueError("load_in_4bit and load_in_8bit are both True: choose one (or neither)")
+        return self
+
+    def resolved_backend(self, *, cuda_available: bool, unsloth_available: bool) -> str:
+        """The backend 'auto' stands for on a machine with these facts."""
+        if self.backend != "auto":
+            return self.backend
+        return "unsloth" if cuda_available and unsloth_available else "transformers"
+
+    def resolved_dtype(self, *, cuda_available: bool) -> str:
+        """The dtype 'auto' stands for: bfloat16 on CUDA, float32 on CPU."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if cuda_available else "float32"
+
+
+_ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class LoraArgs(BaseModel):
+    """LoRA adapter settings (PEFT `LoraConfig` / Unsloth `get_peft_model`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    r: int = Field(8, gt=0, description="Adapter rank: more = more trainable parameters.")
+    lora_alpha: int = Field(8, gt=0, description="Scale numerator: the update is multiplied by lora_alpha / r.")
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter input, in [0, 1).")
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(_ALL_PROJECTIONS), min_length=1,
+        description="Names of the linear layers that get adapters (default: all attention + MLP projections).",
+    )
+    bias: Literal["none", "all", "lora_only"] = Field("none", description="Which biases to train.")
+    use_rslora: bool = Field(False, description="Rank-stabilised LoRA: scale by lora_alpha / sqrt(r).")
+    random_state: int = Field(3407, description="Seed for the adapter's initial weights.")
+    init_adapter_path: str | None = Field(
+        None, description="Folder of a saved LoRA adapter to continue training from (its r/targets win)."
+    )
+
+
+def read_registry(data_dir: str | os.PathLike) -> dict[str, dict[str, Any]]:
+    """Return the `datasets` mapping of `{data_dir}/data_config.json` (pure read; the data team writes it)."""
+    registry = Path(data_dir) / REGISTRY_FILE
+    if not registry.is_file():
+        raise ConfigError(
+            f"no dataset registry at {registry}: build a dataset first with "
+            "`hypersloth-build-dataset ... --name NAME`, or set data_dir to the folder that holds data_config.json"
+        )
+    try:
+        content = json.loads(registry.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{registry}: cannot read the dataset registry: {err}") from None
+    datasets = content.get("datasets") if isinstance(content, dict) else None
+    if not isinstance(datasets, dict):
+        raise ConfigError(f"{registry}: no 'datasets' mapping; rebuild it with `hypersloth-build-dataset`")
+    return datasets
+
+
+class DataConfig(BaseModel):
+    """Which built dataset to train on, by its registered name."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dataset_name: str = Field(description="Name given to `hypersloth-build-dataset --name`.")
+    data_dir: str = Field(
+        "data", description="Folder holding data_config.json and built_dataset/; relative to the working directory."
+    )
+
+    @field_validator("dataset_name")
+    @classmethod
+    def _name_not_empty(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("dataset_name is empty: give the name used with `hypersloth-build-dataset --name`")
+        return value
+
+    @classmethod
+    def from_dataset_name(cls, name: str, data_dir: str = "data") -> DataConfig:
+        """Build a DataConfig after checking that `name` is registered in `data_dir`."""
+        config = cls(dataset_name=name, data_dir=data_dir)
+        config.registry_entry()
+        return config
+
+    def registry_entry(self) -> dict[str, Any]:
+        """The registry record of this dataset; ConfigError listing the known names if absent."""
+        datasets = read_registry(self.data_dir)
+        if self.dataset_name not in datasets:
+            known = ", ".join(sorted(datasets)) or "(none)"
+            raise ConfigError(
+                f"dataset '{self.dataset_name}' is not registered in {Path(self.data_dir) / REGISTRY_FILE} "
+                f"(registered: {known}); build it with `hypersloth-build-dataset ... --name {self.dataset_name}`"
+            )
+        return datasets[self.dataset_name]
+
+    def dataset_path(self) -> Path:
+        """Folder of the built dataset: the entry's path, resolved against data_dir unless absolute."""
+        path = Path(self.registry_entry()["path"])
+        return path if path.is_absolute() else Path(self.data_dir) / path
+
+
+class TrainingConfig(BaseModel):
+    """How HyperSloth spreads the work: processes, loss masking and batching."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    gpus: list[int] = Field(
+        default_factory=lambda: [0],
+        description="GPU ids, one process each (any ids, e.g. [2, 3]); on CPU the length = number of worker processes.",
+    )
+    loss_type: Literal["all", "response_only"] = Field(
+        "response_only", description="'response_only' trains on assistant tokens only; 'all' on every token."
+    )
+    batching: Literal["packed", "sorted-pad"] = Field(
+        "packed", description="'packed' concatenates samples per row (no padding); 'sorted-pad' pads length-sorted rows."
+    )
+    tokens_per_micro_batch: int | None = Field(
+        None, gt=0,
+        description="Packed mode: token budget per micro-batch; None = per_device_train_batch_size * max_seq_length.",
+    )
+    group_by_length: bool = Field(False, description="Group similar lengths into the same optimizer steps.")
+    group_window_steps: int = Field(64, gt=0, description="How many steps one length-grouping window spans.")
+    nccl_timeout_s: int = Field(1800, gt=0, description="Seconds a collective may wait before the run aborts.")
+
+    @field_validator("gpus")
+    @classmethod
+    def _valid_gpu_ids(cls, gpus: list[int]) -> list[int]:
+        if not gpus:
+            raise ValueError("gpus is empty: list at least one GPU id, e.g. [0]")
+        negative = [g for g in gpus if g < 0]
+        if negative:
+            raise ValueError(f"GPU ids must be >= 0, got {negative}")
+        duplicates = sorted({g for g in gpus if gpus.count(g) > 1})
+        if duplicates:
+            raise ValueError(f"GPU ids must be distinct, {duplicates} appear more than once in {gpus}")
+        return gpus
+
+
+class TrainingArgsConfig(BaseModel):
+    """Optimiser, schedule, logging and checkpoint settings, passed to TRL's `SFTConfig`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    output_dir: str = Field("outputs/hypersloth", description="Checkpoints, logs and the resolved config go here.")
+    per_device_train_batch_size: int = Field(8, gt=0, description="Samples per micro-batch on each process.")
+    gradient_accumulation_steps: int = Field(16, gt=0, description="Micro-batches per optimizer step on each process.")
+    learning_rate: float = Field(2e-4, gt=0, description="Peak learning rate.")
+    num_train_epochs: int | None = Field(1, gt=0, description="Passes over the data (ignored when max_steps is set).")
+    max_steps: int | None = Field(None, gt=0, description="Optimizer steps to run; overrides num_train_epochs.")
+    lr_scheduler_type: str = Field("linear", description="transformers scheduler name: linear, cosine, constant, ...")
+    warmup_steps: int = Field(5, ge=0, description="Steps of linear warm-up from 0 to learning_rate.")
+    optim: str = Field("adamw_torch", description="transformers optimizer name; '*8bit' ones need CUDA.")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
+    max_grad_norm: float = Field(1.0, ge=0, description="Clip the global gradient norm to this; 0 disables clipping.")
+    seed: int = Field(42, description="Seed for data order and dropout.")
+    logging_steps: int = Field(1, gt=0, description="Log every this many optimizer steps.")
+    save_steps: int = Field(100, gt=0, description="Save a checkpoint every this many optimizer steps.")
+    save_total_limit: int | None = Field(2, gt=0, description="Keep at most this many checkpoints; None keeps all.")
+    report_to: str | list[str] = Field("tensorboard", description="'tensorboard', 'wandb', 'none' or a list.")
+    resume_from_checkpoint: str | None = Field(
+        None, description="Checkpoint folder to resume from (given to trainer.train, not to SFTConfig)."
+    )
+    dataloader_num_workers: int = Field(0, ge=0, description="Worker processes per data loader.")
+    extra_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Any other trl.SFTConfig arguments, passed through verbatim, e.g. {'adam_beta2': 0.95}.",
+    )
+
+    @model_validator(mode="after")
+    def _length_and_extras(self) -> TrainingArgsConfig:
+        if self.max_steps is None and self.num_train_epochs is None:
+            raise ValueError("max_steps and num_train_epochs are both None: set one of them")
+        clashes = sorted(set(self.extra_args) & set(type(self).model_fields))
+        if clashes:
+            raise ValueError(f"extra_args repeats {clashes}: set them as fields of TrainingArgsConfig instead")
+        return self
+
+    def to_sft_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `trl.SFTConfig` (resume_from_checkpoint goes to `train()` instead)."""
+        kwargs = self.model_dump(exclude={"extra_args", "resume_from_checkpoint"})
+        kwargs["max_steps"] = -1 if self.max_steps is None else self.max_steps
+        kwargs["num_train_epochs"] = 1 if self.num_train_epochs is None else self.num_train_epochs
+        kwargs.update(self.extra_args)
+        return kwargs
+
+
+class HyperConfig(BaseModel):
+    """Everything about the run except optimiser settings: data, processes, model and adapter."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    data: DataConfig = Field(description="The built dataset to train on.")
+    training: TrainingConfig = Field(default_factory=TrainingConfig, description="Processes and batching.")
+    fast_model_args: FastModelArgs = Field(description="Base model loading.")
+    lora_args: LoraArgs | None = Field(
+        default_factory=LoraArgs, description="LoRA settings; None = full fine-tuning of every weight."
+    )
+
+    @model_validator(mode="after")
+    def _full_finetuning_matches_lora(self) -> HyperConfig:
+        model = self.fast_model_args
+        if model.full_finetuning and self.lora_args is not None:
+            if "lora_args" in self.model_fields_set:
+                raise ValueError(
+                    "fast_model_args.full_finetuning=True but lora_args is given: set lora_args=None for full "
+                    "fine-tuning, or full_finetuning=False to train a LoRA adapter"
+                )
+            self.lora_args = None  # full_finetuning=True with lora_args left at its default means "no LoRA"
+        if self.lora_args is None:
+            if model.load_in_4bit or model.load_in_8bit:
+                raise ValueError(
+                    "full fine-tuning (lora_args=None) cannot train 4-bit/8-bit weights: set load_in_4bit=False "
+                    "and load_in_8bit=False, or give lora_args for QLoRA"
+                )
+            # A copy, so that a FastModelArgs object the user shares between configs is not changed.
+            self.fast_model_args = model.model_copy(update={"full_finetuning": True})
+        return self
+
+    def global_batch_size(self, training_args: TrainingArgsConfig) -> int:
+        """Samples per optimizer step over all processes: per-device x accumulation x len(gpus)."""
+        return (
+            training_args.per_device_train_batch_size
+            * training_args.gradient_accumulation_steps
+            * len(self.training.gpus)
+        )
+
+
+@dataclass(frozen=True)
+class LoadedConfig:
+    """A validated config file."""
+
+    hyper: HyperConfig
+    training_args: TrainingArgsConfig
+    path: Path
+
+
+# Where each model sits in a config file, so that errors name e.g. 'training.gpu' even when the user
+# built TrainingConfig(...) directly and pydantic only knows the class.
+_MODEL_PREFIX: dict[str, tuple[str, ...]] = {
+    "HyperConfig": (),
+    "DataConfig": ("data",),
+    "TrainingConfig": ("training",),
+    "FastModelArgs": ("fast_model_args",),
+    "LoraArgs": ("lora_args",),
+    "TrainingArgsConfig": (),
+}
+_MODELS: dict[str, type[BaseModel]] = {
+    cls.__name__: cls
+    for cls in (HyperConfig, DataConfig, TrainingConfig, FastModelArgs, LoraArgs, TrainingArgsConfig)
+}
+_FILE_NAMES = {"HyperConfig": "hyper_config_model", "TrainingArgsConfig": "training_config_model"}
+_HYPER_CHILDREN = {"data": DataConfig, "training": TrainingConfig, "fast_model_args": FastModelArgs, "lora_args": LoraArgs}
+
+
+def _field_path(root: str, loc: tuple[str, ...]) -> tuple[tuple[str, ...], type[BaseModel]]:
+    """Keep the field names of `loc` (drop union tags such as 'list[str]') and the model owning the last."""
+    model, path = _MODELS[root], []
+    for part in loc:
+        if part not in model.model_fields:
+            break
+        path.append(part)
+        if model is HyperConfig and part in _HYPER_CHILDREN and len(path) < len(loc):
+            model = _HYPER_CHILDREN[part]
+    return tuple(path), model
+
+
+def _unknown_field_message(root: str, loc: tuple[str, ...], where: str) -> str:
+    name = loc[-1]
+    _, owner = _field_path(root, loc[:-1] + ("",))
+    valid = list(owner.model_fields)
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
+    message = f"unknown field '{where}'"
+    if close:
+        return f"{message} — did you mean '{close[0]}'?"
+    homes = [cls_name for cls_name, cls in _MODELS.items() if name in cls.model_fields]
+    if homes:
+        home = ".".join(_MODEL_PREFIX[homes[0]]) or _FILE_NAMES[homes[0]]
+        return f"{message} — '{name}' belongs in {homes[0]} ({home})"
+    return f"{message}; valid fields: {', '.join(valid)}"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def format_validation_error(error: ValidationError) -> str:
+    """One line per problem, `location: problem`, with a suggestion for misspelt field names."""
+    root = error.title if error.title in _MODELS else "HyperConfig"
+    prefix = _MODEL_PREFIX.get(root, ())
+    problems: dict[str, list[str]] = {}  # location -> messages; union members merge into one line
+    inputs: dict[str, str] = {}
+    for item in error.errors():
+        loc = tuple(str(part) for part in item["loc"] if not isinstance(part, int))
+        if item["type"] == "extra_forbidden":
+            problems.setdefault(_unknown_field_message(root, loc, ".".join(prefix + loc)), [])
+            continue
+        where = ".".join(prefix + _field_path(root, loc)[0]) or root
+        if item["type"] == "missing":
+            problems.setdefault(where, []).append("required field is missing")
+            continue
+        problems.setdefault(where, []).append(item["msg"].removeprefix("Value error, "))
+        if item["type"] != "value_error":
+            inputs[where] = f" (got {_short(item.get('input'))})"
+    lines = [
+        f"{where}: {' or '.join(dict.fromkeys(msgs))}{inputs.get(where, '')}" if msgs else where
+        for where, msgs in problems.items()
+    ]
+    return "\n".join(f"  {line}" for line in lines)
+
+
+def _user_line(exc: BaseException, path: Path) -> str:
+    """' (line N)' of the deepest traceback frame inside the user's config file, or ''."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename) == path]
+    return f" (line {frames[-1].lineno})" if frames else ""
+
+
+def _execute(path: Path) -> dict[str, Any]:
+    """Run the config file as a fresh module and return its globals."""
+    name = f"_hypersloth_user_config_{next(_MODULE_COUNTER)}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"{path}: not a Python file (config files end in .py)")
+    module = importlib.util.module_from_spec(spec)
+    folder = str(path.parent)
+    sys.path.insert(0, folder)  # lets a config import a helper next to it; removed below
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as err:
+        raise ConfigError(f"{path}: syntax error at line {err.lineno}: {err.msg}") from None
+    except ValidationError as err:
+        raise ConfigError(f"{path}{_user_line(err, path)}: invalid config:\n{format_validation_error(err)}") from None
+    except Exception as err:  # any exception in user code becomes one readable line
+        raise ConfigError(
+            f"{path}{_user_line(err, path)}: importing the config raised {type(err).__name__}: {err}"
+        ) from None
+    finally:
+        sys.modules.pop(name, None)
+        if folder in sys.path:
+            sys.path.remove(folder)
+    return vars(module)
+
+
+def _validate(path: Path, names: tuple[str, str], namespace: dict[str, Any], model: type[BaseModel]) -> Any:
+    model_name, dict_name = names
+    value = namespace.get(model_name, namespace.get(dict_name))
+    if value is None:
+        return None
+    if isinstance(value, BaseModel) and not isinstance(value, model):
+        raise ConfigError(f"{path}: {model_name} must be a {model.__name__}, got {type(value).__name__}")
+    try:
+        return model.model_validate(value)
+    except ValidationError as err:
+        raise ConfigError(f"{path}: invalid {model.__name__}:\n{format_validation_error(err)}") from None
+
+
+def load_config(path: str | os.PathLike) -> LoadedConfig:
+    """Import a Python config file and validate it; every problem raises ConfigError naming the file."""
+    path = Path(path).resolve()
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found (create one with `hypersloth-init {path.name}`)")
+    namespace = _execute(path)
+    hyper = _validate(path, ("hyper_config_model", "hyper_config"), namespace, HyperConfig)
+    if hyper is None:
+        raise ConfigError(
+            f"{path}: defines neither `hyper_config_model` (a HyperConfig) nor `hyper_config` (a dict); "
+            "also define `training_config_model` (a TrainingArgsConfig) or `training_config`, or leave it out "
+            "for the defaults"
+        )
+    training_args = _validate(path, ("training_config_model", "training_config"), namespace, TrainingArgsConfig)
+    return LoadedConfig(hyper=hyper, training_args=training_args or TrainingArgsConfig(), path=path)
+
+
+def config_to_dict(loaded: LoadedConfig) -> dict[str, Any]:
+    """JSON-safe resolved config; its two parts load back as `hyper_config` / `training_config` dicts."""
+    resolved = {
+        "source_path": str(loaded.path),
+        "hyper_config": loaded.hyper.model_dump(),
+        "training_config": loaded.training_args.model_dump(),
+    }
+    # extra_args may hold anything; str() keeps the record readable instead of failing the save.
+    return json.loads(json.dumps(resolved, default=str))
+
+
+def dump_config(loaded: LoadedConfig, path: str | os.PathLike) -> Path:
+    """Write the resolved config as JSON (e.g. next to a checkpoint); returns the path written."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(config_to_dict(loaded), indent=2) + "\n")
+    return target
+
+
+def check_runtime(
+    hyper: HyperConfig, training_args: TrainingArgsConfig, *, cuda_device_count: int, unsloth_available: bool
+) -> None:
+    """Pre-launch checks against the machine's facts; ConfigError listing every problem found."""
+    model, cuda = hyper.fast_model_args, cuda_device_count > 0
+    problems = []
+    for flag in ("load_in_4bit", "load_in_8bit"):
+        if getattr(model, flag) and not cuda:
+            problems.append(f"{flag}=True needs CUDA and bitsandbytes; set {flag}=False to train on CPU")
+    missing = [g for g in hyper.training.gpus if g >= cuda_device_count]
+    if cuda and missing:
+        problems.append(
+            f"gpus {missing} not available: {cuda_device_count} GPU(s) visible (ids 0..{cuda_device_count - 1}); "
+            "ids count within CUDA_VISIBLE_DEVICES"
+        )
+    if model.backend == "unsloth" and not cuda:
+        problems.append("backend='unsloth' needs CUDA; set backend='auto' or 'transformers' to train on CPU")
+    if model.backend == "unsloth" and not unsloth_available:
+        problems.append("backend='unsloth' but unsloth is not importable: pip install 'HyperSloth[gpu]' "
+                        "or set backend='transformers'")
+    if "8bit" in training_args.optim and not cuda:
+        problems.append(f"optim='{training_args.optim}' needs CUDA (bitsandbytes); use optim='adamw_torch' on CPU")
+    if problems:
+        raise ConfigError("config cannot run on this machine:\n" + "\n".join(f"  - {p}" for p in problems))
