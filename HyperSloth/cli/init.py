@@ -17,8 +17,8 @@ TEMPLATES: dict[str, str] = {
 # What must exist before training with each template (its model and its registered dataset).
 PREPARE: dict[str, list[str]] = {
     "tiny-cpu": ["hypersloth-tiny-model", "hypersloth-build-dataset ... --name sample-chat"],
-    "lora-2gpu": ["hypersloth-build-dataset ... --name my-chat   # register your data under the config's dataset_name"],
-    "qlora-2gpu": ["hypersloth-build-dataset ... --name my-chat   # register your data under the config's dataset_name"],
+    "lora-2gpu": ["hypersloth-build-dataset ... --name my-chat   # your data, named as in the config"],
+    "qlora-2gpu": ["hypersloth-build-dataset ... --name my-chat   # your data, named as in the config"],
 }
 
 

@@ -1,4 +1,4 @@
-"""HyperSloth config: the tiny CPU demo (runs in about a minute on a laptop, no GPU, no internet).
+"""HyperSloth config: the tiny CPU demo (no GPU, no internet needed).
 
 Before training, build the two local inputs this file names:
     hypersloth-tiny-model                                 # random-weight tiny Qwen3 -> build/tiny-qwen3
