@@ -397,6 +397,8 @@ def _execute(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: syntax error at line {err.lineno}: {err.msg}") from None
     except ValidationError as err:
         raise ConfigError(f"{path}{_user_line(err, path)}: invalid config:\n{format_validation_error(err)}") from None
+    except ConfigError as err:  # e.g. DataConfig.from_dataset_name(...) in the file: already readable
+        raise ConfigError(f"{path}{_user_line(err, path)}: {err}") from None
     except Exception as err:  # any exception in user code becomes one readable line
         raise ConfigError(
             f"{path}{_user_line(err, path)}: importing the config raised {type(err).__name__}: {err}"

@@ -97,6 +97,12 @@ def test_import_time_exception_names_type_message_and_line(tmp_path):
     assert "(line 2)" in message
 
 
+def test_config_error_raised_in_file_keeps_its_message(tmp_path):
+    body = HEADER + f"data = DataConfig.from_dataset_name('x', data_dir={str(tmp_path / 'none')!r})\n"
+    message = load_error(tmp_path, body)
+    assert "(line 2): no dataset registry at" in message and "importing the config raised" not in message
+
+
 def test_wrong_object_under_expected_name(tmp_path):
     message = load_error(tmp_path, HEADER + "hyper_config_model = TrainingArgsConfig()\n")
     assert "hyper_config_model must be a HyperConfig, got TrainingArgsConfig" in message
