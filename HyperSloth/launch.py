@@ -1,0 +1,529 @@
+"""Start one worker process per GPU, watch them, and stop them all as soon as one fails.
+
+Three ways to run the workers of `training.gpus`:
+- `launch`: child processes of this one (the default). Each child gets its own session/process
+  group, so a stop signal reaches the worker and anything it forked (data-loader workers).
+- `launch_tmux`: one tmux window per rank plus a `main` window running `monitor_tmux_run`.
+- torchrun: nothing is spawned here; `is_torchrun_env` lets the CLI call the worker in-process.
+
+The worker contract (environment, argv, log paths) lives in `worker_env` / `build_worker_specs`.
+This module imports no model code; torch only lazily, to count GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Iterator
+
+# Variables of torchrun / torch.distributed that must not reach our workers: HyperSloth owns the
+# process group, and Hugging Face must see each worker as a single process.
+TORCHRUN_VARS = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "ROLE_RANK",
+)
+MASTER_ADDR = "127.0.0.1"
+STDERR_TAIL_LINES = 20
+# A tmux window inherits the tmux *server's* environment, not ours; these launcher variables are
+# passed inline so a run started from a virtualenv with NCCL settings behaves as without tmux.
+_TMUX_FORWARD_NAMES = ("PATH", "VIRTUAL_ENV", "CONDA_PREFIX", "PYTHONPATH", "LD_LIBRARY_PATH")
+_TMUX_FORWARD_PREFIXES = (
+    "NCCL_", "TORCH_", "PYTORCH_", "CUDA_", "GLOO_", "HF_", "TRANSFORMERS_", "UNSLOTH_", "OMP_", "MKL_",
+    "TOKENIZERS_", "WANDB_", "HYPERSLOTH_",
+)
+
+
+class LaunchError(Exception):
+    """A problem found before any worker starts; the CLI prints it and exits 2."""
+
+
+class TmuxSessionExists(LaunchError):
+    """The tmux session name is taken and replacing it was not confirmed."""
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything needed to start one rank: its command line and complete environment."""
+
+    rank: int
+    gpu: int
+    argv: tuple[str, ...]
+    env: dict[str, str]
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """The first rank that exited non-zero, with the end of its stderr."""
+
+    rank: int
+    gpu: int
+    exit_code: int
+    stderr_tail: list[str]
+    stderr_path: Path
+
+    def describe(self) -> str:
+        """One line: which rank, which GPU, how it ended."""
+        if self.exit_code < 0:
+            how = f"was killed by {signal.Signals(-self.exit_code).name}"
+        else:
+            how = f"failed with exit code {self.exit_code}"
+        return f"rank {self.rank} (gpu {self.gpu}) {how}"
+
+
+def is_torchrun_env(env: Mapping[str, str] = os.environ) -> bool:
+    """True when started by torchrun (RANK, WORLD_SIZE and LOCAL_RANK all set)."""
+    return all(env.get(name) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def free_port(host: str = MASTER_ADDR) -> int:
+    """A TCP port free right now: bind port 0, read what the kernel chose, close.
+
+    A fixed port (the original used 29501) makes two runs on one machine collide.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def cuda_device_count() -> int:
+    """Number of visible CUDA devices (0 on a CPU-only torch); imports torch only when asked."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def default_worker_argv(config_path: str | os.PathLike) -> list[str]:
+    """The command of one worker: `python -m HyperSloth.worker CONFIG`."""
+    return [sys.executable, "-m", "HyperSloth.worker", str(config_path)]
+
+
+def _physical_gpu(gpu: int, parent_visible: str | None) -> str:
+    """GPU ids count within the launcher's CUDA_VISIBLE_DEVICES (as torch does), so map through it."""
+    if not parent_visible:
+        return str(gpu)
+    entries = [entry.strip() for entry in parent_visible.split(",")]
+    if gpu >= len(entries):
+        raise LaunchError(f"gpu {gpu} is not among CUDA_VISIBLE_DEVICES={parent_visible}")
+    return entries[gpu]
+
+
+def _cpu_count() -> int:
+    # The affinity mask is what this process may really use (containers, taskset); cpu_count is the host's.
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def worker_env(
+    base_env: Mapping[str, str], *, rank: int, gpus: Sequence[int], port: int, run_dir: str | os.PathLike, cuda: bool
+) -> dict[str, str]:
+    """The environment of rank `rank`: `base_env` (NCCL_*/TORCH_* kept) plus the HYPERSLOTH_* contract."""
+    env = {k: v for k, v in base_env.items() if k not in TORCHRUN_VARS}
+    env.update(
+        HYPERSLOTH_RANK=str(rank),
+        HYPERSLOTH_WORLD_SIZE=str(len(gpus)),
+        HYPERSLOTH_LOCAL_RANK=str(rank),
+        HYPERSLOTH_MASTER_ADDR=MASTER_ADDR,
+        HYPERSLOTH_MASTER_PORT=str(port),
+        HYPERSLOTH_GPU=str(gpus[rank]),
+        HYPERSLOTH_RUN_DIR=str(run_dir),
+    )
+    if cuda:
+        env["CUDA_VISIBLE_DEVICES"] = _physical_gpu(gpus[rank], base_env.get("CUDA_VISIBLE_DEVICES"))
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        # W CPU workers with one thread per core each would oversubscribe the cores W times.
+        env.setdefault("OMP_NUM_THREADS", str(max(1, _cpu_count() // len(gpus))))
+    return env
+
+
+def build_worker_specs(
+    config_path: str | os.PathLike,
+    gpus: Sequence[int],
+    output_dir: str | os.PathLike,
+    *,
+    cuda: bool,
+    worker_argv: Sequence[str] | None = None,
+    base_env: Mapping[str, str] | None = None,
+) -> list[WorkerSpec]:
+    """One spec per entry of `gpus`, all sharing one freshly chosen rendezvous port."""
+    if len(set(gpus)) != len(gpus) or not gpus:
+        raise LaunchError(f"gpus must be a non-empty list of distinct ids, got {list(gpus)}")
+    argv = tuple(worker_argv) if worker_argv is not None else tuple(default_worker_argv(config_path))
+    port, env = free_port(), dict(os.environ if base_env is None else base_env)
+    return [
+        WorkerSpec(rank, gpu, argv, worker_env(env, rank=rank, gpus=gpus, port=port, run_dir=output_dir, cuda=cuda))
+        for rank, gpu in enumerate(gpus)
+    ]
+
+
+class _StderrPump(threading.Thread):
+    """Copy a child's stderr to a file (and the terminal for rank 0), keeping its last bytes."""
+
+    _KEEP = 64 * 1024
+
+    def __init__(self, stream: IO[bytes], path: Path, tee: IO[bytes] | None) -> None:
+        super().__init__(daemon=True)
+        self._stream, self._path, self._tee = stream, path, tee
+        self._last = bytearray()
+
+    def run(self) -> None:
+        with self._path.open("wb") as sink:
+            # read1 returns as soon as some bytes arrive, so progress bars (\r) show up live.
+            while chunk := self._stream.read1(65536):
+                sink.write(chunk)
+                sink.flush()
+                self._last = (self._last + chunk)[-self._KEEP:]
+                if self._tee is not None:
+                    self._tee.write(chunk)
+                    self._tee.flush()
+
+    def tail(self, lines: int = STDERR_TAIL_LINES) -> list[str]:
+        """The last `lines` lines, each shown as it ended after any carriage returns."""
+        text = self._last.decode("utf-8", errors="replace")
+        return [line.rsplit("\r", 1)[-1] for line in text.rstrip("\n").split("\n")][-lines:]
+
+
+def _terminal_stderr() -> IO[bytes] | None:
+    return getattr(sys.stderr, "buffer", None)
+
+
+def stop_process_groups(pgids: Sequence[int], grace_s: float, is_done) -> None:
+    """SIGTERM each process group, wait up to `grace_s` until `is_done(pgid)`, then SIGKILL the rest."""
+    for pgid in pgids:
+        _signal_group(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    pending = list(pgids)
+    while pending and time.monotonic() < deadline:
+        pending = [pgid for pgid in pending if not is_done(pgid)]
+        time.sleep(0.05)
+    for pgid in pending:
+        _signal_group(pgid, signal.SIGKILL)
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass  # the whole group is already gone
+
+
+class _Supervisor:
+    """The running children of one launch: start, wait for the first failure, stop."""
+
+    def __init__(self, specs: Sequence[WorkerSpec], logs_dir: Path, grace_s: float) -> None:
+        self.specs, self.logs_dir, self.grace_s = specs, logs_dir, grace_s
+        self.procs: list[subprocess.Popen] = []
+        self.pumps: list[_StderrPump] = []
+
+    def start(self, signals: _SignalRecord) -> None:
+        for spec in self.specs:
+            if signals.signum is not None:
+                return
+            stdout = None if spec.rank == 0 else (self.logs_dir / f"rank{spec.rank}.stdout").open("wb")
+            proc = subprocess.Popen(
+                spec.argv, env=spec.env, stdout=stdout, stderr=subprocess.PIPE, start_new_session=True
+            )
+            if stdout is not None:
+                stdout.close()  # the child holds its own copy
+            self.procs.append(proc)
+            tee = _terminal_stderr() if spec.rank == 0 else None
+            pump = _StderrPump(proc.stderr, self.logs_dir / f"rank{spec.rank}.stderr", tee)
+            pump.start()
+            self.pumps.append(pump)
+
+    def wait_first_failure(self, signals: _SignalRecord, poll_s: float = 0.1) -> RankFailure | None:
+        """Block until every rank exited 0 (None), one exited non-zero (that one) or a signal came (None)."""
+        while signals.signum is None:
+            codes = [proc.poll() for proc in self.procs]
+            for spec, code in zip(self.specs, codes):
+                if code not in (None, 0):
+                    return self._failure(spec, code)
+            if all(code == 0 for code in codes):
+                return None
+            time.sleep(poll_s)
+        return None
+
+    def _failure(self, spec: WorkerSpec, code: int) -> RankFailure:
+        pump = self.pumps[spec.rank]
+        pump.join(timeout=2.0)  # let the last lines of the failing rank arrive
+        return RankFailure(spec.rank, spec.gpu, code, pump.tail(), self.logs_dir / f"rank{spec.rank}.stderr")
+
+    def stop(self) -> None:
+        """Stop every child's process group (also ones whose leader already exited) and reap them."""
+        stop_process_groups([p.pid for p in self.procs], self.grace_s, self._group_done)
+        for proc in self.procs:
+            proc.wait()
+        for pump in self.pumps:
+            pump.join(timeout=1.0)
+
+    def _group_done(self, pgid: int) -> bool:
+        proc = next(p for p in self.procs if p.pid == pgid)
+        proc.poll()
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return True
+        return False
+
+
+@dataclass
+class _SignalRecord:
+    """The first SIGINT/SIGTERM received while workers run; checked by the supervisor's loops."""
+
+    signum: int | None = None
+
+
+@contextmanager
+def _signals_recorded() -> Iterator[_SignalRecord]:
+    """Record SIGINT/SIGTERM instead of raising, so no child can be forked and then lost mid-spawn.
+
+    Handlers can only be installed from the main thread (Python's rule); elsewhere nothing changes.
+    """
+    record = _SignalRecord()
+    if threading.current_thread() is not threading.main_thread():
+        yield record
+        return
+    def handler(signum, _frame):
+        record.signum = record.signum or signum
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield record
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _say(message: str) -> None:
+    print(f"hypersloth-train: {message}", file=sys.stderr, flush=True)
+
+
+def _report_failure(failure: RankFailure, others: int, logs_dir: Path) -> None:
+    _say(f"{failure.describe()}; stopped the other {others} worker(s).")
+    _say(f"last {len(failure.stderr_tail)} lines of {failure.stderr_path}:")
+    print("\n".join("    " + line for line in failure.stderr_tail), file=sys.stderr, flush=True)
+    _say(f"full logs: {logs_dir}/rank{failure.rank}.log and {failure.stderr_path}")
+
+
+def launch(
+    config_path: str | os.PathLike,
+    gpus: Sequence[int],
+    output_dir: str | os.PathLike,
+    *,
+    worker_argv: Sequence[str] | None = None,
+    cuda: bool | None = None,
+    grace_s: float = 5.0,
+) -> int:
+    """Run one worker per entry of `gpus` to completion; return the exit code for the CLI.
+
+    0 when every rank exits 0; 1 when a rank fails (the others are stopped: SIGTERM to each
+    process group, SIGKILL after `grace_s`); 128+signal when SIGINT/SIGTERM stops the launcher.
+    No child outlives this call, whatever happens. `cuda=None` asks torch whether CUDA is there.
+    """
+    cuda = cuda_device_count() > 0 if cuda is None else cuda
+    specs = build_worker_specs(config_path, gpus, output_dir, cuda=cuda, worker_argv=worker_argv)
+    logs_dir = Path(output_dir) / "logs"
+    logs_dir.mkdir(parents=True, exist_ok=True)
+    device = "GPU(s) " + ",".join(map(str, gpus)) if cuda else "CPU (gloo)"
+    _say(f"starting {len(specs)} worker(s) on {device}, port {specs[0].env['HYPERSLOTH_MASTER_PORT']}; logs in {logs_dir}")
+    supervisor = _Supervisor(specs, logs_dir, grace_s)
+    # The stop runs while signals are still only recorded, so a second Ctrl-C cannot cut it short.
+    with _signals_recorded() as signals:
+        failure = None
+        try:
+            supervisor.start(signals)
+            failure = supervisor.wait_first_failure(signals)
+        finally:
+            stopped_by = signals.signum
+            if stopped_by is not None:
+                _say(f"received {signal.Signals(stopped_by).name}; stopping {len(specs)} worker(s)")
+            supervisor.stop()
+    if stopped_by is not None:
+        return 128 + stopped_by
+    if failure is not None:
+        _report_failure(failure, len(specs) - 1, logs_dir)
+        return 1
+    _say(f"all {len(specs)} worker(s) finished; output in {Path(output_dir).resolve()}")
+    return 0
+
+
+# ---------------------------------------------------------------- tmux: one window per rank
+
+
+def _inline_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The part of `env` a tmux window must get explicitly (it inherits the tmux server's env, not ours)."""
+    keep = {
+        name: value for name, value in env.items()
+        if (name in _TMUX_FORWARD_NAMES or name.startswith(_TMUX_FORWARD_PREFIXES)) and "\n" not in value
+    }
+    return dict(sorted(keep.items()))
+
+
+def _env_command(env: Mapping[str, str], argv: Sequence[str]) -> str:
+    """`env -u RANK ... VAR=value ... argv`: the same environment as a spawned worker, set inline."""
+    unset = " ".join(f"-u {name}" for name in TORCHRUN_VARS)
+    assigns = " ".join(shlex.quote(f"{name}={value}") for name, value in _inline_env(env).items())
+    return f"env {unset} {assigns} {shlex.join(argv)}"
+
+
+def _rank_script(spec: WorkerSpec, logs_dir: Path) -> str:
+    """Shell script of a rank window: record the pane's pid, run the worker, record its exit code, stay open.
+
+    The trap keeps the shell alive when the monitor (or Ctrl-C) stops the worker, so the exit code
+    is still written and the window keeps showing the worker's last output.
+    """
+    pid_file, code_file = shlex.quote(str(logs_dir / f"rank{spec.rank}.pid")), logs_dir / f"rank{spec.rank}.exitcode"
+    done = f"rank {spec.rank} (gpu {spec.gpu}) exited with code $code; press Enter to close this window"
+    return "\n".join([
+        f"trap 'echo \"[rank {spec.rank}: stop signal received]\"' INT TERM",
+        f"echo $$ > {pid_file}",
+        _env_command(spec.env, spec.argv),
+        "code=$?",
+        f"echo $code > {shlex.quote(str(code_file))}.tmp && mv {shlex.quote(str(code_file))}.tmp {shlex.quote(str(code_file))}",
+        f'echo "[{done}]"',
+        "read _",
+    ])
+
+
+def _main_script(logs_dir: Path, gpus: Sequence[int], grace_s: float) -> str:
+    monitor = [sys.executable, "-m", "HyperSloth.launch", "monitor", str(logs_dir), ",".join(map(str, gpus)), str(grace_s)]
+    return _env_command(os.environ, monitor) + '\necho "[press Enter to close this window]"\nread _'
+
+
+def _window_command(script: str) -> str:
+    # Whatever the user's default-shell is (fish, zsh), the script runs under /bin/sh.
+    return "exec /bin/sh -c " + shlex.quote(script)
+
+
+def _tmux_server(socket_name: str | None):
+    if shutil.which("tmux") is None:
+        raise LaunchError("--tmux needs the tmux program, which is not on PATH: install it "
+                          "(e.g. `apt-get install tmux`) or run without --tmux")
+    import libtmux
+
+    return libtmux.Server(socket_name=socket_name)
+
+
+def launch_tmux(
+    config_path: str | os.PathLike,
+    gpus: Sequence[int],
+    output_dir: str | os.PathLike,
+    session: str,
+    *,
+    replace: bool = False,
+    worker_argv: Sequence[str] | None = None,
+    cuda: bool | None = None,
+    socket_name: str | None = None,
+    grace_s: float = 5.0,
+) -> str:
+    """Create tmux session `session`: window `main` (monitor) and one window `rank{r}` per GPU.
+
+    Returns as soon as the session exists, with the command to attach to it. An existing session
+    raises TmuxSessionExists unless `replace`. `socket_name` picks a private tmux server (`tmux -L`).
+    """
+    if not session or any(c in session for c in ".:"):
+        raise LaunchError(f"tmux session name {session!r} is not allowed: use letters, digits, '-' or '_'")
+    server = _tmux_server(socket_name)
+    if server.has_session(session):
+        if not replace:
+            raise TmuxSessionExists(f"tmux session '{session}' already exists: pass --y to replace it, "
+                                    "or choose another name")
+        server.kill_session(session)
+    cuda = cuda_device_count() > 0 if cuda is None else cuda
+    specs = build_worker_specs(config_path, gpus, output_dir, cuda=cuda, worker_argv=worker_argv)
+    logs_dir = (Path(output_dir) / "logs").resolve()
+    logs_dir.mkdir(parents=True, exist_ok=True)
+    for stale in [*logs_dir.glob("rank*.exitcode"), *logs_dir.glob("rank*.pid")]:
+        stale.unlink()  # a previous run's exit codes would make the monitor finish at once
+    main = _window_command(_main_script(logs_dir, gpus, grace_s))
+    tmux_session = server.new_session(
+        session_name=session, window_name="main", start_directory=os.getcwd(), window_command=main, attach=False
+    )
+    for spec in specs:
+        tmux_session.new_window(window_name=f"rank{spec.rank}", start_directory=os.getcwd(),
+                                window_shell=_window_command(_rank_script(spec, logs_dir)), attach=False)
+    socket = f"-L {shlex.quote(socket_name)} " if socket_name else ""
+    return f"tmux {socket}attach -t {shlex.quote(session)}"
+
+
+def _read_exit_codes(logs_dir: Path, world_size: int) -> dict[int, int]:
+    codes = {}
+    for rank in range(world_size):
+        path = logs_dir / f"rank{rank}.exitcode"
+        if path.is_file():
+            codes[rank] = int(path.read_text().strip() or 1)
+    return codes
+
+
+def _stop_tmux_ranks(logs_dir: Path, ranks: Sequence[int], grace_s: float) -> dict[int, int]:
+    """Stop the given ranks' panes (process groups); ranks not done after the grace are SIGKILLed (-9)."""
+    pid_files = {rank: logs_dir / f"rank{rank}.pid" for rank in ranks}
+    pgid_rank = {int(path.read_text()): rank for rank, path in pid_files.items() if path.is_file()}
+    def done(pgid: int) -> bool:
+        return (logs_dir / f"rank{pgid_rank[pgid]}.exitcode").is_file()
+    stop_process_groups(list(pgid_rank), grace_s, done)
+    codes = _read_exit_codes(logs_dir, max(ranks, default=-1) + 1)
+    return {rank: codes.get(rank, -signal.SIGKILL) for rank in pgid_rank.values()}
+
+
+class _LogFollower:
+    """`tail -F` of one file into stdout, one `pump()` at a time."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset = path, 0
+
+    def pump(self) -> None:
+        if not self.path.is_file():
+            return
+        with self.path.open("rb") as handle:
+            handle.seek(self.offset)
+            chunk = handle.read()
+        self.offset += len(chunk)
+        sys.stdout.write(chunk.decode("utf-8", errors="replace"))
+        sys.stdout.flush()
+
+
+def _log_tail(path: Path, lines: int = STDERR_TAIL_LINES) -> list[str]:
+    if not path.is_file():
+        return [f"({path} does not exist)"]
+    return path.read_text(errors="replace").rstrip("\n").split("\n")[-lines:]
+
+
+def monitor_tmux_run(logs_dir: str | os.PathLike, gpus: Sequence[int], grace_s: float = 5.0, poll_s: float = 0.5) -> int:
+    """The `main` window of a tmux run: follow rank 0's log, stop every rank when one fails, summarise.
+
+    Returns 0 when every rank exited 0, else 1.
+    """
+    logs, world = Path(logs_dir), len(gpus)
+    print(f"HyperSloth: {world} rank(s) on gpus {list(gpus)}; windows rank0..rank{world - 1} "
+          f"(Ctrl-b n: next window). Following {logs / 'rank0.log'}\n", flush=True)
+    follower, codes, failed = _LogFollower(logs / "rank0.log"), {}, None
+    while len(codes) < world:
+        follower.pump()
+        codes.update(_read_exit_codes(logs, world))
+        if failed is None and (failed := next((r for r, c in sorted(codes.items()) if c != 0), None)) is not None:
+            print(f"\n[rank {failed} (gpu {gpus[failed]}) failed with exit code {codes[failed]}; stopping the others]")
+            print("\n".join("    " + line for line in _log_tail(logs / f"rank{failed}.log")), flush=True)
+        if failed is not None:  # again each round: a rank whose window had not started yet has no pid before
+            codes.update(_stop_tmux_ranks(logs, [r for r in range(world) if r not in codes], grace_s))
+        time.sleep(poll_s)
+    follower.pump()
+    print("\n[all ranks finished] " + ", ".join(f"rank {r}: exit {codes[r]}" for r in sorted(codes)), flush=True)
+    return 0 if all(code == 0 for code in codes.values()) else 1
+
+
+if __name__ == "__main__":
+    # Internal entry of the tmux `main` window: python -m HyperSloth.launch monitor LOGS_DIR GPUS GRACE_S
+    if len(sys.argv) != 5 or sys.argv[1] != "monitor":
+        sys.exit("usage: python -m HyperSloth.launch monitor LOGS_DIR GPU,GPU,... GRACE_S")
+    sys.exit(monitor_tmux_run(sys.argv[2], [int(g) for g in sys.argv[3].split(",")], float(sys.argv[4])))
