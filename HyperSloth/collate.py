@@ -1,0 +1,81 @@
+"""Turn one planned micro-batch (a list of tokenised samples) into model inputs.
+
+Two layouts, matching the planner's two modes:
+- sorted-pad: a [B, L] batch right-padded to the micro-batch's own longest sample, with an attention
+  mask; padded label positions are -100.
+- packed: one [1, sum(len)] row with no padding; `position_ids` restart at 0 for every sample, which
+  transformers turns into a block-diagonal causal mask (SDPA/eager) or varlen attention (flash-attention),
+  so no sample sees another. The first label of every sample is -100 so the last token of one sample is
+  never trained to predict the first token of the next (the same rule as `DataCollatorWithFlattening`).
+
+Labels follow the causal-LM convention: the model shifts them, so position 0 of a sample is never a
+target. The planner's trainable-token counts use the same rule, which is what makes the loss
+denominator exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import numpy as np
+import torch
+
+IGNORE_INDEX = -100
+LossType = Literal["all", "response_only"]
+
+
+def sample_labels(input_ids: np.ndarray, labels: np.ndarray, loss_type: LossType) -> np.ndarray:
+    """The labels a sample trains on: all tokens, or the dataset's response-only labels."""
+    return input_ids.copy() if loss_type == "all" else labels.copy()
+
+
+def collate_sorted_pad(
+    samples: Sequence[tuple[np.ndarray, np.ndarray]], pad_token_id: int
+) -> dict[str, torch.Tensor]:
+    """Right-pad (input_ids, labels) pairs to the longest one."""
+    width = max(len(ids) for ids, _ in samples)
+    input_ids = np.full((len(samples), width), pad_token_id, dtype=np.int64)
+    labels = np.full((len(samples), width), IGNORE_INDEX, dtype=np.int64)
+    attention = np.zeros((len(samples), width), dtype=np.int64)
+    for row, (ids, lab) in enumerate(samples):
+        n = len(ids)
+        input_ids[row, :n] = ids
+        labels[row, :n] = lab
+        attention[row, :n] = 1
+    return {
+        "input_ids": torch.from_numpy(input_ids),
+        "attention_mask": torch.from_numpy(attention),
+        "labels": torch.from_numpy(labels),
+    }
+
+
+def collate_packed(samples: Sequence[tuple[np.ndarray, np.ndarray]]) -> dict[str, torch.Tensor]:
+    """Concatenate (input_ids, labels) pairs into one row with restarting position ids."""
+    input_ids = np.concatenate([ids for ids, _ in samples]).astype(np.int64)
+    labels = np.concatenate([lab for _, lab in samples]).astype(np.int64)
+    lengths = np.array([len(ids) for ids, _ in samples], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    labels[starts] = IGNORE_INDEX
+    position_ids = np.arange(len(input_ids), dtype=np.int64) - np.repeat(starts, lengths)
+    return {
+        "input_ids": torch.from_numpy(input_ids)[None],
+        "position_ids": torch.from_numpy(position_ids)[None],
+        "labels": torch.from_numpy(labels)[None],
+    }
+
+
+def collate(
+    samples: Sequence[tuple[np.ndarray, np.ndarray]], mode: str, pad_token_id: int
+) -> dict[str, torch.Tensor]:
+    """Dispatch on the planner mode ("packed" or "sorted-pad")."""
+    if mode == "packed":
+        return collate_packed(samples)
+    if mode == "sorted-pad":
+        return collate_sorted_pad(samples, pad_token_id)
+    raise ValueError(f"unknown batching mode {mode!r}; use 'packed' or 'sorted-pad'")
+
+
+def count_trainable(labels: torch.Tensor) -> int:
+    """Targets the model will actually be scored on: label positions >= 1 that are not ignored."""
+    return int((labels[..., 1:] != IGNORE_INDEX).sum())

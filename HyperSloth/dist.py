@@ -1,0 +1,197 @@
+"""Distributed set-up in one place: who am I, the process group, and the gradient all-reduce.
+
+HyperSloth owns the distribution. The launcher (or torchrun) tells each worker its rank; this module
+reads that from the environment (the only place besides the launcher that does), scrubs torchrun's
+variables so that transformers/accelerate see one ordinary single-process run (no DDP wrapper, no
+sampler sharding), and creates the process group with an explicit TCP rendezvous.
+
+Gradients are summed, never averaged: every micro-batch loss is already divided by the step's *global*
+trainable-token count, so the sum over ranks is exactly the gradient one process would compute on the
+whole global batch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, MutableMapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as torch_dist
+
+# Variables torchrun sets. HF/accelerate switch to their own DDP mode when they see them, so the worker
+# removes them after reading (HyperSloth syncs gradients itself).
+TORCHRUN_VARS = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID",
+)
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Rank, world size and rendezvous of this worker; passed explicitly to whoever needs them."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    launched_by: str = "single"  # "hypersloth", "torchrun" or "single"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls, env: MutableMapping[str, str] | None = None) -> DistInfo:
+        """Read HyperSloth's launcher variables, else torchrun's, else a single process."""
+        env = os.environ if env is None else env
+        if "HYPERSLOTH_RANK" in env:
+            return cls(
+                rank=int(env["HYPERSLOTH_RANK"]),
+                world_size=int(env["HYPERSLOTH_WORLD_SIZE"]),
+                local_rank=int(env.get("HYPERSLOTH_LOCAL_RANK", env["HYPERSLOTH_RANK"])),
+                master_addr=env.get("HYPERSLOTH_MASTER_ADDR", "127.0.0.1"),
+                master_port=int(env.get("HYPERSLOTH_MASTER_PORT", "29500")),
+                launched_by="hypersloth",
+            )
+        if all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
+            return cls(
+                rank=int(env["RANK"]),
+                world_size=int(env["WORLD_SIZE"]),
+                local_rank=int(env["LOCAL_RANK"]),
+                master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+                master_port=int(env.get("MASTER_PORT", "29500")),
+                launched_by="torchrun",
+            )
+        return cls()
+
+
+def isolate_process(info: DistInfo, env: MutableMapping[str, str] | None = None) -> None:
+    """Make this process look like a plain single-device run to HF, before CUDA is initialised.
+
+    Under torchrun every process sees all local GPUs; HF's Trainer would then pick `nn.DataParallel`.
+    We narrow CUDA_VISIBLE_DEVICES to this rank's GPU (the HyperSloth launcher already does) and drop
+    torchrun's variables so accelerate does not wrap the model in DDP or shard the data loader.
+    """
+    env = os.environ if env is None else env
+    if info.launched_by == "torchrun":
+        visible = env.get("CUDA_VISIBLE_DEVICES")
+        if visible:
+            ids = [v for v in visible.split(",") if v.strip()]
+            if info.local_rank < len(ids):
+                env["CUDA_VISIBLE_DEVICES"] = ids[info.local_rank]
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = str(info.local_rank)
+    for name in TORCHRUN_VARS:
+        env.pop(name, None)
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def setup(info: DistInfo, *, backend: str | None = None, timeout_s: int = 1800) -> None:
+    """Create the default process group (nothing to do for one process)."""
+    if info.world_size == 1 or torch_dist.is_initialized():
+        return
+    backend = backend or default_backend()
+    kwargs = {}
+    if backend == "nccl":
+        torch.cuda.set_device(0)  # each worker sees exactly one GPU
+        kwargs["device_id"] = torch.device("cuda", 0)
+    torch_dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{info.master_addr}:{info.master_port}",
+        rank=info.rank,
+        world_size=info.world_size,
+        timeout=timedelta(seconds=timeout_s),
+        **kwargs,
+    )
+
+
+def teardown() -> None:
+    """Destroy the process group if one exists; safe to call twice."""
+    if torch_dist.is_initialized():
+        torch_dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if torch_dist.is_initialized():
+        torch_dist.barrier()
+
+
+class GradientSync:
+    """Sum the gradients of the trainable parameters (and a few scalars) over all ranks.
+
+    One flat buffer per dtype and device, cut into buckets of at most `bucket_mb`: LoRA adapters fit in
+    a single bucket, so a step costs one collective. Parameters whose gradient is None on this rank
+    (a rank whose micro-batches were empty) contribute zeros, and afterwards hold the summed gradient,
+    so every rank steps its optimizer on identical gradients.
+    """
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], world_size: int, bucket_mb: int = 256):
+        self.params = [p for p in params if p.requires_grad]
+        self.world_size = world_size
+        self.bucket_bytes = bucket_mb * 2**20
+
+    def _groups(self) -> dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]]:
+        groups: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
+        for p in self.params:
+            groups.setdefault((p.dtype, p.device), []).append(p)
+        return groups
+
+    def all_reduce(self, scalars: torch.Tensor) -> torch.Tensor:
+        """Sum gradients in place across ranks; return `scalars` (a 1-D float tensor) summed too."""
+        if self.world_size == 1:
+            return scalars
+        scalars = scalars.detach().to(torch.float32)
+        reduced_scalars = None
+        for (dtype, device), params in self._groups().items():
+            carry = scalars.to(device) if reduced_scalars is None and dtype == torch.float32 else None
+            out = self._reduce_group(params, carry)
+            if carry is not None:
+                reduced_scalars = out
+        if reduced_scalars is None:  # no fp32 gradients: reduce the scalars on their own
+            reduced_scalars = scalars.to(self._scalar_device())
+            torch_dist.all_reduce(reduced_scalars, op=torch_dist.ReduceOp.SUM)
+        return reduced_scalars
+
+    def _scalar_device(self) -> torch.device:
+        return self.params[0].device if self.params else torch.device("cpu")
+
+    def _reduce_group(self, params: list[torch.nn.Parameter], carry: torch.Tensor | None) -> torch.Tensor | None:
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        buckets = self._buckets(params)
+        reduced_carry = None
+        for i, bucket in enumerate(buckets):
+            extra = [carry] if (carry is not None and i == 0) else []
+            flat = torch.cat([p.grad.reshape(-1) for p in bucket] + extra)
+            torch_dist.all_reduce(flat, op=torch_dist.ReduceOp.SUM)
+            offset = 0
+            for p in bucket:
+                n = p.grad.numel()
+                p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+                offset += n
+            if extra:
+                reduced_carry = flat[offset:]
+        return reduced_carry
+
+    def _buckets(self, params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
+        buckets: list[list[torch.nn.Parameter]] = [[]]
+        size = 0
+        for p in params:
+            nbytes = p.numel() * p.element_size()
+            if buckets[-1] and size + nbytes > self.bucket_bytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(p)
+            size += nbytes
+        return buckets

@@ -1,0 +1,43 @@
+"""Per-rank logging: rank 0 to the console, every rank to its own file, library noise shown once.
+
+Each worker calls `configure(rank, output_dir)` once at start-up. Messages carry a `[rank N]` prefix so
+interleaved files and tmux windows stay readable.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+from pathlib import Path
+
+from loguru import logger
+
+FORMAT = "<green>{time:HH:mm:ss}</green> <cyan>[rank {extra[rank]}]</cyan> <level>{level: <7}</level> {message}"
+
+
+def log_path(output_dir: str | Path, rank: int) -> Path:
+    return Path(output_dir) / "logs" / f"rank{rank}.log"
+
+
+def configure(rank: int, output_dir: str | Path, *, console_all_ranks: bool = False) -> Path:
+    """Send loguru output to `{output_dir}/logs/rank{rank}.log`, and to stderr on rank 0.
+
+    On ranks other than 0, warnings and transformers' info/warning messages are silenced: they repeat
+    the rank-0 ones word for word (errors still show).
+    """
+    path = log_path(output_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    logger.remove()
+    logger.configure(extra={"rank": rank})
+    logger.add(path, format=FORMAT, level="DEBUG", enqueue=False, colorize=False)
+    if rank == 0 or console_all_ranks:
+        logger.add(sys.stderr, format=FORMAT, level="INFO", colorize=sys.stderr.isatty())
+    else:
+        logger.add(sys.stderr, format=FORMAT, level="ERROR", colorize=False)
+        warnings.filterwarnings("ignore")
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        logging.getLogger("datasets").setLevel(logging.ERROR)
+    return path

@@ -1,0 +1,138 @@
+"""Load the base model and attach LoRA adapters, through Unsloth or transformers + PEFT.
+
+Knows nothing about ranks or processes: the worker decides the backend, makes sure Unsloth is imported
+before transformers/trl when it is used, and hands the model to the trainer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from HyperSloth.config import FastModelArgs, LoraArgs
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class LoadedModel:
+    model: Any
+    tokenizer: Any
+    backend: str  # "unsloth" or "transformers"
+    dtype: torch.dtype
+
+
+def resolve_backend(args: FastModelArgs) -> str:
+    """The backend to use here: "unsloth" or "transformers" (see `FastModelArgs.backend`)."""
+    return args.resolved_backend(
+        cuda_available=torch.cuda.is_available(),
+        unsloth_available=importlib.util.find_spec("unsloth") is not None,
+    )
+
+
+def resolve_dtype(args: FastModelArgs) -> torch.dtype:
+    return _DTYPES[args.resolved_dtype(cuda_available=torch.cuda.is_available())]
+
+
+def import_backend(backend: str) -> None:
+    """Import Unsloth first when it is the backend: it patches transformers/trl on import."""
+    if backend == "unsloth":
+        importlib.import_module("unsloth")
+
+
+def load_model(fast: FastModelArgs, lora: LoraArgs | None) -> LoadedModel:
+    """Load the base model (4-bit, 8-bit or 16/32-bit) and attach LoRA, or leave it whole for full FT."""
+    backend = resolve_backend(fast)
+    dtype = resolve_dtype(fast)
+    if backend == "unsloth":
+        model, tokenizer = _load_unsloth(fast, lora, dtype)
+    else:
+        model, tokenizer = _load_transformers(fast, lora, dtype)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return LoadedModel(model=model, tokenizer=tokenizer, backend=backend, dtype=dtype)
+
+
+def _load_unsloth(fast: FastModelArgs, lora: LoraArgs | None, dtype: torch.dtype):
+    from unsloth import FastLanguageModel
+
+    model, tokenizer = FastLanguageModel.from_pretrained(
+        model_name=fast.model_name,
+        max_seq_length=fast.max_seq_length,
+        dtype=dtype,
+        load_in_4bit=fast.load_in_4bit,
+        load_in_8bit=fast.load_in_8bit,
+        full_finetuning=fast.full_finetuning,
+    )
+    if lora is None:
+        return model, tokenizer
+    if lora.init_adapter_path:
+        from peft import PeftModel
+
+        return PeftModel.from_pretrained(model, lora.init_adapter_path, is_trainable=True), tokenizer
+    model = FastLanguageModel.get_peft_model(
+        model,
+        r=lora.r,
+        target_modules=list(lora.target_modules),
+        lora_alpha=lora.lora_alpha,
+        lora_dropout=lora.lora_dropout,
+        bias=lora.bias,
+        use_gradient_checkpointing=fast.use_gradient_checkpointing,
+        random_state=lora.random_state,
+        use_rslora=lora.use_rslora,
+        max_seq_length=fast.max_seq_length,
+    )
+    return model, tokenizer
+
+
+def _load_transformers(fast: FastModelArgs, lora: LoraArgs | None, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": fast.attn_implementation or "sdpa"}
+    if fast.load_in_4bit or fast.load_in_8bit:
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=fast.load_in_4bit,
+            load_in_8bit=fast.load_in_8bit,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_compute_dtype=dtype,
+        )
+    if torch.cuda.is_available():
+        kwargs["device_map"] = {"": 0}
+    model = AutoModelForCausalLM.from_pretrained(fast.model_name, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(fast.model_name)
+    if fast.use_gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    if lora is None:
+        return model, tokenizer
+    return _attach_peft(model, lora), tokenizer
+
+
+def _attach_peft(model, lora: LoraArgs):
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if lora.init_adapter_path:
+        return PeftModel.from_pretrained(model, lora.init_adapter_path, is_trainable=True)
+    config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.lora_alpha,
+        lora_dropout=lora.lora_dropout,
+        target_modules=list(lora.target_modules),
+        bias=lora.bias,
+        use_rslora=lora.use_rslora,
+        task_type="CAUSAL_LM",
+    )
+    # Seeded so every rank (and the 1-GPU reference run) starts from the same adapter weights.
+    torch.manual_seed(lora.random_state)
+    return get_peft_model(model, config)
+
+
+def trainable_parameters(model) -> list[torch.nn.Parameter]:
+    """The parameters the optimizer updates (and whose gradients are synced), in a fixed order."""
+    return [p for p in model.parameters() if p.requires_grad]

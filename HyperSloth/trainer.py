@@ -1,0 +1,313 @@
+"""The trainer: TRL's SFTTrainer, fed by the plan, with the exact single-process loss scale.
+
+How one optimizer step runs on every rank (HF's own loop drives it; we override public hooks only):
+
+1. `get_train_dataloader` yields one item per optimizer step: this rank's micro-batches of that step
+   (from `adaptive_partition_batches`) and the step's *global* trainable-token count. HF therefore runs
+   with gradient_accumulation_steps=1; the accumulation happens inside `training_step`.
+2. `training_step` runs forward+backward on each micro-batch with
+   loss = sum(token losses) / global trainable-token count, so the gradients of all ranks add up to the
+   gradient of the whole global batch.
+3. At the end of `training_step` the gradients of the trainable parameters (plus the loss) are summed
+   over ranks in one flat bucket (`dist.GradientSync`) - before HF clips them, so the norm and the
+   clipping see the synced gradients, as a single process would.
+4. HF clips, steps the optimizer and scheduler, and logs the returned global loss: identical on every rank.
+
+Only rank 0 saves checkpoints, reports to TensorBoard/W&B and shows a progress bar; all ranks load the
+same checkpoint when resuming, and the plan position follows from the global step.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+from transformers import TrainerCallback
+from trl import SFTConfig, SFTTrainer
+
+from HyperSloth.batching import EpochPlan, PlanSpec, adaptive_partition_batches, steps_per_epoch
+from HyperSloth.collate import LossType, collate, sample_labels
+from HyperSloth.config import HyperConfig, LoadedConfig, TrainingArgsConfig, config_to_dict
+from HyperSloth.dist import DistInfo, GradientSync
+from HyperSloth.model import trainable_parameters
+
+PLAN_STATE_FILE = "hypersloth_plan_state.json"
+CONFIG_FILE = "hypersloth_config.json"
+
+
+class PlanSteps(Dataset):
+    """Item `(epoch, step)`: this rank's collated micro-batches of that step of the plan.
+
+    The epoch travels inside the index, so the item is correct in DataLoader worker processes too.
+    """
+
+    def __init__(
+        self,
+        dataset,
+        plan_for_epoch: Callable[[int], EpochPlan],
+        steps_per_epoch: int,
+        *,
+        rank: int,
+        mode: str,
+        loss_type: LossType,
+        pad_token_id: int,
+    ):
+        self.dataset = dataset.with_format("numpy", columns=["input_ids", "labels"])
+        self.plan_for_epoch = plan_for_epoch
+        self.steps_per_epoch = steps_per_epoch
+        self.rank = rank
+        self.mode = mode
+        self.loss_type = loss_type
+        self.pad_token_id = pad_token_id
+        self._plan: EpochPlan | None = None
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def plan(self, epoch: int) -> EpochPlan:
+        if self._plan is None or self._plan.epoch != epoch:
+            self._plan = self.plan_for_epoch(epoch)
+        return self._plan
+
+    def __getitem__(self, key: tuple[int, int]) -> dict[str, Any]:
+        epoch, index = key
+        step = self.plan(epoch).steps[index]
+        micro_batches = [self._collate(list(mb)) for mb in step.ranks[self.rank] if len(mb) > 0]
+        return {
+            "micro_batches": micro_batches,
+            "num_items_in_batch": int(step.num_trainable),
+            "real_tokens": int(step.real_tokens),
+        }
+
+    def _collate(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        rows = self.dataset[indices]
+        samples = [
+            (np.asarray(ids), sample_labels(np.asarray(ids), np.asarray(lab), self.loss_type))
+            for ids, lab in zip(rows["input_ids"], rows["labels"])
+        ]
+        return collate(samples, self.mode, self.pad_token_id)
+
+
+class StepSampler:
+    """Batch sampler yielding `[(epoch, step)]` once per optimizer step of the epoch."""
+
+    def __init__(self, steps_per_epoch: int):
+        self.steps_per_epoch = steps_per_epoch
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        for index in range(self.steps_per_epoch):
+            yield [(self.epoch, index)]
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+
+class PlanDataLoader(DataLoader):
+    """A DataLoader whose `set_epoch` reaches the step sampler (HF calls it at each epoch)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.batch_sampler.set_epoch(epoch)
+
+
+def _only_item(batch: list[dict[str, Any]]) -> dict[str, Any]:
+    return batch[0]
+
+
+class HyperSlothTrainer(SFTTrainer):
+    """SFTTrainer whose steps come from the plan and whose gradients are summed over ranks."""
+
+    def __init__(self, *args, plan_steps: PlanSteps, grad_sync: GradientSync, **kwargs):
+        self.plan_steps = plan_steps
+        self.grad_sync = grad_sync
+        self.tokens_seen = 0
+        self._step_losses: list[torch.Tensor] = []
+        super().__init__(*args, **kwargs)
+
+    @property
+    def step_losses(self) -> list[float]:
+        """The global loss of every optimizer step run by this trainer (identical on all ranks)."""
+        return [float(t) for t in self._step_losses]
+
+    def get_train_dataloader(self) -> DataLoader:
+        workers = self.args.dataloader_num_workers
+        return PlanDataLoader(
+            self.plan_steps,
+            batch_sampler=StepSampler(len(self.plan_steps)),
+            collate_fn=_only_item,
+            num_workers=workers,
+            pin_memory=torch.cuda.is_available(),
+            prefetch_factor=2 if workers > 0 else None,
+            persistent_workers=False,
+        )
+
+    def training_step(self, model, inputs: dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
+        """Forward/backward every micro-batch of this rank's share, then sum gradients over ranks."""
+        model.train()
+        # A step with no trainable token (possible only with response_only on odd data) gives loss 0.
+        denominator = max(int(inputs["num_items_in_batch"]), 1)
+        local_loss = torch.zeros((), dtype=torch.float32, device=self.args.device)
+        for micro_batch in inputs["micro_batches"]:
+            micro_batch = self._prepare_inputs(micro_batch)
+            with self.compute_loss_context_manager():
+                loss = self.micro_batch_loss(model, micro_batch, denominator)
+            self.accelerator.backward(loss)
+            local_loss += loss.detach().float()
+        global_loss = self.grad_sync.all_reduce(local_loss.reshape(1))[0]
+        self.tokens_seen += int(inputs["real_tokens"])
+        self._step_losses.append(global_loss.detach())  # kept on device: no host sync per step
+        return global_loss.to(self.args.device)
+
+    def micro_batch_loss(self, model, micro_batch: dict[str, torch.Tensor], denominator: int) -> torch.Tensor:
+        """Sum of token losses over the micro-batch's targets, divided by the step's global count.
+
+        `num_items_in_batch` switches HF's (and Unsloth's fused) cross-entropy to reduction="sum"
+        followed by this division, so no logits-sized tensor is built here.
+        """
+        # use_cache=False matters: with a KV cache transformers skips the packed-sequence mask.
+        outputs = model(**micro_batch, num_items_in_batch=denominator, use_cache=False)
+        return outputs.loss
+
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        # HF estimates 6 * params * tokens from `input_ids`; our item holds several micro-batches.
+        count = super().floating_point_ops
+        return sum(count(mb) for mb in inputs["micro_batches"])
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs:
+            logs["tokens_seen"] = self.tokens_seen
+        super().log(logs, start_time)
+
+
+class SaveRunStateCallback(TrainerCallback):
+    """Write the resolved config and the plan position next to every checkpoint (rank 0 only)."""
+
+    def __init__(self, resolved_config: dict[str, Any], steps_per_epoch: int):
+        self.resolved_config = resolved_config
+        self.steps_per_epoch = steps_per_epoch
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if folder.is_dir():
+            (folder / CONFIG_FILE).write_text(json.dumps(self.resolved_config, indent=2, default=str))
+            position = {
+                "global_step": state.global_step,
+                "epoch": state.global_step // self.steps_per_epoch,
+                "step_in_epoch": state.global_step % self.steps_per_epoch,
+                "steps_per_epoch": self.steps_per_epoch,
+            }
+            (folder / PLAN_STATE_FILE).write_text(json.dumps(position, indent=2))
+        return control
+
+
+@dataclass
+class RunSetup:
+    """What the worker reports about the run it set up."""
+
+    backend: str
+    mode: str
+    samples_per_step: int
+    steps_per_epoch: int
+    first_epoch_stats: dict[str, float]
+
+
+def plan_spec_for(hyper: HyperConfig, targs: TrainingArgsConfig, num_ranks: int) -> PlanSpec:
+    """The planner's parameters for this config and number of ranks."""
+    training = hyper.training
+    per_device = targs.per_device_train_batch_size
+    return PlanSpec(
+        num_ranks=num_ranks,
+        samples_per_step=per_device * targs.gradient_accumulation_steps * num_ranks,
+        mode=training.batching,
+        micro_batch_size=per_device,
+        token_budget=training.tokens_per_micro_batch or per_device * hyper.fast_model_args.max_seq_length,
+        group_by_length=training.group_by_length,
+        group_window_steps=training.group_window_steps,
+        seed=targs.seed,
+    )
+
+
+def dataset_lengths(dataset, loss_type: str, max_seq_length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-sample lengths and trainable-token counts (the planner's inputs)."""
+    lengths = np.asarray(dataset["length"], dtype=np.int64)
+    if len(lengths) == 0:
+        raise ValueError("the dataset is empty: rebuild it with hypersloth-build-dataset")
+    longest = int(lengths.max())
+    if longest > max_seq_length:
+        raise ValueError(
+            f"the dataset holds samples of up to {longest} tokens but fast_model_args.max_seq_length is "
+            f"{max_seq_length}: raise max_seq_length or rebuild the dataset with --max_seq_length {max_seq_length}"
+        )
+    if loss_type == "all":
+        return lengths, np.maximum(lengths - 1, 0)
+    return lengths, np.asarray(dataset["num_trainable"], dtype=np.int64)
+
+
+def sft_config_for(targs: TrainingArgsConfig, dtype: torch.dtype, is_main: bool) -> SFTConfig:
+    """TRL arguments: the user's, plus what plan-driven steps need (HF sees one batch per step)."""
+    kwargs = targs.to_sft_kwargs()
+    cuda = torch.cuda.is_available()
+    kwargs.update(
+        gradient_accumulation_steps=1,  # accumulation happens inside training_step, over the plan
+        dataset_kwargs={"skip_prepare_dataset": True},
+        remove_unused_columns=False,
+        packing=False,
+        padding_free=False,
+        use_cpu=not cuda,
+        bf16=cuda and dtype == torch.bfloat16,
+        fp16=cuda and dtype == torch.float16,
+    )
+    if not is_main:  # one writer: rank 0 saves, reports and shows progress
+        kwargs.update(save_strategy="no", report_to="none", disable_tqdm=True)
+    return SFTConfig(**kwargs)
+
+
+def build_trainer(loaded: LoadedConfig, loaded_model, dataset, info: DistInfo) -> tuple[HyperSlothTrainer, RunSetup]:
+    """Wire plan, data, gradient sync and TRL arguments into a HyperSlothTrainer for this rank."""
+    hyper, targs = loaded.hyper, loaded.training_args
+    lengths, trainable = dataset_lengths(dataset, hyper.training.loss_type, hyper.fast_model_args.max_seq_length)
+    spec = plan_spec_for(hyper, targs, info.world_size)
+    per_epoch = steps_per_epoch(len(lengths), spec.samples_per_step)
+    steps = PlanSteps(
+        dataset,
+        partial(adaptive_partition_batches, lengths, trainable, spec),
+        per_epoch,
+        rank=info.rank,
+        mode=spec.mode,
+        loss_type=hyper.training.loss_type,
+        pad_token_id=loaded_model.tokenizer.pad_token_id,
+    )
+    model = loaded_model.model
+    callbacks = [SaveRunStateCallback(config_to_dict(loaded), per_epoch)] if info.is_main else []
+    trainer = HyperSlothTrainer(
+        model=model,
+        args=sft_config_for(targs, loaded_model.dtype, info.is_main),
+        train_dataset=dataset,
+        processing_class=loaded_model.tokenizer,
+        callbacks=callbacks,
+        plan_steps=steps,
+        grad_sync=GradientSync(trainable_parameters(model), info.world_size),
+    )
+    stats = steps.plan(0).stats
+    setup = RunSetup(
+        backend=loaded_model.backend,
+        mode=spec.mode,
+        samples_per_step=spec.samples_per_step,
+        steps_per_epoch=per_epoch,
+        first_epoch_stats={
+            "padding_pct": 100.0 * stats.padding_fraction,
+            "random_padding_pct": 100.0 * stats.random_padding_fraction,
+            "imbalance": stats.imbalance,
+        },
+    )
+    return trainer, setup

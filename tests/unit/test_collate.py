@@ -1,0 +1,68 @@
+"""Collation: packed rows must give exactly the loss of the same samples run one by one."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from HyperSloth.collate import IGNORE_INDEX, collate_packed, collate_sorted_pad, count_trainable
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=True,
+    )
+    return Qwen3ForCausalLM(config).eval()
+
+
+def _samples(seed=0, lengths=(5, 17, 9, 30)):
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in lengths:
+        ids = rng.integers(3, 97, size=n)
+        labels = ids.copy()
+        labels[: n // 3] = IGNORE_INDEX  # a "prompt" part that is not trained
+        out.append((ids, labels))
+    return out
+
+
+def _sum_loss(model, batch):
+    targets = count_trainable(batch["labels"])
+    with torch.no_grad():
+        # use_cache=False: with a KV cache transformers skips packed-sequence detection (cross-talk).
+        out = model(**batch, num_items_in_batch=1, use_cache=False)
+    return float(out.loss), targets
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_loss_equals_one_by_one(tiny_model, attn):
+    tiny_model.config._attn_implementation = attn
+    samples = _samples()
+    packed_sum, packed_targets = _sum_loss(tiny_model, collate_packed(samples))
+    single = [_sum_loss(tiny_model, collate_packed([s])) for s in samples]
+    assert packed_targets == sum(t for _, t in single)
+    assert packed_sum == pytest.approx(sum(l for l, _ in single), rel=1e-5)
+
+
+def test_packed_layout():
+    samples = _samples(lengths=(3, 4))
+    batch = collate_packed(samples)
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3]]
+    assert batch["labels"][0, 3].item() == IGNORE_INDEX  # first token of the 2nd sample is never a target
+    assert "attention_mask" not in batch
+
+
+def test_sorted_pad_matches_packed(tiny_model):
+    tiny_model.config._attn_implementation = "sdpa"
+    samples = _samples(seed=1)
+    padded = collate_sorted_pad(samples, pad_token_id=0)
+    assert padded["input_ids"].shape == (4, 30)
+    assert padded["labels"][0, 5:].eq(IGNORE_INDEX).all()
+    assert padded["attention_mask"].sum().item() == sum(len(i) for i, _ in samples)
+    padded_sum, padded_targets = _sum_loss(tiny_model, padded)
+    packed_sum, packed_targets = _sum_loss(tiny_model, collate_packed(samples))
+    assert padded_targets == packed_targets
+    assert padded_sum == pytest.approx(packed_sum, rel=1e-5)
