@@ -242,22 +242,22 @@ class _Supervisor:
             pump.start()
             self.pumps.append(pump)
 
-    def wait_first_failure(self, signals: _SignalRecord, poll_s: float = 0.1) -> RankFailure | None:
-        """Block until every rank exited 0 (None), one exited non-zero (that one) or a signal came (None)."""
+    def wait_first_failure(self, signals: _SignalRecord, poll_s: float = 0.1) -> tuple[WorkerSpec, int] | None:
+        """Block until every rank exited 0 (None), one exited non-zero (it and its code) or a signal came."""
         while signals.signum is None:
             codes = [proc.poll() for proc in self.procs]
             for spec, code in zip(self.specs, codes):
                 if code not in (None, 0):
-                    return self._failure(spec, code)
+                    return spec, code
             if all(code == 0 for code in codes):
                 return None
             time.sleep(poll_s)
         return None
 
-    def _failure(self, spec: WorkerSpec, code: int) -> RankFailure:
-        pump = self.pumps[spec.rank]
-        pump.join(timeout=2.0)  # let the last lines of the failing rank arrive
-        return RankFailure(spec.rank, spec.gpu, code, pump.tail(), self.logs_dir / f"rank{spec.rank}.stderr")
+    def failure(self, spec: WorkerSpec, code: int) -> RankFailure:
+        """The report of a failed rank; call after `stop`, when its stderr is complete."""
+        tail = self.pumps[spec.rank].tail()
+        return RankFailure(spec.rank, spec.gpu, code, tail, self.logs_dir / f"rank{spec.rank}.stderr")
 
     def stop(self) -> None:
         """Stop every child's process group (also ones whose leader already exited) and reap them."""
@@ -351,7 +351,7 @@ def launch(
     if stopped_by is not None:
         return 128 + stopped_by
     if failure is not None:
-        _report_failure(failure, len(specs) - 1, logs_dir)
+        _report_failure(supervisor.failure(*failure), len(specs) - 1, logs_dir)
         return 1
     _say(f"all {len(specs)} worker(s) finished; output in {Path(output_dir).resolve()}")
     return 0

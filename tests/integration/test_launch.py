@@ -1,0 +1,379 @@
+"""The launcher with real processes: fake workers (scripts written here) stand in for HyperSloth.worker."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+import HyperSloth.cli.train as train_cli
+import HyperSloth.launch as launch_mod
+from HyperSloth.launch import TORCHRUN_VARS, build_worker_specs, launch, worker_env
+
+# A fake worker: records its environment and pid (and a grandchild's pid), then acts out `mode`.
+FAKE_WORKER = textwrap.dedent('''
+    import json, os, socket, subprocess, sys, time
+    out, mode = sys.argv[1], sys.argv[2]
+    rank = int(os.environ["HYPERSLOTH_RANK"])
+    if rank == 0:
+        # Hold the rendezvous port as torch's TCPStore would: a collision with another run fails here.
+        server = socket.socket()
+        server.bind((os.environ["HYPERSLOTH_MASTER_ADDR"], int(os.environ["HYPERSLOTH_MASTER_PORT"])))
+        server.listen()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) if mode != "ok" else None
+    record = {"pid": os.getpid(), "child_pid": child.pid if child else None, "env": dict(os.environ)}
+    with open(os.path.join(out, f"rank{rank}.json.tmp"), "w") as f:
+        json.dump(record, f)
+    os.replace(os.path.join(out, f"rank{rank}.json.tmp"), os.path.join(out, f"rank{rank}.json"))
+    print(f"rank {rank} says hello on stderr", file=sys.stderr, flush=True)
+    if mode == "fail" and rank == 1:
+        time.sleep(0.5)
+        raise RuntimeError("boom from rank 1: CUDA out of memory (pretend)")
+    time.sleep({"ok": 0.5, "fail": 60, "sleep": 60}[mode])
+''')
+
+
+def alive(pid: int) -> bool:
+    """True if `pid` runs (a zombie waiting for its reaper counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def wait_for(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def fake(tmp_path: Path):
+    """Returns (worker_argv(mode), records_dir, read_records(world))."""
+    script, records = tmp_path / "fake_worker.py", tmp_path / "records"
+    script.write_text(FAKE_WORKER)
+    records.mkdir()
+
+    def argv(mode: str) -> list[str]:
+        return [sys.executable, str(script), str(records), mode]
+
+    def read(world: int) -> list[dict]:
+        return [json.loads((records / f"rank{r}.json").read_text()) for r in range(world)]
+
+    return types.SimpleNamespace(argv=argv, records=records, read=read)
+
+
+def test_env_contract_on_cuda_maps_gpus_and_strips_torchrun_vars(fake, tmp_path, monkeypatch, capfd):
+    for name in TORCHRUN_VARS:
+        monkeypatch.setenv(name, "7")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    out = tmp_path / "out"
+    assert launch("cfg.py", [2, 5], out, worker_argv=fake.argv("ok"), cuda=True) == 0
+    rank0, rank1 = (record["env"] for record in fake.read(2))
+    for rank, env, gpu in ((0, rank0, "2"), (1, rank1, "5")):
+        assert env["HYPERSLOTH_RANK"] == env["HYPERSLOTH_LOCAL_RANK"] == str(rank)
+        assert env["HYPERSLOTH_WORLD_SIZE"] == "2"
+        assert env["HYPERSLOTH_GPU"] == env["CUDA_VISIBLE_DEVICES"] == gpu
+        assert env["HYPERSLOTH_MASTER_ADDR"] == "127.0.0.1"
+        assert env["HYPERSLOTH_RUN_DIR"] == str(out)
+        assert env["NCCL_DEBUG"] == "INFO" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+        assert not set(TORCHRUN_VARS) & set(env)
+    assert rank0["HYPERSLOTH_MASTER_PORT"] == rank1["HYPERSLOTH_MASTER_PORT"]
+    assert 1024 < int(rank0["HYPERSLOTH_MASTER_PORT"]) < 65536
+    # Every rank's stderr lands in its file; rank 0's is also on the terminal.
+    assert "rank 1 says hello" in (out / "logs" / "rank1.stderr").read_text()
+    assert "rank 0 says hello" in (out / "logs" / "rank0.stderr").read_text()
+    err = capfd.readouterr().err
+    assert "rank 0 says hello" in err and "rank 1 says hello" not in err
+    assert f"output in {out.resolve()}" in err
+
+
+def test_cpu_env_hides_gpus_and_splits_threads(monkeypatch):
+    base = {"PATH": "/bin", "RANK": "3"}
+    env = worker_env(base, rank=1, gpus=[0, 1], port=1234, run_dir="o", cuda=False)
+    assert env["CUDA_VISIBLE_DEVICES"] == ""
+    assert env["OMP_NUM_THREADS"] == str(max(1, len(os.sched_getaffinity(0)) // 2))
+    assert "RANK" not in env and env["PATH"] == "/bin"
+    user_set = worker_env({**base, "OMP_NUM_THREADS": "3"}, rank=0, gpus=[0, 1], port=1, run_dir="o", cuda=False)
+    assert user_set["OMP_NUM_THREADS"] == "3"
+
+
+def test_gpu_ids_count_within_parent_cuda_visible_devices():
+    base = {"CUDA_VISIBLE_DEVICES": "4,6,7"}
+    envs = [worker_env(base, rank=r, gpus=[1, 2], port=1, run_dir="o", cuda=True) for r in range(2)]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["6", "7"]
+    assert [e["HYPERSLOTH_GPU"] for e in envs] == ["1", "2"]
+
+
+def test_specs_use_python_m_worker_by_default(tmp_path):
+    specs = build_worker_specs(tmp_path / "c.py", [0], tmp_path, cuda=False, base_env={})
+    assert specs[0].argv == (sys.executable, "-m", "HyperSloth.worker", str(tmp_path / "c.py"))
+
+
+def test_two_launches_at_once_get_different_ports(tmp_path):
+    # Both runs are alive at the same time and rank 0 of each binds its port, like a real rendezvous.
+    fakes, codes = [], {}
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        script = tmp_path / name / "w.py"
+        script.write_text(FAKE_WORKER.replace('"ok": 0.5', '"ok": 1.5'))
+        (tmp_path / name / "rec").mkdir()
+        fakes.append((name, [sys.executable, str(script), str(tmp_path / name / "rec"), "ok"]))
+    threads = [
+        threading.Thread(target=lambda n=n, a=a: codes.__setitem__(n, launch("c.py", [0, 1], tmp_path / n / "out",
+                                                                            worker_argv=a, cuda=False)))
+        for n, a in fakes
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=15)
+    assert codes == {"a": 0, "b": 0}
+    ports = {n: json.loads((tmp_path / n / "rec" / "rank0.json").read_text())["env"]["HYPERSLOTH_MASTER_PORT"]
+             for n in ("a", "b")}
+    assert ports["a"] != ports["b"]
+
+
+def test_failing_rank_stops_the_others_and_is_reported(fake, tmp_path, capfd):
+    start = time.monotonic()
+    code = launch("cfg.py", [0, 3], tmp_path / "out", worker_argv=fake.argv("fail"), cuda=False)
+    elapsed = time.monotonic() - start
+    assert code == 1
+    assert elapsed < 10, f"took {elapsed:.1f}s to notice a failed rank and stop the other"
+    err = capfd.readouterr().err
+    assert "rank 1 (gpu 3) failed with exit code 1" in err
+    assert "RuntimeError: boom from rank 1: CUDA out of memory (pretend)" in err
+    assert "stopped the other 1 worker(s)" in err
+    for record in fake.read(2):  # the sleeping rank 0 and every grandchild are gone
+        assert not alive(record["pid"]) and not alive(record["child_pid"])
+
+
+def test_launcher_raising_mid_spawn_leaves_no_worker(fake, tmp_path, monkeypatch):
+    real_popen, started = subprocess.Popen, []
+
+    def popen_then_fail(*args, **kwargs):
+        if started:
+            raise OSError("pretend fork failed for rank 1")
+        started.append(real_popen(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(launch_mod.subprocess, "Popen", popen_then_fail)
+    with pytest.raises(OSError, match="pretend fork failed"):
+        launch("cfg.py", [0, 1], tmp_path / "out", worker_argv=fake.argv("sleep"), cuda=False, grace_s=2)
+    assert started[0].returncode is not None  # stopped and reaped
+    if (fake.records / "rank0.json").exists():
+        assert not alive(fake.read(1)[0]["child_pid"])
+
+
+DRIVER = textwrap.dedent('''
+    import sys
+    from HyperSloth.launch import launch
+    sys.exit(launch("cfg.py", [0, 1], sys.argv[1], worker_argv=sys.argv[2:], cuda=False))
+''')
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_to_launcher_stops_every_worker(fake, tmp_path, sig):
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    proc = subprocess.Popen([sys.executable, str(driver), str(tmp_path / "out"), *fake.argv("sleep")],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: all((fake.records / f"rank{r}.json").exists() for r in range(2)))
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + sig
+    assert f"received {sig.name}; stopping 2 worker(s)" in err
+    for record in fake.read(2):
+        assert not alive(record["pid"]) and not alive(record["child_pid"])
+
+
+# ------------------------------------------------------------------ CLI: checks before any spawn
+
+
+def write_config(tmp_path: Path, **overrides: str) -> Path:
+    """A complete config file whose dataset, model folder and output dir exist, with fields overridden."""
+    data_dir, model_dir = tmp_path / "data", tmp_path / "model"
+    (data_dir / "built_dataset" / "chat").mkdir(parents=True, exist_ok=True)
+    model_dir.mkdir(exist_ok=True)
+    registry = {"version": 1, "datasets": {"chat": {"name": "chat", "path": "built_dataset/chat"}}}
+    (data_dir / "data_config.json").write_text(json.dumps(registry))
+    fields = {
+        "dataset_name": "'chat'", "model_name": repr(str(model_dir)), "load_in_4bit": "False",
+        "output_dir": repr(str(tmp_path / "out")), "gpus": "[0, 1]", "extra": "",
+    } | overrides
+    path = tmp_path / "config.py"
+    path.write_text(textwrap.dedent(f'''
+        from HyperSloth.config import DataConfig, FastModelArgs, HyperConfig, TrainingArgsConfig, TrainingConfig
+        hyper_config_model = HyperConfig(
+            data=DataConfig(dataset_name={fields["dataset_name"]}, data_dir={str(data_dir)!r}),
+            training=TrainingConfig(gpus={fields["gpus"]}{fields["extra"]}),
+            fast_model_args=FastModelArgs(model_name={fields["model_name"]}, backend="transformers",
+                                          dtype="float32", load_in_4bit={fields["load_in_4bit"]}),
+        )
+        training_config_model = TrainingArgsConfig(output_dir={fields["output_dir"]}, optim="adamw_torch")
+    '''))
+    return path
+
+
+@pytest.fixture
+def cli(monkeypatch):
+    """Run the CLI in-process on a CPU machine; returns (run(argv) -> exit code, calls to launch)."""
+    calls = []
+    monkeypatch.setattr(train_cli, "cuda_device_count", lambda: 0)
+    monkeypatch.setattr(train_cli, "launch", lambda *a, **k: calls.append(("launch", a, k)) or 0)
+    monkeypatch.setattr(train_cli, "launch_tmux", lambda *a, **k: calls.append(("tmux", a, k)) or "tmux attach")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+
+    def run(argv: list[str]) -> int:
+        with pytest.raises(SystemExit) as exit_info:
+            train_cli.main(argv)
+        return exit_info.value.code
+
+    return types.SimpleNamespace(run=run, calls=calls)
+
+
+def test_valid_config_reaches_the_launcher(cli, tmp_path):
+    config = write_config(tmp_path, gpus="[1, 3]")
+    assert cli.run([str(config)]) == 0
+    [(kind, args, _)] = cli.calls
+    assert (kind, args) == ("launch", (config.resolve(), [1, 3], tmp_path / "out"))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({"extra": ", gpu_typo=1"}, "gpu_typo"),
+        ({"dataset_name": "'missing'"}, "dataset 'missing' is not registered"),
+        ({"model_name": "'./no/such/model'"}, "model_name './no/such/model' looks like a local folder"),
+        ({"load_in_4bit": "True"}, "load_in_4bit=True needs CUDA"),
+    ],
+)
+def test_config_errors_exit_2_before_any_worker(cli, tmp_path, capsys, overrides, expected):
+    assert cli.run([str(write_config(tmp_path, **overrides))]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hypersloth-train: error:") and expected in err
+    assert "Traceback" not in err and cli.calls == []
+
+
+def test_dataset_folder_gone_exits_2(cli, tmp_path, capsys):
+    config = write_config(tmp_path)
+    (tmp_path / "data" / "built_dataset" / "chat").rmdir()
+    assert cli.run([str(config)]) == 2
+    assert "dataset 'chat' is registered but its folder" in capsys.readouterr().err and cli.calls == []
+
+
+def test_unwritable_output_dir_exits_2(cli, tmp_path, capsys):
+    (tmp_path / "a_file").write_text("")
+    # A path below a regular file cannot be created, even by root (chmod would not stop root).
+    config = write_config(tmp_path, output_dir=repr(str(tmp_path / "a_file" / "out")))
+    assert cli.run([str(config)]) == 2
+    assert "is not writable" in capsys.readouterr().err and cli.calls == []
+
+
+def test_missing_config_file_exits_2(cli, tmp_path, capsys):
+    assert cli.run([str(tmp_path / "nope.py")]) == 2
+    assert "config file not found" in capsys.readouterr().err
+
+
+def test_missing_tmux_binary_exits_2(cli, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(train_cli, "launch_tmux", launch_mod.launch_tmux)
+    monkeypatch.setattr(launch_mod.shutil, "which", lambda name: None)
+    assert cli.run([str(write_config(tmp_path)), "--tmux", "train"]) == 2
+    assert "--tmux needs the tmux program" in capsys.readouterr().err
+
+
+def test_tmux_flag_goes_to_launch_tmux(cli, tmp_path, capsys):
+    assert cli.run([str(write_config(tmp_path)), "--tmux", "train", "--y"]) == 0
+    [(kind, args, kwargs)] = cli.calls
+    assert kind == "tmux" and args[3] == "train" and kwargs == {"replace": True}
+    assert "attach with: tmux attach" in capsys.readouterr().out
+
+
+def test_real_entry_point_prints_no_traceback(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("hyper_config_model = 3\n")
+    result = subprocess.run([sys.executable, "-m", "HyperSloth.cli.train", str(bad)], capture_output=True, text=True,
+                            timeout=60, env={k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS})
+    assert result.returncode == 2
+    assert "invalid HyperConfig" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_help_lists_flags_and_examples(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train_cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    for text in ("--tmux SESSION", "--y", "--dry-run", "hypersloth-train examples/tiny_cpu_demo.py",
+                 "torchrun --nnodes 2", "-m HyperSloth.cli.train"):
+        assert text in out
+
+
+def test_dry_run_prints_the_plan_and_spawns_nothing(cli, tmp_path, capsys, monkeypatch):
+    plan = types.ModuleType("HyperSloth.cli.plan")
+    plan.preview = lambda path: {"config": path}
+    plan.format_summary = lambda summary: f"PLAN for {summary['config']}"
+    monkeypatch.setitem(sys.modules, "HyperSloth.cli.plan", plan)
+    assert cli.run(["cfg.py", "--dry-run"]) == 0
+    assert "PLAN for cfg.py" in capsys.readouterr().out and cli.calls == []
+
+
+def test_under_torchrun_the_worker_runs_in_process(cli, monkeypatch):
+    seen = []
+    worker = types.ModuleType("HyperSloth.worker")
+    worker.main_from_cli = lambda path: seen.append((path, os.getpid()))
+    monkeypatch.setitem(sys.modules, "HyperSloth.worker", worker)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert cli.run(["cfg.py"]) == 0
+    assert seen == [("cfg.py", os.getpid())] and cli.calls == []
+
+
+def test_partial_torchrun_env_is_not_torchrun():
+    assert launch_mod.is_torchrun_env({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    assert not launch_mod.is_torchrun_env({"RANK": "0", "WORLD_SIZE": "2"})
+
+
+@pytest.mark.parametrize(("answer", "code"), [("y", 0), ("n", 2)])
+def test_existing_tmux_session_asks_on_a_tty(cli, tmp_path, monkeypatch, capsys, answer, code):
+    def fake_launch_tmux(*args, replace=False, **kwargs):
+        cli.calls.append(("tmux", args, {"replace": replace}))
+        if not replace:
+            raise launch_mod.TmuxSessionExists("tmux session 'train' already exists: pass --y to replace it")
+        return "tmux attach -t train"
+
+    monkeypatch.setattr(train_cli, "launch_tmux", fake_launch_tmux)
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: True, raising=False)
+    monkeypatch.setattr("builtins.input", lambda prompt: answer)
+    assert cli.run([str(write_config(tmp_path)), "--tmux", "train"]) == code
+    assert [kwargs["replace"] for _, _, kwargs in cli.calls] == ([False, True] if answer == "y" else [False])
+    if answer == "n":
+        assert "left tmux session 'train' as it is" in capsys.readouterr().err
+
+
+def test_existing_tmux_session_without_tty_needs_y(cli, tmp_path, monkeypatch, capsys):
+    def refuse(*args, replace=False, **kwargs):
+        raise launch_mod.TmuxSessionExists("tmux session 'train' already exists: pass --y to replace it")
+
+    monkeypatch.setattr(train_cli, "launch_tmux", refuse)
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: False, raising=False)
+    assert cli.run([str(write_config(tmp_path)), "--tmux", "train"]) == 2
+    assert "pass --y to replace it" in capsys.readouterr().err
