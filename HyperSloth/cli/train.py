@@ -169,6 +169,16 @@ def train(config: str, tmux: str | None = None, y: bool = False, dry_run: bool =
     raise SystemExit(launch(run.config_path, run.gpus, run.output_dir))
 
 
+_FLAGS = {"config", "tmux", "y", "noy", "dry_run", "nodry_run"}
+
+
+def _check_flags(argv: list[str]) -> None:
+    """Reject unknown flags up front: fire only complains *after* calling train, i.e. after training."""
+    for arg in argv:
+        if arg.startswith("-") and arg.lstrip("-").split("=")[0].replace("-", "_") not in _FLAGS:
+            _fail(f"unknown option {arg}; see `hypersloth-train --help`")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `hypersloth-train` and `python -m HyperSloth.cli.train`."""
     argv = sys.argv[1:] if argv is None else argv
@@ -176,6 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or any(arg in ("-h", "--help") for arg in argv):
         print(USAGE, end="")
         raise SystemExit(0 if argv else 2)
+    _check_flags(argv)
     fire.Fire(train, command=argv, name="hypersloth-train")
 
 

@@ -377,3 +377,9 @@ def test_existing_tmux_session_without_tty_needs_y(cli, tmp_path, monkeypatch, c
     monkeypatch.setattr(sys.stdin, "isatty", lambda: False, raising=False)
     assert cli.run([str(write_config(tmp_path)), "--tmux", "train"]) == 2
     assert "pass --y to replace it" in capsys.readouterr().err
+
+
+def test_unknown_flag_is_refused_before_anything_runs(cli, tmp_path, capsys):
+    # fire alone would call train() first and complain about the extra flag only after training.
+    assert cli.run([str(write_config(tmp_path)), "--dryrun"]) == 2
+    assert "unknown option --dryrun" in capsys.readouterr().err and cli.calls == []
