@@ -323,12 +323,18 @@ def _deal_packed(lens: np.ndarray, spec: PlanSpec) -> tuple:
     return rank, bins[group, pos], per_rank, lens.sum(axis=1), loads, cost.max(axis=1)
 
 
-def _deal_block(idx: np.ndarray, lengths: np.ndarray, spec: PlanSpec) -> _Block:
+def _deal_block(idx: np.ndarray, lengths: np.ndarray, spec: PlanSpec, first_step: int) -> _Block:
     lens = lengths[idx]
     order = np.argsort(-lens, axis=1, kind="stable")  # longest first; ties keep the shuffle order
     idx, lens = np.take_along_axis(idx, order, 1), np.take_along_axis(lens, order, 1)
     deal = _deal_sorted_pad if spec.mode == "sorted-pad" else _deal_packed
-    return _Block(idx, lens, *deal(lens, spec))
+    block = _Block(idx, lens, *deal(lens, spec))
+    # Dealing starts at rank 0, so rank 0 would always get the heaviest item (and the memory peak);
+    # rotating by the step index spreads that over the ranks without changing any step's balance.
+    shift = (first_step + np.arange(idx.shape[0]))[:, None] % spec.num_ranks
+    block.rank = (block.rank + shift) % spec.num_ranks
+    block.loads = np.take_along_axis(block.loads, (np.arange(spec.num_ranks) - shift) % spec.num_ranks, 1)
+    return block
 
 
 # ---------------------------------------------------------------- assembly
@@ -436,8 +442,9 @@ def adaptive_partition_batches(lengths: Sequence[int] | np.ndarray, trainable: S
     order, perm = _epoch_order(lens, spec, epoch)
     order = order[start_step * S:]
     full = (order.size // S) * S
-    blocks = [_deal_block(part.reshape(-1, width), lens, spec)
-              for part, width in ((order[:full], S), (order[full:], order.size - full)) if part.size]
+    blocks = [_deal_block(part.reshape(-1, width), lens, spec, start_step + first)
+              for part, width, first in ((order[:full], S, 0), (order[full:], order.size - full, full // S))
+              if part.size]
     steps: list[StepPlan] = []
     with _gc_paused():
         for block in blocks:

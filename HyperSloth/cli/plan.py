@@ -1,0 +1,174 @@
+"""`hypersloth-plan CONFIG [--gpus N]`: preview the batch plan of a config, no model and no GPU needed.
+
+It reads the registered dataset's `length` and `num_trainable` columns, builds epoch 0's plan for the
+configured GPUs (or N of them, for a what-if) exactly as the workers will, and prints a summary that
+ends with one machine-readable line:
+    plan: steps=S micro_batches_per_rank=M padding_pct=P random_padding_pct=R imbalance=I plan_seconds=T
+S = optimizer steps in one epoch, M = micro-batches each rank runs in that epoch (the same on every
+rank), P = padding in % of computed tokens, R = the same for random batching of
+per_device_train_batch_size samples, I = mean over steps of max rank load / mean rank load.
+`hypersloth-train CONFIG --dry-run` prints the same summary.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import fire
+import numpy as np
+
+from HyperSloth.batching import EpochPlan, PlanSpec, PlanStats, adaptive_partition_batches
+from HyperSloth.config import ConfigError, HyperConfig, TrainingArgsConfig, load_config
+
+
+@dataclass(frozen=True)
+class PlanSummary:
+    """What `preview` found: the inputs, the spec it planned with and epoch 0's plan statistics."""
+
+    config_path: str
+    dataset_path: str
+    num_samples: int
+    trainable_tokens: int
+    spec: PlanSpec
+    steps_per_epoch: int
+    run_steps: int  # optimizer steps the run will take: max_steps, else epochs x steps_per_epoch
+    stats: PlanStats
+    max_micro_batch_tokens: int  # computed tokens of the largest micro-batch (padding included)
+    plan_seconds: float
+
+
+def spec_for(hyper: HyperConfig, training_args: TrainingArgsConfig, num_ranks: int) -> PlanSpec:
+    """The planner's parameters for a config on `num_ranks` GPUs (the global batch grows with them)."""
+    training, per_device = hyper.training, training_args.per_device_train_batch_size
+    return PlanSpec(
+        num_ranks=num_ranks,
+        samples_per_step=per_device * training_args.gradient_accumulation_steps * num_ranks,
+        mode=training.batching,
+        micro_batch_size=per_device,
+        token_budget=training.tokens_per_micro_batch or per_device * hyper.fast_model_args.max_seq_length,
+        group_by_length=training.group_by_length,
+        group_window_steps=training.group_window_steps,
+        seed=training_args.seed,
+    )
+
+
+def _dataset_columns(path: Path, loss_type: str, max_seq_length: int) -> tuple[np.ndarray, np.ndarray]:
+    """(lengths, trainable) of a built dataset; trainable = length - 1 when the loss covers every token."""
+    import datasets  # heavy; only the preview needs it
+
+    try:
+        dataset = datasets.load_from_disk(str(path)).with_format("numpy")
+    except FileNotFoundError:
+        raise ConfigError(f"the built dataset folder {path} is missing or incomplete: rebuild it with "
+                          "`hypersloth-build-dataset ... --name NAME`") from None
+    missing = [c for c in ("length", "num_trainable") if c not in dataset.column_names]
+    if missing:
+        raise ConfigError(f"{path} has no column(s) {missing}: rebuild it with `hypersloth-build-dataset`")
+    lengths = np.asarray(dataset["length"], dtype=np.int64)
+    if lengths.size == 0:
+        raise ConfigError(f"the dataset at {path} is empty: rebuild it from a file with samples")
+    if int(lengths.max()) > max_seq_length:
+        raise ConfigError(f"the dataset holds samples of up to {int(lengths.max())} tokens but "
+                          f"fast_model_args.max_seq_length is {max_seq_length}: raise max_seq_length or rebuild "
+                          f"the dataset with --max_seq_length {max_seq_length}")
+    if loss_type == "all":
+        return lengths, np.maximum(lengths - 1, 0)
+    return lengths, np.asarray(dataset["num_trainable"], dtype=np.int64)
+
+
+def _max_micro_batch_tokens(plan: EpochPlan, lengths: np.ndarray) -> int:
+    padded = plan.spec.mode == "sorted-pad"
+    # Samples inside a micro-batch are longest first, so mb[0] is its longest.
+    return max((len(mb) * int(lengths[mb[0]]) if padded else int(lengths[list(mb)].sum()))
+               for step in plan.steps for mbs in step.ranks for mb in mbs if mb)
+
+
+def preview(config_path: str, *, num_ranks: int | None = None) -> PlanSummary:
+    """Plan epoch 0 of CONFIG on its GPUs (or `num_ranks` of them); ConfigError for any user mistake."""
+    loaded = load_config(config_path)
+    hyper, targs = loaded.hyper, loaded.training_args
+    ranks = len(hyper.training.gpus) if num_ranks is None else num_ranks
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ConfigError(f"--gpus must be a whole number >= 1, got {num_ranks!r}")
+    path = hyper.data.dataset_path()
+    lengths, trainable = _dataset_columns(path, hyper.training.loss_type, hyper.fast_model_args.max_seq_length)
+    start = time.perf_counter()
+    try:
+        spec = spec_for(hyper, targs, ranks)
+        plan = adaptive_partition_batches(lengths, trainable, spec, epoch=0)
+    except ValueError as err:  # the planner's own checks, e.g. a negative seed
+        raise ConfigError(f"{loaded.path}: cannot plan the batches: {err}") from None
+    seconds = time.perf_counter() - start
+    per_epoch = len(plan.steps)
+    run_steps = targs.max_steps or per_epoch * (targs.num_train_epochs or 1)
+    return PlanSummary(
+        config_path=str(loaded.path), dataset_path=str(path), num_samples=int(lengths.size),
+        trainable_tokens=int(trainable.sum()), spec=spec, steps_per_epoch=per_epoch, run_steps=run_steps,
+        stats=plan.stats, max_micro_batch_tokens=_max_micro_batch_tokens(plan, lengths), plan_seconds=seconds,
+    )
+
+
+def summary_line(summary: PlanSummary) -> str:
+    """The machine-readable last line of the summary."""
+    st = summary.stats
+    return (f"plan: steps={summary.steps_per_epoch} micro_batches_per_rank={st.micro_batches_per_rank} "
+            f"padding_pct={100 * st.padding_fraction:.3f} random_padding_pct={100 * st.random_padding_fraction:.3f} "
+            f"imbalance={st.imbalance:.4f} plan_seconds={summary.plan_seconds:.3f}")
+
+
+def _batching_line(spec: PlanSpec) -> str:
+    if spec.mode == "packed":
+        how = f"packed (padding-free), at most {spec.token_budget:,} tokens per micro-batch"
+    else:
+        how = f"sorted-pad, {spec.micro_batch_size} samples per micro-batch, each padded to its longest"
+    return f"{how}; group_by_length {'on' if spec.group_by_length else 'off'}"
+
+
+def format_summary(summary: PlanSummary) -> str:
+    """A readable multi-line summary ending with `summary_line`."""
+    st, spec = summary.stats, summary.spec
+    per_step = st.micro_batches_per_rank / max(st.num_steps, 1)
+    ranks = "  ".join(f"rank{r} {tokens:,}" for r, tokens in enumerate(st.rank_real_tokens))
+    oversized = f"; {st.oversized_samples} sample(s) over the budget run alone" if st.oversized_samples else ""
+    lines = [
+        f"HyperSloth plan preview: {summary.config_path}",
+        f"  dataset        {summary.dataset_path}: {summary.num_samples:,} samples, {st.real_tokens:,} tokens, "
+        f"{summary.trainable_tokens:,} trainable",
+        f"  ranks          {spec.num_ranks}; global batch {spec.samples_per_step} samples per optimizer step",
+        f"  batching       {_batching_line(spec)}",
+        f"  steps          {summary.steps_per_epoch} per epoch; the run takes {summary.run_steps}",
+        f"  micro-batches  {st.micro_batches_per_rank} per rank per epoch (per step: mean {per_step:.2f}, "
+        f"min {st.min_micro_batches_per_step}, max {st.max_micro_batches_per_step}); "
+        f"{st.empty_micro_batches} empty{oversized}",
+        f"  largest        {summary.max_micro_batch_tokens:,} computed tokens in one micro-batch",
+        f"  tokens/rank    {ranks}",
+        f"  padding        {100 * st.padding_fraction:.2f}% of {st.computed_tokens:,} computed tokens; random "
+        f"batches of {spec.micro_batch_size}: {100 * st.random_padding_fraction:.2f}% "
+        f"({st.padding_tokens_saved:,} tokens saved)",
+        f"  imbalance      {st.imbalance:.4f} mean max/mean rank load (worst step {st.max_imbalance:.4f}; "
+        f"one-sample bound {st.imbalance_bound:.4f}); load = tokens + {spec.attention_coef:g} x tokens^2 per sequence",
+        f"  planned in     {summary.plan_seconds:.3f} s",
+        summary_line(summary),
+    ]
+    return "\n".join(lines)
+
+
+def plan(config: str, gpus: int | None = None) -> None:
+    """Print the batch plan summary of CONFIG; --gpus N previews it on N GPUs instead."""
+    try:
+        print(format_summary(preview(str(config), num_ranks=gpus)))
+    except ConfigError as err:
+        print(f"hypersloth-plan: error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+def main() -> None:
+    """Entry point of `hypersloth-plan`."""
+    fire.Fire(plan)
+
+
+if __name__ == "__main__":
+    main()
