@@ -50,27 +50,36 @@ def collate_sorted_pad(
     }
 
 
-def collate_packed(samples: Sequence[tuple[np.ndarray, np.ndarray]]) -> dict[str, torch.Tensor]:
-    """Concatenate (input_ids, labels) pairs into one row with restarting position ids."""
+def collate_packed(
+    samples: Sequence[tuple[np.ndarray, np.ndarray]], *, with_lengths: bool = False
+) -> dict[str, torch.Tensor]:
+    """Concatenate (input_ids, labels) pairs into one row with restarting position ids.
+
+    `with_lengths` adds `packed_seq_lengths` (int32, on the host), the key Unsloth's fast attention
+    reads to run varlen attention over the row (its own padding-free collator sets the same key).
+    """
     input_ids = np.concatenate([ids for ids, _ in samples]).astype(np.int64)
     labels = np.concatenate([lab for _, lab in samples]).astype(np.int64)
     lengths = np.array([len(ids) for ids, _ in samples], dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     labels[starts] = IGNORE_INDEX
     position_ids = np.arange(len(input_ids), dtype=np.int64) - np.repeat(starts, lengths)
-    return {
+    batch = {
         "input_ids": torch.from_numpy(input_ids)[None],
         "position_ids": torch.from_numpy(position_ids)[None],
         "labels": torch.from_numpy(labels)[None],
     }
+    if with_lengths:
+        batch["packed_seq_lengths"] = torch.from_numpy(lengths.astype(np.int32))
+    return batch
 
 
 def collate(
-    samples: Sequence[tuple[np.ndarray, np.ndarray]], mode: str, pad_token_id: int
+    samples: Sequence[tuple[np.ndarray, np.ndarray]], mode: str, pad_token_id: int, *, with_lengths: bool = False
 ) -> dict[str, torch.Tensor]:
     """Dispatch on the planner mode ("packed" or "sorted-pad")."""
     if mode == "packed":
-        return collate_packed(samples)
+        return collate_packed(samples, with_lengths=with_lengths)
     if mode == "sorted-pad":
         return collate_sorted_pad(samples, pad_token_id)
     raise ValueError(f"unknown batching mode {mode!r}; use 'packed' or 'sorted-pad'")

@@ -187,6 +187,11 @@ class TrainingConfig(BaseModel):
     group_by_length: bool = Field(False, description="Group similar lengths into the same optimizer steps.")
     group_window_steps: int = Field(64, gt=0, description="How many steps one length-grouping window spans.")
     nccl_timeout_s: int = Field(1800, gt=0, description="Seconds a collective may wait before the run aborts.")
+    profile: bool = Field(
+        False,
+        description="Time data, forward, backward, all-reduce, clip and optimizer per step (adds a CUDA sync "
+        "between phases; for finding bottlenecks). The breakdown lands in train_summary.json.",
+    )
 
     @field_validator("gpus")
     @classmethod

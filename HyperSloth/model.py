@@ -68,13 +68,25 @@ def _load_unsloth(fast: FastModelArgs, lora: LoraArgs | None, dtype: torch.dtype
         load_in_8bit=fast.load_in_8bit,
         full_finetuning=fast.full_finetuning,
     )
-    if lora is None:
-        return model, tokenizer
-    if lora.init_adapter_path:
+    if lora is not None and lora.init_adapter_path:
         from peft import PeftModel
 
-        return PeftModel.from_pretrained(model, lora.init_adapter_path, is_trainable=True), tokenizer
-    model = FastLanguageModel.get_peft_model(
+        model = PeftModel.from_pretrained(model, lora.init_adapter_path, is_trainable=True)
+    elif lora is not None:
+        model = _unsloth_lora(FastLanguageModel, model, fast, lora)
+    _allow_packed_rows(model)
+    return model, tokenizer
+
+
+def _allow_packed_rows(model) -> None:
+    """A packed row holds several samples and may exceed max_seq_length; Unsloth refuses it unless told."""
+    from unsloth.utils.packing import mark_allow_overlength
+
+    mark_allow_overlength(model)
+
+
+def _unsloth_lora(FastLanguageModel, model, fast: FastModelArgs, lora: LoraArgs):
+    return FastLanguageModel.get_peft_model(
         model,
         r=lora.r,
         target_modules=list(lora.target_modules),
@@ -86,7 +98,6 @@ def _load_unsloth(fast: FastModelArgs, lora: LoraArgs | None, dtype: torch.dtype
         use_rslora=lora.use_rslora,
         max_seq_length=fast.max_seq_length,
     )
-    return model, tokenizer
 
 
 def _load_transformers(fast: FastModelArgs, lora: LoraArgs | None, dtype: torch.dtype):

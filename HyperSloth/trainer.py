@@ -37,6 +37,7 @@ from HyperSloth.collate import LossType, collate, sample_labels
 from HyperSloth.config import HyperConfig, LoadedConfig, TrainingArgsConfig, config_to_dict
 from HyperSloth.dist import DistInfo, GradientSync
 from HyperSloth.model import trainable_parameters
+from HyperSloth.profiling import PhaseTimer, StepClock
 
 PLAN_STATE_FILE = "hypersloth_plan_state.json"
 CONFIG_FILE = "hypersloth_config.json"
@@ -58,6 +59,7 @@ class PlanSteps(Dataset):
         mode: str,
         loss_type: LossType,
         pad_token_id: int,
+        packed_lengths: bool = False,
     ):
         self.dataset = dataset.with_format("numpy", columns=["input_ids", "labels"])
         self.plan_for_epoch = plan_for_epoch
@@ -66,6 +68,7 @@ class PlanSteps(Dataset):
         self.mode = mode
         self.loss_type = loss_type
         self.pad_token_id = pad_token_id
+        self.packed_lengths = packed_lengths
         self._plan: EpochPlan | None = None
 
     def __len__(self) -> int:
@@ -92,7 +95,7 @@ class PlanSteps(Dataset):
             (np.asarray(ids), sample_labels(np.asarray(ids), np.asarray(lab), self.loss_type))
             for ids, lab in zip(rows["input_ids"], rows["labels"])
         ]
-        return collate(samples, self.mode, self.pad_token_id)
+        return collate(samples, self.mode, self.pad_token_id, with_lengths=self.packed_lengths)
 
 
 class StepSampler:
@@ -127,9 +130,12 @@ def _only_item(batch: list[dict[str, Any]]) -> dict[str, Any]:
 class HyperSlothTrainer(SFTTrainer):
     """SFTTrainer whose steps come from the plan and whose gradients are summed over ranks."""
 
-    def __init__(self, *args, plan_steps: PlanSteps, grad_sync: GradientSync, **kwargs):
+    def __init__(self, *args, plan_steps: PlanSteps, grad_sync: GradientSync, profile: bool = False, **kwargs):
         self.plan_steps = plan_steps
         self.grad_sync = grad_sync
+        self.timer = PhaseTimer(profile)
+        self.clock = StepClock(self.timer)
+        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self.clock]
         self.tokens_seen = 0
         self._step_losses: list[torch.Tensor] = []
         super().__init__(*args, **kwargs)
@@ -157,13 +163,17 @@ class HyperSlothTrainer(SFTTrainer):
         # A step with no trainable token (possible only with response_only on odd data) gives loss 0.
         denominator = max(int(inputs["num_items_in_batch"]), 1)
         local_loss = torch.zeros((), dtype=torch.float32, device=self.args.device)
+        self.timer.mark("data")
         for micro_batch in inputs["micro_batches"]:
             micro_batch = self._prepare_inputs(micro_batch)
             with self.compute_loss_context_manager():
                 loss = self.micro_batch_loss(model, micro_batch, denominator)
+            self.timer.mark("forward")
             self.accelerator.backward(loss)
+            self.timer.mark("backward")
             local_loss += loss.detach().float()
         global_loss = self.grad_sync.all_reduce(local_loss.reshape(1))[0]
+        self.timer.mark("allreduce")
         self.tokens_seen += int(inputs["real_tokens"])
         self._step_losses.append(global_loss.detach())  # kept on device: no host sync per step
         return global_loss.to(self.args.device)
@@ -286,6 +296,7 @@ def build_trainer(loaded: LoadedConfig, loaded_model, dataset, info: DistInfo) -
         mode=spec.mode,
         loss_type=hyper.training.loss_type,
         pad_token_id=loaded_model.tokenizer.pad_token_id,
+        packed_lengths=loaded_model.backend == "unsloth",
     )
     model = loaded_model.model
     callbacks = [SaveRunStateCallback(config_to_dict(loaded), per_epoch)] if info.is_main else []
@@ -297,6 +308,7 @@ def build_trainer(loaded: LoadedConfig, loaded_model, dataset, info: DistInfo) -
         callbacks=callbacks,
         plan_steps=steps,
         grad_sync=GradientSync(trainable_parameters(model), info.world_size),
+        profile=hyper.training.profile,
     )
     stats = steps.plan(0).stats
     setup = RunSetup(

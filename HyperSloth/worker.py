@@ -95,7 +95,8 @@ def _write_weight_digest(model, out_dir: Path, rank: int) -> None:
             digest.update(param.detach().float().cpu().numpy().tobytes())
             count += param.numel()
     path = logs.log_path(out_dir, rank).with_suffix(".final.json")
-    path.write_text(json.dumps({"rank": rank, "sha256": digest.hexdigest(), "trainable_params": count}))
+    record = {"rank": rank, "sha256": digest.hexdigest(), "trainable_params": count, "peak_gpu_gb": _peak_gpu_gb()}
+    path.write_text(json.dumps(record))
 
 
 def _summary(trainer, setup, result, wall_s: float, info: dist.DistInfo) -> dict[str, Any]:
@@ -120,7 +121,16 @@ def _summary(trainer, setup, result, wall_s: float, info: dist.DistInfo) -> dict
         "random_padding_pct": stats["random_padding_pct"],
         "imbalance": stats["imbalance"],
         "wall_s": wall_s,
+        "step_seconds": trainer.clock.step_seconds(),
+        "phase_seconds_per_step": trainer.timer.mean_per_step(),
+        "peak_gpu_gb": _peak_gpu_gb(),
     }
+
+
+def _peak_gpu_gb() -> float | None:
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
 
 
 def _print_summary(summary: dict[str, Any], out_dir: Path) -> None:

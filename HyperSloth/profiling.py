@@ -1,0 +1,86 @@
+"""Step timing and the optional per-phase breakdown (data, forward, backward, all-reduce, clip, optimizer).
+
+`StepClock` always runs: one CUDA synchronise per optimizer step (HF's per-step loss logging syncs
+anyway), giving wall seconds per step for the run summary and the benchmark. `PhaseTimer` runs only
+with `training.profile=True`: it synchronises between phases, which costs a little speed, so it is
+meant for finding the next bottleneck, not for the headline numbers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+from transformers import TrainerCallback
+
+PHASES = ("data", "forward", "backward", "allreduce", "clip", "optimizer")
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class PhaseTimer:
+    """Accumulates seconds per phase; `mark(name)` closes the phase running since the last mark."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.totals: dict[str, float] = defaultdict(float)
+        self.steps = 0
+        self._last = time.perf_counter()
+
+    def restart(self) -> None:
+        if self.enabled:
+            _sync()
+            self._last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        if not self.enabled:
+            return
+        _sync()
+        now = time.perf_counter()
+        self.totals[phase] += now - self._last
+        self._last = now
+
+    @contextmanager
+    def phase(self, name: str):
+        self.restart()
+        yield
+        self.mark(name)
+
+    def mean_per_step(self) -> dict[str, float]:
+        """Mean seconds per optimizer step for each phase (empty when disabled)."""
+        if not self.enabled or self.steps == 0:
+            return {}
+        return {p: self.totals.get(p, 0.0) / self.steps for p in PHASES}
+
+
+class StepClock(TrainerCallback):
+    """Wall time of every optimizer step, plus the phase marks around the optimizer."""
+
+    def __init__(self, timer: PhaseTimer):
+        self.timer = timer
+        self.stamps: list[float] = []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        _sync()
+        self.stamps = [time.perf_counter()]
+        self.timer.restart()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.timer.mark("clip")
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.timer.mark("optimizer")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        _sync()
+        self.stamps.append(time.perf_counter())
+        self.timer.steps += 1
+        self.timer.restart()  # what follows until the next forward is data loading
+
+    def step_seconds(self) -> list[float]:
+        return [b - a for a, b in zip(self.stamps, self.stamps[1:])]
