@@ -120,7 +120,7 @@ class PlanStats:
     random_computed_tokens: int  # the same samples batched randomly, micro_batch_size per batch
     random_padding_fraction: float
     padding_tokens_saved: int  # random padding tokens - planned padding tokens
-    padding_reduction: float  # 1 - padding_fraction / random_padding_fraction
+    padding_reduction: float  # padding_tokens_saved / random batching's padding tokens
     imbalance: float
     max_imbalance: float
     imbalance_bound: float
@@ -205,23 +205,26 @@ def _epoch_order(lens: np.ndarray, spec: PlanSpec, epoch: int) -> tuple[np.ndarr
 def _lpt(costs: np.ndarray, num_ranks: int, cap: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Greedy longest-processing-time dealing of items to ranks, each row (a step) independently.
 
-    Items go heaviest first to the least-loaded rank that holds fewer than `cap` items. Returns the
-    rank and the slot (order of arrival on its rank) of every item, and the ranks' loads. The loop is
-    over item positions, the work over all steps at once."""
+    Items go heaviest first to the least-loaded rank that holds fewer than `cap` items (ties: lowest
+    rank). Returns the rank and the slot (order of arrival on its rank) of every item, and the ranks'
+    loads. The loop is over item positions; each pass works on all steps at once."""
     K, T = costs.shape
     order = np.argsort(-costs, axis=1, kind="stable")
+    ordered = np.take_along_axis(costs, order, 1)
     load = np.zeros((K, num_ranks))
     count = np.zeros((K, num_ranks), dtype=np.int64)
     rank = np.empty((K, T), dtype=np.int64)
     slot = np.empty((K, T), dtype=np.int64)
-    rows = np.arange(K)
+    base = np.arange(K) * num_ranks  # flat indices into load/count: cheaper than 2-D fancy indexing
+    load_flat, count_flat = load.reshape(-1), count.reshape(-1)
     for j in range(T):
-        col = order[:, j]
         open_load = load if cap is None else np.where(count < cap, load, np.inf)
-        r = open_load.argmin(axis=1)
-        rank[rows, col], slot[rows, col] = r, count[rows, r]
-        load[rows, r] += costs[rows, col]
-        count[rows, r] += 1
+        flat = base + open_load.argmin(axis=1)
+        rank[:, j], slot[:, j] = flat - base, count_flat[flat]
+        load_flat[flat] += ordered[:, j]
+        count_flat[flat] += 1
+    np.put_along_axis(rank, order, rank.copy(), 1)
+    np.put_along_axis(slot, order, slot.copy(), 1)
     return rank, slot, load
 
 
@@ -413,7 +416,7 @@ def _stats(blocks: list[_Block], steps: list[StepPlan], spec: PlanSpec, random_c
         num_steps=len(steps), num_samples=sum(b.idx.size for b in blocks), real_tokens=real,
         computed_tokens=computed, padding_fraction=pad, random_computed_tokens=random_computed,
         random_padding_fraction=random_pad, padding_tokens_saved=random_computed - computed,
-        padding_reduction=1 - pad / random_pad if random_pad else 0.0,
+        padding_reduction=(random_computed - computed) / max(random_computed - real, 1),
         imbalance=imbalance, max_imbalance=max_imbalance, imbalance_bound=bound,
         micro_batches_per_rank=sum(per_rank), min_micro_batches_per_step=min(per_rank, default=0),
         max_micro_batches_per_step=max(per_rank, default=0),
