@@ -1,0 +1,30 @@
+"""Data: any chat format -> messages (formats), template render + response mask (masking),
+tokenise + length policy + save (build), the dataset registry (registry).
+
+``build_dataset`` is imported lazily: it pulls in ``datasets`` and ``transformers``, which a
+process that only reads the registry should not pay for.
+"""
+
+from typing import Any
+
+from HyperSloth.data.formats import DataInputError, RecordError, detect_format, to_messages
+from HyperSloth.data.registry import read_registry, register, remove
+
+__all__ = [
+    "DataInputError",
+    "RecordError",
+    "build_dataset",
+    "detect_format",
+    "read_registry",
+    "register",
+    "remove",
+    "to_messages",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "build_dataset":
+        from HyperSloth.data.build import build_dataset
+
+        return build_dataset
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,112 @@
+"""hypersloth-build-dataset: turn a chat dataset into a tokenised, response-masked, registered dataset.
+
+Usage:
+  hypersloth-build-dataset --hf_dataset mlabonne/FineTome-100k -n 1000 --split train \\
+      --name finetom-1k --tokenizer Qwen/Qwen3-8B --print_samples
+  hypersloth-build-dataset --local_path FILE_OR_DIR --name NAME --tokenizer TOKENIZER_NAME_OR_PATH
+
+Source (exactly one):
+  --hf_dataset ID         a Hugging Face Hub dataset id (needs the Hub; offline, use --local_path)
+  --local_path PATH       a .jsonl, .json or .parquet file, or a folder written by save_to_disk
+
+Required:
+  --name NAME             registry name; output goes to DATA_DIR/built_dataset/NAME
+  --tokenizer NAME_OR_DIR tokenizer folder or hub id; its chat template renders the conversations
+
+Options:
+  -n N                    take a seeded random sample of N usable conversations (default: all, in order)
+  --seed SEED             seed of that sample (default 42)
+  --split SPLIT           split of a hub dataset or saved DatasetDict (default train)
+  --max_seq_length L      longest sample in tokens (default 2048)
+  --overlength POLICY     truncate (default: keep the first L tokens) or drop samples longer than L
+  --format FMT            auto (default, detected per record), sharegpt, openai or alpaca
+  --chat_template FILE    a Jinja file that replaces the tokenizer's chat template
+  --data_dir DIR          folder holding data_config.json and built_dataset/ (default data)
+  --num_proc P            tokenising processes (default: all cores)
+  --overwrite             replace an existing dataset of the same name
+  --strict                any bad record (malformed JSON, missing fields, unknown role, ...) is fatal;
+                          by default bad records are counted per reason, skipped and summarised
+  --print_samples [N]     print N rendered samples (default 3) with the trained tokens marked:
+                          coloured on a terminal, inside [[...]] otherwise
+
+Labels train the assistant messages' content and the template's end-of-turn token after each of
+them; everything else is -100. User errors print one line and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import fire
+from loguru import logger
+
+from HyperSloth.data.formats import DataInputError
+
+PROG = "hypersloth-build-dataset"
+DEFAULT_PRINTED_SAMPLES = 3
+
+
+def build_dataset_cli(
+    hf_dataset: str | None = None,
+    local_path: str | None = None,
+    name: str | None = None,
+    tokenizer: str | None = None,
+    n: int | None = None,
+    seed: int = 42,
+    split: str = "train",
+    max_seq_length: int = 2048,
+    overlength: str = "truncate",
+    format: str = "auto",  # noqa: A002 - the flag users type is --format
+    chat_template: str | None = None,
+    data_dir: str = "data",
+    num_proc: int | None = None,
+    overwrite: bool = False,
+    strict: bool = False,
+    print_samples: int | bool = 0,
+) -> None:
+    """Build a dataset (see the module docstring / --help for every flag)."""
+    from HyperSloth.data.build import build_dataset
+
+    if (hf_dataset is None) == (local_path is None):
+        raise DataInputError("give exactly one source: --hf_dataset ID or --local_path FILE_OR_DIR")
+    for flag, value in (("--name", name), ("--tokenizer", tokenizer)):
+        if value is None or value is True:
+            raise DataInputError(f"{flag} is required (see --help)")
+    if print_samples is True:  # a bare --print_samples
+        print_samples = DEFAULT_PRINTED_SAMPLES
+    build_dataset(
+        str(hf_dataset if hf_dataset is not None else local_path),
+        source_type="hf" if hf_dataset is not None else "local",
+        name=str(name),
+        tokenizer=str(tokenizer),
+        data_dir=str(data_dir),
+        max_seq_length=max_seq_length,
+        n=n,
+        seed=seed,
+        split=str(split),
+        fmt=format,
+        chat_template=chat_template,
+        overlength=overlength,
+        strict=strict,
+        overwrite=overwrite,
+        num_proc=num_proc,
+        print_samples=int(print_samples),
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: fire parses the flags; user errors exit 2 with one line."""
+    argv = sys.argv[1:] if argv is None else argv
+    if any(arg in ("-h", "--help", "help") for arg in argv):
+        print(__doc__)
+        return
+    try:
+        fire.Fire(build_dataset_cli, command=argv, name=PROG)
+    except DataInputError as err:
+        logger.remove()  # nothing after the one-line message
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

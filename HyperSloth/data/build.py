@@ -1,0 +1,472 @@
+"""Build a dataset: load -> normalise -> render + mask + tokenise -> length policy -> save -> register.
+
+``build_dataset`` is the library entry point (the CLI is a thin layer over it). The output is a
+``save_to_disk`` folder ``{data_dir}/built_dataset/{name}`` with the columns fixed by
+docs/architecture.md, registered in ``{data_dir}/data_config.json``.
+
+Failure safety: the dataset is written to a hidden temp folder beside the target and renamed into
+place under the registry lock; the registry entry is written last. Any exception removes the temp
+folder and restores a dataset that ``--overwrite`` was replacing, so a failed build leaves neither
+an entry nor a half-written folder. (A killed process can leave a hidden ``.NAME.tmp-*`` folder,
+which nothing reads.)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+import urllib.error
+import urllib.request
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+import datasets
+import numpy as np
+from loguru import logger
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from tqdm.auto import tqdm
+
+from HyperSloth.data import formats, masking, registry
+from HyperSloth.data.formats import DataInputError, RawRecord, RecordError
+
+COLUMNS: tuple[str, ...] = ("input_ids", "labels", "length", "num_trainable", "text")
+KEPT = ("ok", "truncated")
+MIN_ROWS_PER_PROC = 500  # below this a worker process costs more to start than it saves
+SHOW_EXAMPLES = 5  # per skip reason, how many file:line examples the summary prints
+_FEATURES = datasets.Features(
+    {
+        "input_ids": datasets.List(datasets.Value("int64")),
+        "labels": datasets.List(datasets.Value("int64")),
+        "length": datasets.Value("int64"),
+        "num_trainable": datasets.Value("int64"),
+        "text": datasets.Value("string"),
+        "status": datasets.Value("string"),
+        "error": datasets.Value("string"),
+        "location": datasets.Value("string"),
+    }
+)
+
+
+class BuildOptions(BaseModel):
+    """Validated build flags (everything except the source)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="registry name (letters, digits, . _ -)")
+    tokenizer: str = Field(min_length=1, description="tokenizer folder or hub id")
+    data_dir: str = Field("data", description="folder holding data_config.json and built_dataset/")
+    max_seq_length: int = Field(2048, gt=1, description="longest sample in tokens")
+    n: int | None = Field(None, gt=0, description="take a seeded sample of n conversations")
+    seed: int = Field(42, description="seed of the -n sample")
+    split: str = Field("train", description="split of a hub dataset or saved DatasetDict")
+    fmt: Literal["auto", "sharegpt", "openai", "alpaca"] = Field("auto", description="input format")
+    chat_template: str | None = Field(None, description="Jinja file overriding the tokenizer's template")
+    overlength: Literal["truncate", "drop"] = Field("truncate", description="policy for samples over max_seq_length")
+    strict: bool = Field(False, description="any bad record is fatal")
+    overwrite: bool = Field(False, description="replace an existing dataset of the same name")
+    num_proc: int | None = Field(None, ge=1, description="tokenising processes (default: all cores)")
+    print_samples: int = Field(0, ge=0, description="rendered samples to print with the mask marked")
+
+
+@dataclass
+class Collected:
+    """Normalised conversations plus what was skipped on the way."""
+
+    messages: list[list[formats.Message]] = field(default_factory=list)
+    locations: list[str] = field(default_factory=list)
+    records_read: int = 0
+    skipped: Counter = field(default_factory=Counter)
+    examples: dict[str, list[str]] = field(default_factory=dict)
+    formats: Counter = field(default_factory=Counter)
+
+    def skip(self, location: str, err: RecordError, strict: bool) -> None:
+        """Count a bad record (or stop, under --strict)."""
+        if strict:
+            raise DataInputError(f"{location}: {err.reason}: {err.detail} (--strict makes bad records fatal)")
+        self.skipped[err.reason] += 1
+        self.examples.setdefault(err.reason, [])
+        if len(self.examples[err.reason]) < SHOW_EXAMPLES:
+            self.examples[err.reason].append(f"{location}: {err.detail}")
+
+
+def build_dataset(
+    source: str,
+    *,
+    name: str,
+    tokenizer: str,
+    data_dir: str = "data",
+    max_seq_length: int = 2048,
+    n: int | None = None,
+    seed: int = 42,
+    split: str = "train",
+    fmt: str = "auto",
+    chat_template: str | None = None,
+    overlength: str = "truncate",
+    strict: bool = False,
+    overwrite: bool = False,
+    num_proc: int | None = None,
+    print_samples: int = 0,
+    source_type: Literal["auto", "local", "hf"] = "auto",
+) -> dict[str, Any]:
+    """Build ``source`` into ``{data_dir}/built_dataset/{name}`` and register it; return the entry.
+
+    ``source`` is a local ``.jsonl``/``.json``/``.parquet`` file or saved dataset folder, or a
+    Hugging Face Hub dataset id (``source_type='auto'`` picks local when the path exists).
+    Raises DataInputError for every user mistake (bad path, flag, tokenizer, existing name, ...).
+    """
+    opts = _options(locals())
+    if not overwrite:
+        _refuse_existing(opts.name, opts.data_dir)
+    tok = load_tokenizer(opts.tokenizer, opts.chat_template)
+    kind, source = _resolve_source(source, source_type)
+    raw = formats.read_local(source, opts.split) if kind == "local" else load_hub_dataset(source, opts.split)
+    collected = collect_conversations(raw, fmt=opts.fmt, n=opts.n, seed=opts.seed, strict=opts.strict)
+    if not collected.messages:
+        _log_summary(collected, Counter(), {})
+        raise DataInputError(f"no usable conversations in {source} (see the skip summary above)")
+    built, statuses = encode_dataset(collected, tok, opts)
+    if not len(built):
+        _log_summary(collected, statuses, {})
+        raise DataInputError(f"every conversation of {source} was dropped (see the summary above)")
+    stats = compute_stats(built, collected, statuses, opts)
+    entry = _entry(opts, source, tok, len(built), stats)
+    _save_and_register(built, entry, opts)
+    _log_summary(collected, statuses, stats)
+    logger.info(f"built {opts.name}: {len(built)} samples -> {registry.entry_dir(entry, opts.data_dir)}")
+    if opts.print_samples:
+        show_samples(built, tok, opts.print_samples, color=sys.stdout.isatty())
+    return entry
+
+
+def _options(params: dict[str, Any]) -> BuildOptions:
+    fields = {k: v for k, v in params.items() if k in BuildOptions.model_fields}
+    try:
+        return BuildOptions(**fields)
+    except ValidationError as err:
+        problems = "; ".join(f"--{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+        raise DataInputError(problems.replace("--fmt", "--format")) from None
+
+
+def _refuse_existing(name: str, data_dir: str) -> None:
+    if name in registry.read_registry(data_dir)["datasets"]:
+        raise DataInputError(
+            f"dataset {name!r} already exists in {registry.registry_path(data_dir)}: "
+            "pass --overwrite to rebuild it, or choose another --name"
+        )
+
+
+def _resolve_source(source: str, source_type: str) -> tuple[str, str]:
+    if not source:
+        raise DataInputError("give a source: --local_path FILE_OR_DIR or --hf_dataset ID")
+    source = str(source)
+    if source_type == "auto":
+        source_type = "local" if Path(source).exists() or Path(source).suffix in formats.LOCAL_SUFFIXES else "hf"
+    if source_type == "local":
+        return "local", str(Path(source).expanduser().resolve())
+    return "hf", source
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer and hub
+# ---------------------------------------------------------------------------------------------
+def hub_reachable(timeout: float = 5.0) -> bool:
+    """Whether the Hugging Face Hub answers an HTTP request (any status) within ``timeout``.
+
+    Without this check an unreachable Hub costs a minute of retries before the error.
+    urllib honours the *_PROXY variables, as the hub client does.
+    """
+    from huggingface_hub import constants
+
+    try:
+        urllib.request.urlopen(urllib.request.Request(constants.ENDPOINT, method="HEAD"), timeout=timeout)
+    except urllib.error.HTTPError:
+        return True  # an error status is still an answer
+    except (urllib.error.URLError, OSError):
+        return False
+    return True
+
+
+def _hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def load_hub_dataset(name: str, split: str) -> datasets.Dataset:
+    """``datasets.load_dataset(name, split=split)``, failing fast and clearly when offline."""
+    offline = _hub_offline()
+    hint = (
+        "download it where the Hub is reachable (datasets' save_to_disk, or .jsonl/.parquet) "
+        "and pass --local_path FILE_OR_DIR"
+    )
+    if not offline and not hub_reachable():
+        raise DataInputError(
+            f"cannot load {name!r}: the Hugging Face Hub is not reachable (no network?). "
+            f"If it is in your HF cache, rerun with HF_HUB_OFFLINE=1; otherwise {hint}"
+        )
+    try:
+        return datasets.load_dataset(name, split=split)
+    except Exception as err:  # the hub client raises many types; all mean "cannot load"
+        why = "offline mode (HF_HUB_OFFLINE=1) and not in the local cache" if offline else str(err).splitlines()[0]
+        raise DataInputError(f"cannot load {name!r} from the Hugging Face Hub: {why}; {hint}") from None
+
+
+def load_tokenizer(name_or_path: str, chat_template: str | None = None) -> Any:
+    """A fast tokenizer with a chat template (``chat_template``: a Jinja file overriding it)."""
+    from transformers import AutoTokenizer
+
+    path = Path(name_or_path).expanduser()
+    looks_local = path.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
+    if looks_local and not path.exists():
+        raise DataInputError(f"--tokenizer {name_or_path}: no such folder")
+    local_only = not looks_local and not _hub_offline() and not hub_reachable()
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path) if looks_local else name_or_path, local_files_only=local_only)
+    except Exception as err:
+        why = "the Hub is not reachable and it is not cached; " if local_only else ""
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DataInputError(f"cannot load tokenizer {name_or_path!r}: {why}{first}") from None
+    if chat_template:
+        template_path = Path(chat_template).expanduser()
+        if not template_path.is_file():
+            raise DataInputError(f"--chat_template {chat_template}: no such file")
+        tok.chat_template = template_path.read_text(encoding="utf-8")
+    if not getattr(tok, "chat_template", None):
+        raise DataInputError(f"tokenizer {name_or_path!r} has no chat template: pass --chat_template FILE.jinja")
+    if not tok.is_fast:
+        raise DataInputError(f"tokenizer {name_or_path!r} is not a fast tokenizer; the mask needs offset mappings")
+    return tok
+
+
+# ---------------------------------------------------------------------------------------------
+# Normalise
+# ---------------------------------------------------------------------------------------------
+def collect_conversations(
+    raw: list[RawRecord] | datasets.Dataset, *, fmt: str, n: int | None, seed: int, strict: bool
+) -> Collected:
+    """Normalise records in order (or in a seeded random order when ``n`` is set, stopping at ``n``
+    usable ones), counting every skipped record by reason."""
+    total = len(raw)
+    order = np.random.default_rng(seed).permutation(total) if n else np.arange(total)
+    collected = Collected()
+    _report_malformed(raw, collected, strict)
+    bar = tqdm(total=min(n or total, total), desc="Normalising", unit=" conv")
+    for raw_record in _iter_records(raw, order):
+        if raw_record.error is not None:
+            continue  # already counted and reported by _report_malformed
+        collected.records_read += 1
+        try:
+            record_fmt = formats.detect_format(raw_record.record) if fmt == "auto" and isinstance(
+                raw_record.record, dict
+            ) else fmt
+            collected.messages.append(formats.to_messages(raw_record.record, record_fmt))
+        except RecordError as err:
+            collected.skip(raw_record.location, err, strict)
+            continue
+        collected.locations.append(raw_record.location)
+        collected.formats[record_fmt] += 1
+        bar.update()
+        if n and len(collected.messages) >= n:
+            break
+    bar.close()
+    return collected
+
+
+def _report_malformed(raw: Any, collected: Collected, strict: bool) -> None:
+    """Report every unparseable JSON line as ``file:line`` (all of them, not just the sampled)."""
+    if not isinstance(raw, list):
+        return
+    for record in raw:
+        if record.error is not None:
+            collected.skip(record.location, record.error, strict)
+            if collected.skipped["malformed_json"] <= 20:
+                logger.warning(f"{record.location}: malformed JSON: {record.error.detail}")
+            collected.records_read += 1
+
+
+def _iter_records(raw: list[RawRecord] | datasets.Dataset, order: np.ndarray, chunk: int = 1000):
+    if isinstance(raw, list):
+        yield from (raw[i] for i in order)
+        return
+    for lo in range(0, len(order), chunk):
+        indices = order[lo : lo + chunk].tolist()
+        for i, row in zip(indices, raw.select(indices).to_list()):
+            yield RawRecord(f"record #{i}", row)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenise + mask + length policy
+# ---------------------------------------------------------------------------------------------
+class _Encoder:
+    """The ``datasets.map`` function (a class so it pickles to worker processes)."""
+
+    def __init__(self, tokenizer: Any, max_seq_length: int, overlength: str) -> None:
+        self.tokenizer = tokenizer
+        self.specials = masking.special_token_strings(tokenizer)
+        self.max_seq_length = max_seq_length
+        self.overlength = overlength
+
+    def __call__(self, batch: dict[str, list]) -> dict[str, list]:
+        encoded = masking.encode_conversations(self.tokenizer, batch["messages"], self.specials)
+        out: dict[str, list] = {k: [] for k in _FEATURES if k != "location"}
+        for item in encoded:
+            row = self.apply_policy(item)
+            for key, value in row.items():
+                out[key].append(value)
+        return out
+
+    def apply_policy(self, item: masking.Encoded | RecordError) -> dict[str, Any]:
+        """One output row: the sample after the over-length policy, with its status."""
+        empty = {"input_ids": [], "labels": [], "length": 0, "num_trainable": 0, "text": "", "error": ""}
+        if isinstance(item, RecordError):
+            return {**empty, "status": item.reason, "error": item.detail}
+        status = "ok"
+        ids, labels, text = item.input_ids, item.labels, item.text
+        if len(ids) > self.max_seq_length:
+            if self.overlength == "drop":
+                return {**empty, "status": "dropped_overlength"}
+            status, cut = "truncated", self.max_seq_length
+            ids, labels, text = ids[:cut], labels[:cut], text[: item.offsets[cut - 1][1]]
+        # Position 0 is never predicted by a causal LM, so it never counts as trainable.
+        num_trainable = sum(label != masking.IGNORE_INDEX for label in labels[1:])
+        if num_trainable == 0:
+            return {**empty, "status": "dropped_no_trainable"}
+        row = {"input_ids": ids, "labels": labels, "length": len(ids), "num_trainable": num_trainable}
+        return {**row, "text": text, "status": status, "error": ""}
+
+
+def encode_dataset(collected: Collected, tok: Any, opts: BuildOptions) -> tuple[datasets.Dataset, Counter]:
+    """Tokenise every conversation (batched, multi-process); return the kept rows and status counts."""
+    table = datasets.Dataset.from_dict({"messages": collected.messages, "location": collected.locations})
+    num_proc = min(opts.num_proc or os.cpu_count() or 1, max(1, len(table) // MIN_ROWS_PER_PROC))
+    mapped = table.map(
+        _Encoder(tok, opts.max_seq_length, opts.overlength),
+        batched=True,
+        num_proc=num_proc if num_proc > 1 else None,
+        remove_columns=["messages"],
+        features=_FEATURES,
+        new_fingerprint=uuid.uuid4().hex,  # hashing a large tokenizer is slow and caching is unwanted
+        desc="Tokenising",
+    )
+    status_list = mapped["status"][:]
+    statuses = Counter(status_list)
+    for i, status in enumerate(status_list):
+        if status not in KEPT and status in formats.SKIP_REASONS:
+            err = RecordError(status, mapped[i]["error"])
+            collected.skip(mapped[i]["location"], err, opts.strict)
+    keep = [i for i, status in enumerate(status_list) if status in KEPT]
+    kept = mapped.select(keep) if len(keep) < len(mapped) else mapped
+    return kept.select_columns(list(COLUMNS)), statuses
+
+
+# ---------------------------------------------------------------------------------------------
+# Stats, entry, save
+# ---------------------------------------------------------------------------------------------
+def compute_stats(built: datasets.Dataset, collected: Collected, statuses: Counter, opts: BuildOptions) -> dict:
+    """Token statistics of the built dataset plus every count the summary reports."""
+    lengths = np.asarray(built["length"][:], dtype=np.int64)
+    trainable = np.asarray(built["num_trainable"][:], dtype=np.int64)
+    return {
+        "total_tokens": int(lengths.sum()),
+        "mean_tokens": round(float(lengths.mean()), 2),
+        "p50_tokens": int(np.percentile(lengths, 50, method="nearest")),
+        "p95_tokens": int(np.percentile(lengths, 95, method="nearest")),
+        "max_tokens": int(lengths.max()),
+        "trainable_tokens": int(trainable.sum()),
+        "fraction_trainable": round(float(trainable.sum() / lengths.sum()), 4),
+        "truncated": statuses["truncated"],
+        "dropped_overlength": statuses["dropped_overlength"],
+        "dropped_no_trainable": statuses["dropped_no_trainable"],
+        "skipped": dict(sorted(collected.skipped.items())),
+        "records_read": collected.records_read,
+        "formats": dict(collected.formats),
+        "overlength": opts.overlength,
+        "n": opts.n,
+        "seed": opts.seed,
+    }
+
+
+def _entry(opts: BuildOptions, source: str, tok: Any, num_samples: int, stats: dict) -> dict[str, Any]:
+    return {
+        "name": opts.name,
+        "path": f"{registry.BUILT_DIR}/{opts.name}",
+        "source": source,
+        "split": opts.split,
+        "num_samples": num_samples,
+        "tokenizer": opts.tokenizer,
+        "template_fingerprint": masking.template_fingerprint(tok.chat_template),
+        "max_seq_length": opts.max_seq_length,
+        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "stats": stats,
+    }
+
+
+def _save_and_register(built: datasets.Dataset, entry: dict[str, Any], opts: BuildOptions) -> None:
+    """Write to a temp folder beside the target, then swap it in and register, under the lock."""
+    built_dir = Path(opts.data_dir) / registry.BUILT_DIR
+    built_dir.mkdir(parents=True, exist_ok=True)
+    tmp = built_dir / f".{opts.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        built.save_to_disk(str(tmp))
+        with registry.registry_lock(opts.data_dir):
+            _swap_in(tmp, built_dir / opts.name, entry, opts)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _swap_in(tmp: Path, target: Path, entry: dict[str, Any], opts: BuildOptions) -> None:
+    """Rename ``tmp`` to ``target`` and register ``entry``; restore everything if that fails."""
+    current = registry.read_registry(opts.data_dir)
+    if target.exists() and not opts.overwrite:
+        where = "is registered" if opts.name in current["datasets"] else "exists (unregistered)"
+        raise DataInputError(f"{target} {where}: pass --overwrite to replace it, or choose another --name")
+    if opts.name in current["datasets"] and not opts.overwrite:
+        raise DataInputError(f"dataset {opts.name!r} is already registered: pass --overwrite")
+    backup = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}") if target.exists() else None
+    if backup:
+        os.replace(target, backup)
+    try:
+        os.replace(tmp, target)
+        current["datasets"][opts.name] = entry
+        registry.write_registry_unlocked(current, opts.data_dir)
+    except BaseException:
+        shutil.rmtree(target, ignore_errors=True)
+        if backup:
+            os.replace(backup, target)
+        raise
+    if backup:
+        shutil.rmtree(backup, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reporting
+# ---------------------------------------------------------------------------------------------
+def _log_summary(collected: Collected, statuses: Counter, stats: dict) -> None:
+    for reason in formats.SKIP_REASONS:
+        if collected.skipped[reason]:
+            logger.warning(f"skipped {collected.skipped[reason]} record(s): {reason}")
+            for example in collected.examples.get(reason, []):
+                logger.warning(f"    {example}")
+    for status in ("truncated", "dropped_overlength", "dropped_no_trainable"):
+        if statuses[status]:
+            logger.warning(f"{status}: {statuses[status]} sample(s)")
+    if stats:
+        keys = ("total_tokens", "mean_tokens", "p50_tokens", "p95_tokens", "max_tokens", "fraction_trainable")
+        logger.info("tokens: " + ", ".join(f"{k.removesuffix('_tokens')}={stats[k]}" for k in keys))
+
+
+def show_samples(built: datasets.Dataset, tok: Any, count: int, *, color: bool) -> None:
+    """Print ``count`` rendered samples with the trained text marked (colour or ``[[...]]``)."""
+    for i in range(min(count, len(built))):
+        row = built[i]
+        _, offsets = masking.tokenize_with_offsets(tok, [row["text"]])[0]
+        spans = masking.trained_char_spans(offsets[: row["length"]], row["labels"])
+        marks = "coloured" if color else "in [[...]]"
+        print(f"--- sample {i}: {row['length']} tokens, {row['num_trainable']} trained ({marks}) ---")
+        print(masking.highlight(row["text"], spans, color=color))
