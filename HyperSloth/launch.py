@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -181,12 +181,22 @@ class _StderrPump(threading.Thread):
         with self._path.open("wb") as sink:
             # read1 returns as soon as some bytes arrive, so progress bars (\r) show up live.
             while chunk := self._stream.read1(65536):
-                sink.write(chunk)
-                sink.flush()
                 self._last = (self._last + chunk)[-self._KEEP:]
-                if self._tee is not None:
-                    self._tee.write(chunk)
-                    self._tee.flush()
+                # Keep draining whatever happens to the copies: a child blocked on a full pipe would hang.
+                sink = self._write(sink, chunk)
+                self._tee = self._write(self._tee, chunk)
+
+    @staticmethod
+    def _write(target: IO[bytes] | None, chunk: bytes) -> IO[bytes] | None:
+        """Write and flush; a target that fails (closed terminal, full disk) is dropped (None)."""
+        if target is None:
+            return None
+        try:
+            target.write(chunk)
+            target.flush()
+            return target
+        except (OSError, ValueError):
+            return None
 
     def tail(self, lines: int = STDERR_TAIL_LINES) -> list[str]:
         """The last `lines` lines, each shown as it ended after any carriage returns."""
@@ -198,7 +208,7 @@ def _terminal_stderr() -> IO[bytes] | None:
     return getattr(sys.stderr, "buffer", None)
 
 
-def stop_process_groups(pgids: Sequence[int], grace_s: float, is_done) -> None:
+def stop_process_groups(pgids: Sequence[int], grace_s: float, is_done: Callable[[int], bool]) -> None:
     """SIGTERM each process group, wait up to `grace_s` until `is_done(pgid)`, then SIGKILL the rest."""
     for pgid in pgids:
         _signal_group(pgid, signal.SIGTERM)

@@ -164,9 +164,10 @@ def train(config: str, tmux: str | None = None, y: bool = False, dry_run: bool =
         run = check_run(config_path)
         if tmux is not None:
             raise SystemExit(_start_tmux(run, str(tmux), replace=bool(y)))
+        code = launch(run.config_path, run.gpus, run.output_dir)
     except (ConfigError, LaunchError) as err:
         _fail(str(err))
-    raise SystemExit(launch(run.config_path, run.gpus, run.output_dir))
+    raise SystemExit(code)
 
 
 _FLAGS = {"config", "tmux", "y", "noy", "dry_run", "nodry_run"}
