@@ -73,10 +73,8 @@ class RankFailure:
 
     def describe(self) -> str:
         """One line: which rank, which GPU, how it ended."""
-        if self.exit_code < 0:
-            how = f"was killed by {signal.Signals(-self.exit_code).name}"
-        else:
-            how = f"failed with exit code {self.exit_code}"
+        killed = self.exit_code < 0
+        how = f"was killed by {signal.Signals(-self.exit_code).name}" if killed else f"failed with exit code {self.exit_code}"
         return f"rank {self.rank} (gpu {self.gpu}) {how}"
 
 
@@ -204,10 +202,6 @@ class _StderrPump(threading.Thread):
         return [line.rsplit("\r", 1)[-1] for line in text.rstrip("\n").split("\n")][-lines:]
 
 
-def _terminal_stderr() -> IO[bytes] | None:
-    return getattr(sys.stderr, "buffer", None)
-
-
 def stop_process_groups(pgids: Sequence[int], grace_s: float, is_done: Callable[[int], bool]) -> None:
     """SIGTERM each process group, wait up to `grace_s` until `is_done(pgid)`, then SIGKILL the rest."""
     for pgid in pgids:
@@ -247,7 +241,7 @@ class _Supervisor:
             if stdout is not None:
                 stdout.close()  # the child holds its own copy
             self.procs.append(proc)
-            tee = _terminal_stderr() if spec.rank == 0 else None
+            tee = getattr(sys.stderr, "buffer", None) if spec.rank == 0 else None
             pump = _StderrPump(proc.stderr, self.logs_dir / f"rank{spec.rank}.stderr", tee)
             pump.start()
             self.pumps.append(pump)
@@ -278,8 +272,7 @@ class _Supervisor:
             pump.join(timeout=1.0)
 
     def _group_done(self, pgid: int) -> bool:
-        proc = next(p for p in self.procs if p.pid == pgid)
-        proc.poll()
+        next(p for p in self.procs if p.pid == pgid).poll()  # reap the leader: a zombie still counts
         try:
             os.killpg(pgid, 0)
         except (ProcessLookupError, PermissionError):
