@@ -149,7 +149,8 @@ def format_summary(summary: PlanSummary) -> str:
         f"batches of {spec.micro_batch_size}: {100 * st.random_padding_fraction:.2f}% "
         f"({st.padding_tokens_saved:,} tokens saved)",
         f"  imbalance      {st.imbalance:.4f} mean max/mean rank load (worst step {st.max_imbalance:.4f}; "
-        f"one-sample bound {st.imbalance_bound:.4f}); load = tokens + {spec.attention_coef:g} x tokens^2 per sequence",
+        f"one-sample bound {st.imbalance_bound:.4f})",
+        f"                 rank load = tokens + {spec.attention_coef:.3g} x tokens^2 per sequence (attention term)",
         f"  planned in     {summary.plan_seconds:.3f} s",
         summary_line(summary),
     ]

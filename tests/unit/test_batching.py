@@ -14,7 +14,7 @@ from HyperSloth.batching import (
     steps_per_epoch,
 )
 
-SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @st.composite
