@@ -1,0 +1,292 @@
+"""The run report: `report.md` + `report.png` in a run's output_dir, and a short console summary.
+
+It reads files only: `train_summary.json` (required), `hypersloth_config.json` and
+`logs/rank{r}.final.json` (optional), so any finished run can be reported again later:
+    python -c "from HyperSloth.report import write_report; write_report('outputs/tiny-demo')"
+Every summary key is optional here: a 1-step run, or a summary written by an older version,
+still gets a report with the lines it has data for.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+from loguru import logger
+
+SUMMARY_FILE = "train_summary.json"
+CONFIG_FILE = "hypersloth_config.json"
+REPORT_MD = "report.md"
+REPORT_PNG = "report.png"
+MAX_TABLE_ROWS = 20  # rows of the per-step table; longer runs show every k-th step
+
+
+def load_summary(output_dir: str | os.PathLike) -> dict[str, Any]:
+    """The run's train_summary.json; FileNotFoundError naming the folder if the run has not finished."""
+    path = Path(output_dir) / SUMMARY_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: the report needs a finished run's output_dir")
+    return json.loads(path.read_text())
+
+
+def format_console(summary: Mapping[str, Any]) -> str:
+    """A 5-8 line summary of a run for the terminal."""
+    lines = [_headline(summary)]
+    rows = [("loss", _loss_text(summary)), ("throughput", _throughput_text(summary)),
+            ("padding", _padding_text(summary)), ("balance", _balance_text(summary)),
+            ("time", _time_text(summary)), ("memory", _memory_text(summary))]
+    lines += [f"  {label:<12}{text}" for label, text in rows if text]
+    return "\n".join(lines)
+
+
+def write_report(output_dir: str | os.PathLike) -> Path:
+    """Write report.md (and report.png when there is a curve to draw) in `output_dir`; return report.md."""
+    out = Path(output_dir)
+    summary = load_summary(out)
+    config = _read_optional_json(out / CONFIG_FILE)
+    ranks = _rank_records(out)
+    image = _try_plot(summary, config, out / REPORT_PNG)
+    path = out / REPORT_MD
+    path.write_text(_markdown(summary, config, ranks, image, out))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Numbers
+# ---------------------------------------------------------------------------------------------
+def _num(summary: Mapping[str, Any], key: str) -> float | None:
+    """summary[key] as a finite float, or None when missing, null or not a number."""
+    value = summary.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _series(summary: Mapping[str, Any], key: str) -> list[float | None]:
+    values = summary.get(key) or []
+    return [_num({"v": v}, "v") for v in values] if isinstance(values, list) else []
+
+
+def compute_saved_pct(padding_pct: float, random_padding_pct: float) -> float:
+    """Computed tokens saved against random batching, in % of random batching's computed tokens.
+
+    Computed tokens = real / (1 - padding fraction), so the saving is 1 - (1 - r) / (1 - p).
+    """
+    p, r = padding_pct / 100, random_padding_pct / 100
+    return 100 * (1 - (1 - r) / (1 - p)) if p < 1 else 0.0
+
+
+def _headline(summary: Mapping[str, Any]) -> str:
+    steps, world = summary.get("steps", "?"), summary.get("world_size", "?")
+    details = [str(summary[k]) for k in ("backend",) if summary.get(k)]
+    if summary.get("batching"):
+        details.append(f"{summary['batching']} batching")
+    if summary.get("global_batch_size"):
+        details.append(f"global batch {summary['global_batch_size']}")
+    extra = f" ({', '.join(details)})" if details else ""
+    return f"HyperSloth run: {steps} step(s) on {world} worker(s){extra}"
+
+
+def _loss_text(summary: Mapping[str, Any]) -> str | None:
+    losses = [v for v in _series(summary, "step_losses") if v is not None]
+    first, last = _num(summary, "first_loss"), _num(summary, "last_loss")
+    first = losses[0] if first is None and losses else first
+    last = losses[-1] if last is None and losses else last
+    if first is None or last is None:
+        return None
+    text = f"{first:.4f} -> {last:.4f}"
+    if len(losses) > 2:
+        best = min(range(len(losses)), key=losses.__getitem__)
+        text += f" (min {losses[best]:.4f} at step {best + 1})"
+    return text
+
+
+def _throughput_text(summary: Mapping[str, Any]) -> str | None:
+    rate, tokens, runtime = (_num(summary, k) for k in ("tokens_per_s", "tokens_seen", "train_runtime_s"))
+    if rate is None and tokens is None:
+        return None
+    parts = [f"{rate:,.0f} tokens/s" if rate is not None else None,
+             f"{tokens:,.0f} tokens" + (f" in {runtime:.1f} s of training" if runtime is not None else "")
+             if tokens is not None else None]
+    return "; ".join(p for p in parts if p)
+
+
+def _padding_text(summary: Mapping[str, Any]) -> str | None:
+    pad, rand = _num(summary, "padding_pct"), _num(summary, "random_padding_pct")
+    if pad is None:
+        return None
+    if rand is None:
+        return f"{pad:.1f}% of computed tokens"
+    return (f"{pad:.1f}% (random batching: {rand:.1f}%; "
+            f"{compute_saved_pct(pad, rand):.1f}% fewer computed tokens)")
+
+
+def _balance_text(summary: Mapping[str, Any]) -> str | None:
+    imbalance = _num(summary, "imbalance")
+    return None if imbalance is None else f"imbalance {imbalance:.3f} (max / mean rank load per step; 1.000 = even)"
+
+
+def _time_text(summary: Mapping[str, Any]) -> str | None:
+    wall = _num(summary, "wall_s")
+    steps = [v for v in _series(summary, "step_seconds") if v is not None]
+    parts = [f"wall {wall:.1f} s (model load + training)" if wall is not None else None,
+             f"median step {median(steps):.3f} s" if steps else None]
+    return "; ".join(p for p in parts if p) or None
+
+
+def _memory_text(summary: Mapping[str, Any]) -> str | None:
+    peak = _num(summary, "peak_gpu_gb")
+    return None if peak is None else f"peak {peak:.2f} GiB GPU memory on rank 0"
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+# ---------------------------------------------------------------------------------------------
+def _read_optional_json(path: Path) -> dict[str, Any]:
+    try:
+        content = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return content if isinstance(content, dict) else {}
+
+
+def _rank_records(out: Path) -> list[dict[str, Any]]:
+    """The per-rank final records (rank, sha256, trainable_params, peak_gpu_gb), by rank."""
+    records = [_read_optional_json(p) for p in (out / "logs").glob("rank*.final.json")]
+    return sorted((r for r in records if "rank" in r), key=lambda r: r["rank"])
+
+
+def _logging_steps(config: Mapping[str, Any]) -> int:
+    value = config.get("training_config", {}).get("logging_steps", 1)
+    return value if isinstance(value, int) and value > 0 else 1
+
+
+def _logged_steps(count: int, total_steps: int, every: int) -> list[int]:
+    """Step numbers of `count` values logged every `every` steps (the trainer's log_history cadence)."""
+    if count == total_steps or count * every > max(total_steps, count):
+        return list(range(1, count + 1))  # logged every step, or the cadence does not fit: plain order
+    return [(i + 1) * every for i in range(count)]
+
+
+def _try_plot(summary: Mapping[str, Any], config: Mapping[str, Any], path: Path) -> Path | None:
+    """Draw the curves; a plotting failure must not fail a finished run, so it is logged and skipped."""
+    try:
+        return _plot(summary, config, path)
+    except Exception as err:  # noqa: BLE001 - any matplotlib problem only costs the picture
+        logger.warning(f"report: could not draw {path.name}: {type(err).__name__}: {err}")
+        return None
+
+
+def _plot(summary: Mapping[str, Any], config: Mapping[str, Any], path: Path) -> Path | None:
+    # Figure + Agg canvas, not pyplot: no global backend switch in a notebook kernel that imports this.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    total = int(_num(summary, "steps") or 0)
+    every = _logging_steps(config)
+    panels = []
+    for key, title in (("step_losses", "loss"), ("learning_rates", "learning rate"), ("grad_norms", "grad norm")):
+        values = _series(summary, key)
+        xs = list(range(1, len(values) + 1)) if key == "step_losses" else _logged_steps(len(values), total, every)
+        points = [(x, v) for x, v in zip(xs, values) if v is not None]
+        if points:
+            panels.append((title, points))
+    if not panels:
+        return None
+    fig = Figure(figsize=(4.2 * len(panels), 3.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    for ax, (title, points) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
+        ax.plot(*zip(*points), marker="o" if len(points) < 30 else None, markersize=3)
+        ax.set(title=title, xlabel="optimizer step")
+        ax.grid(alpha=0.3)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Markdown
+# ---------------------------------------------------------------------------------------------
+def _markdown(summary: Mapping[str, Any], config: Mapping[str, Any], ranks: Sequence[Mapping[str, Any]],
+              image: Path | None, out: Path) -> str:
+    created = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    parts = [f"# HyperSloth run report\n\n`{out.resolve()}` — written {created}\n",
+             "```\n" + format_console(summary) + "\n```\n", _metrics_table(summary)]
+    if image is not None:
+        parts.append(f"## Curves\n\n![loss and learning rate per step]({image.name})\n")
+    parts += [_steps_table(summary), _phase_table(summary), _ranks_section(ranks), _config_section(config)]
+    return "\n".join(p for p in parts if p)
+
+
+def _fmt(value: float | None, spec: str, unit: str = "") -> str:
+    return "—" if value is None else f"{value:{spec}}{unit}"
+
+
+def _metrics_table(summary: Mapping[str, Any]) -> str:
+    n = lambda key: _num(summary, key)  # noqa: E731 - a local shorthand keeps the table readable
+    pad, rand = n("padding_pct"), n("random_padding_pct")
+    saved = compute_saved_pct(pad, rand) if pad is not None and rand is not None else None
+    rows = [
+        ("optimizer steps", _fmt(n("steps"), ".0f")), ("workers (world size)", _fmt(n("world_size"), ".0f")),
+        ("backend", str(summary.get("backend", "—"))), ("batching", str(summary.get("batching", "—"))),
+        ("global batch (samples/step)", _fmt(n("global_batch_size"), ".0f")),
+        ("first loss", _fmt(n("first_loss"), ".4f")), ("last loss", _fmt(n("last_loss"), ".4f")),
+        ("tokens seen", _fmt(n("tokens_seen"), ",.0f")), ("tokens/s", _fmt(n("tokens_per_s"), ",.1f")),
+        ("training time", _fmt(n("train_runtime_s"), ".2f", " s")),
+        ("wall time (load + train)", _fmt(n("wall_s"), ".2f", " s")),
+        ("padding", _fmt(pad, ".2f", "%")), ("padding with random batching", _fmt(rand, ".2f", "%")),
+        ("computed tokens saved vs random", _fmt(saved, ".2f", "%")),
+        ("rank load imbalance (max/mean)", _fmt(n("imbalance"), ".4f")),
+        ("peak GPU memory (rank 0)", _fmt(n("peak_gpu_gb"), ".2f", " GiB")),
+    ]
+    return "## Summary\n\n| metric | value |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
+
+
+def _steps_table(summary: Mapping[str, Any]) -> str:
+    losses, lrs, norms = (_series(summary, k) for k in ("step_losses", "learning_rates", "grad_norms"))
+    seconds = _series(summary, "step_seconds")
+    if not losses:
+        return ""
+    stride = max(1, math.ceil(len(losses) / MAX_TABLE_ROWS))
+    picked = sorted(set(range(0, len(losses), stride)) | {len(losses) - 1})
+    # lr/grad-norm columns line up with steps only when they were logged every step.
+    aligned = lambda values, i: values[i] if len(values) == len(losses) else None  # noqa: E731
+    rows = "".join(f"| {i + 1} | {_fmt(losses[i], '.4f')} | {_fmt(aligned(lrs, i), '.3g')} | "
+                   f"{_fmt(aligned(norms, i), '.4f')} | {_fmt(aligned(seconds, i), '.3f')} |\n" for i in picked)
+    note = f" (every {stride}th)" if stride > 1 else ""
+    return (f"## Steps{note}\n\n| step | loss | learning rate | grad norm | seconds |\n|---|---|---|---|---|\n"
+            + rows)
+
+
+def _phase_table(summary: Mapping[str, Any]) -> str:
+    phases = summary.get("phase_seconds_per_step") or {}
+    timed = {k: _num(phases, k) for k in phases} if isinstance(phases, dict) else {}
+    timed = {k: v for k, v in timed.items() if v is not None}
+    if not timed:
+        return ""
+    total = sum(timed.values()) or 1.0
+    rows = "".join(f"| {k} | {v:.4f} | {100 * v / total:.1f}% |\n" for k, v in timed.items())
+    return "## Time per step by phase\n\n| phase | seconds | share |\n|---|---|---|\n" + rows
+
+
+def _ranks_section(ranks: Sequence[Mapping[str, Any]]) -> str:
+    if not ranks:
+        return ""
+    digests = {r.get("sha256") for r in ranks}
+    verdict = ("every rank ended with identical trained weights" if len(digests) == 1
+               else f"WARNING: ranks ended with {len(digests)} different sets of trained weights")
+    rows = "".join(f"| {r['rank']} | {_fmt(_num(r, 'trainable_params'), ',.0f')} | `{str(r.get('sha256', '—'))[:12]}` "
+                   f"| {_fmt(_num(r, 'peak_gpu_gb'), '.2f', ' GiB')} |\n" for r in ranks)
+    return (f"## Ranks\n\n{verdict}.\n\n| rank | trainable params | weights sha256 | peak GPU memory |\n"
+            f"|---|---|---|---|\n{rows}")
+
+
+def _config_section(config: Mapping[str, Any]) -> str:
+    if not config:
+        return ""
+    return f"## Resolved config\n\n```json\n{json.dumps(config, indent=2, default=str)}\n```\n"
