@@ -16,7 +16,7 @@ from typing import Any
 
 from loguru import logger
 
-from HyperSloth import dist, logs
+from HyperSloth import dist, logs, report
 from HyperSloth.config import ConfigError, LoadedConfig, config_to_dict, load_config
 
 SUMMARY_FILE = "train_summary.json"
@@ -82,6 +82,7 @@ def _train(loaded: LoadedConfig, info: dist.DistInfo, out_dir: Path) -> dict[str
     (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
     (out_dir / "hypersloth_config.json").write_text(json.dumps(config_to_dict(loaded), indent=2, default=str))
     _print_summary(summary, out_dir)
+    logger.info(f"{report.format_console(summary)}\nreport: {report.write_report(out_dir)}")
     return summary
 
 
