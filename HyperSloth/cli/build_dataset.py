@@ -38,7 +38,6 @@ from __future__ import annotations
 import sys
 
 import fire
-from loguru import logger
 
 from HyperSloth.data.formats import DataInputError
 
@@ -103,7 +102,6 @@ def main(argv: list[str] | None = None) -> None:
     try:
         fire.Fire(build_dataset_cli, command=argv, name=PROG)
     except DataInputError as err:
-        logger.remove()  # nothing after the one-line message
         print(f"{PROG}: error: {err}", file=sys.stderr)
         sys.exit(2)
 

@@ -123,9 +123,10 @@ def build_dataset(
     opts = _options(locals())
     if not overwrite:
         _refuse_existing(opts.name, opts.data_dir)
-    tok = load_tokenizer(opts.tokenizer, opts.chat_template)
+    _check_local_paths(opts)  # cheap checks first: the source load below can take minutes
     kind, source = _resolve_source(source, source_type)
     raw = formats.read_local(source, opts.split) if kind == "local" else load_hub_dataset(source, opts.split)
+    tok = load_tokenizer(opts.tokenizer, opts.chat_template)
     collected = collect_conversations(raw, fmt=opts.fmt, n=opts.n, seed=opts.seed, strict=opts.strict)
     if not collected.messages:
         _log_summary(collected, Counter(), {})
@@ -159,6 +160,18 @@ def _refuse_existing(name: str, data_dir: str) -> None:
             f"dataset {name!r} already exists in {registry.registry_path(data_dir)}: "
             "pass --overwrite to rebuild it, or choose another --name"
         )
+
+
+def _check_local_paths(opts: BuildOptions) -> None:
+    if _looks_local(opts.tokenizer) and not Path(opts.tokenizer).expanduser().exists():
+        raise DataInputError(f"--tokenizer {opts.tokenizer}: no such folder")
+    if opts.chat_template and not Path(opts.chat_template).expanduser().is_file():
+        raise DataInputError(f"--chat_template {opts.chat_template}: no such file")
+
+
+def _looks_local(name_or_path: str) -> bool:
+    """A path rather than a hub id ("org/name"): it exists, or it starts or nests like a path."""
+    return Path(name_or_path).expanduser().exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
 
 
 def _resolve_source(source: str, source_type: str) -> tuple[str, str]:
@@ -222,7 +235,7 @@ def load_tokenizer(name_or_path: str, chat_template: str | None = None) -> Any:
     from transformers import AutoTokenizer
 
     path = Path(name_or_path).expanduser()
-    looks_local = path.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
+    looks_local = _looks_local(name_or_path)
     if looks_local and not path.exists():
         raise DataInputError(f"--tokenizer {name_or_path}: no such folder")
     local_only = not looks_local and not _hub_offline() and not hub_reachable()
