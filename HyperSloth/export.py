@@ -164,10 +164,8 @@ def merge_adapter(
     base_name = resolve_base(source, base)
     if source.load_in_4bit:
         logger.info(f"the run trained on a 4-bit base; merging into {base_name}'s unquantised weights in {dtype}")
-    from peft import PeftModel
-
     with _staged(Path(dest), force) as staging:
-        model = PeftModel.from_pretrained(_load_base(base_name, dtype), str(source.path))
+        model = _attach_adapter(_load_base(base_name, dtype), source.path, base_name)
         merged = model.merge_and_unload()
         merged.save_pretrained(str(staging), safe_serialization=True)
         _save_tokenizer(source.path, base_name, staging)
@@ -214,12 +212,12 @@ def resolve_base(source: RunSource, override: str | None = None) -> str:
 def verify_adapter(adapter_dir: str | os.PathLike, base: str) -> None:
     """Load `adapter_dir` with stock PEFT onto a weightless base; ExportError unless every tensor fits."""
     import torch
-    from peft import PeftModel, get_peft_model_state_dict, load_peft_weights
+    from peft import get_peft_model_state_dict, load_peft_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):  # shapes and names only: no base weights are read
         skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base))
-    model = PeftModel.from_pretrained(skeleton, str(adapter_dir), low_cpu_mem_usage=True)
+    model = _attach_adapter(skeleton, adapter_dir, base, low_cpu_mem_usage=True)
     loaded = get_peft_model_state_dict(model)
     saved = load_peft_weights(str(adapter_dir), device="cpu")
     missing, unused = sorted(set(loaded) - set(saved)), sorted(set(saved) - set(loaded))
@@ -228,6 +226,19 @@ def verify_adapter(adapter_dir: str | os.PathLike, base: str) -> None:
         raise ExportError(f"the adapter does not fit base {base}: {len(unused)} saved tensor(s) match no module "
                           f"(e.g. {unused[:2]}), {len(missing)} adapter tensor(s) absent, {len(wrong)} of another "
                           "shape; pass --base with the model the run was trained from")
+
+
+def _attach_adapter(model, adapter_dir: str | os.PathLike, base: str, **kwargs: Any):
+    """`PeftModel.from_pretrained`, with a shape mismatch (adapter of another model) as an ExportError."""
+    from peft import PeftModel
+
+    try:
+        return PeftModel.from_pretrained(model, str(adapter_dir), **kwargs)
+    except (RuntimeError, ValueError, KeyError) as err:
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+        reason = next((line for line in lines if "mismatch" in line), lines[0])[:300]
+        raise ExportError(f"the adapter does not fit base {base} ({reason}); pass --base with the model the run "
+                          "was trained from") from None
 
 
 def _load_base(name: str, dtype: str):

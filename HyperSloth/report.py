@@ -280,8 +280,9 @@ def _ranks_section(ranks: Sequence[Mapping[str, Any]]) -> str:
     digests = {r.get("sha256") for r in ranks}
     verdict = ("every rank ended with identical trained weights" if len(digests) == 1
                else f"WARNING: ranks ended with {len(digests)} different sets of trained weights")
-    rows = "".join(f"| {r['rank']} | {_fmt(_num(r, 'trainable_params'), ',.0f')} | `{str(r.get('sha256', '—'))[:12]}` "
-                   f"| {_fmt(_num(r, 'peak_gpu_gb'), '.2f', ' GiB')} |\n" for r in ranks)
+    rows = "".join(f"| {r['rank']} | {_fmt(_num(r, 'trainable_params'), ',.0f')} | "
+                   f"`{str(r.get('sha256', '—'))[:12]}` | {_fmt(_num(r, 'peak_gpu_gb'), '.2f', ' GiB')} |\n"
+                   for r in ranks)
     return (f"## Ranks\n\n{verdict}.\n\n| rank | trainable params | weights sha256 | peak GPU memory |\n"
             f"|---|---|---|---|\n{rows}")
 

@@ -54,9 +54,11 @@ def test_full_report_has_numbers_curves_ranks_and_config(tmp_path):
                      "| padding | 10.00% |", "| padding with random batching | 40.00% |",
                      "| computed tokens saved vs random | 33.33% |", "| rank load imbalance (max/mean) | 1.0123 |",
                      "| wall time (load + train) | 7.25 s |", "| peak GPU memory (rank 0) | 3.50 GiB |",
-                     "| first loss | 3.0000 |", "| last loss | 1.7500 |", "![loss and learning rate per step](report.png)",
+                     "| first loss | 3.0000 |", "| last loss | 1.7500 |",
+                     "![loss and learning rate per step](report.png)",
                      "every rank ended with identical trained weights", "| 0 | 32,768 | `abababababab` | 3.50 GiB |",
-                     "| backward | 0.0600 | 60.0% |", '"model_name": "tiny-model-xyz"', "| 6 | 1.7500 | 0.006 | 0.5000 | 0.500 |"):
+                     "| backward | 0.0600 | 60.0% |", '"model_name": "tiny-model-xyz"',
+                     "| 6 | 1.7500 | 0.006 | 0.5000 | 0.500 |"):
         assert expected in text, expected
     assert text.index("| 0 | 32,768") < text.index("| 1 | 32,768")  # ranks in order
     png = (tmp_path / "report.png").read_bytes()
