@@ -288,6 +288,8 @@ def collect_conversations(
         if n and len(collected.messages) >= n:
             break
     bar.close()
+    if n and len(collected.messages) < n:
+        logger.warning(f"-n {n}: only {len(collected.messages)} usable conversations in the source; using all of them")
     return collected
 
 
@@ -412,7 +414,8 @@ def _entry(opts: BuildOptions, source: str, tok: Any, num_samples: int, stats: d
         "source": source,
         "split": opts.split,
         "num_samples": num_samples,
-        "tokenizer": opts.tokenizer,
+        # A local tokenizer is recorded absolute so the trainer finds it from any working directory.
+        "tokenizer": str(Path(opts.tokenizer).expanduser().resolve()) if _looks_local(opts.tokenizer) else opts.tokenizer,
         "template_fingerprint": masking.template_fingerprint(tok.chat_template),
         "max_seq_length": opts.max_seq_length,
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -306,6 +306,14 @@ def _build_in_child(src: str, name: str, tokenizer: str, data_dir: str) -> None:
     build_dataset(src, name=name, tokenizer=tokenizer, data_dir=data_dir, num_proc=1)
 
 
+def test_unreachable_hub_fails_fast_without_retries(tmp_path, tok_dirs, monkeypatch):
+    monkeypatch.setattr(build, "_hub_offline", lambda: False)
+    monkeypatch.setattr(build, "hub_reachable", lambda timeout=5.0: False)
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("must not try the Hub"))
+    with pytest.raises(DataInputError, match=r"not reachable.*HF_HUB_OFFLINE=1.*--local_path"):
+        build_dataset("org/name", source_type="hf", name="h", tokenizer=tok_dirs["chatml"], data_dir=str(tmp_path))
+
+
 def test_two_concurrent_builds_share_one_registry(tmp_path, tok_dirs):
     # Forked children: two real processes building at once, without paying the imports again.
     data_dir, ctx = tmp_path / "data", multiprocessing.get_context("fork")
