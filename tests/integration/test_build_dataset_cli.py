@@ -194,6 +194,15 @@ def test_truncate_and_drop_policies(tmp_path, tok_dirs):
     )
 
 
+def test_two_tokenising_processes_give_the_same_rows(tmp_path, tok_dirs):
+    src = str(write_jsonl(tmp_path / "c.jsonl", [{"messages": conversation(i, turns=1)} for i in range(1000)]))
+    data_dir = str(tmp_path / "data")
+    for name, num_proc in (("p1", 1), ("p2", 2)):
+        build_dataset(src, name=name, tokenizer=tok_dirs["chatml"], data_dir=data_dir, num_proc=num_proc)
+    one, two = (datasets.load_from_disk(f"{data_dir}/built_dataset/{n}") for n in ("p1", "p2"))
+    assert len(two) == 1000 and one["input_ids"][:] == two["input_ids"][:] and one["labels"][:] == two["labels"][:]
+
+
 def test_seeded_sample_and_overwrite(tmp_path, tok_dirs, capsys):
     rows = [{"messages": conversation(i)} for i in range(40)]
     src = str(write_jsonl(tmp_path / "c.jsonl", rows))
