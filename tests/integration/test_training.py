@@ -1,0 +1,293 @@
+"""Multi-process training is exactly as correct as one process: real runs of the CLI on CPU over gloo.
+
+The runs (tiny random Qwen3, 256 sample chats, 6 optimizer steps of 16 samples) are shared between
+the tests through `RunPool`; see training_fixtures.py. Tolerances are relative (1e-5): 1 and 2 workers
+add the same numbers in a different order, nothing more.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from functools import partial
+
+import numpy as np
+import pytest
+from training_fixtures import (
+    FAILURE_MARK,
+    MAX_SEQ_LENGTH,
+    MAX_STEPS,
+    SAVE_STEPS,
+    RunPool,
+    RunResult,
+    RunSpec,
+    build_inputs,
+    flat_adapter,
+    processes_mentioning,
+    relative_error,
+)
+
+pytestmark = pytest.mark.slow
+
+RTOL = 1e-5
+SPECS = [
+    RunSpec("packed-2w"),
+    RunSpec("packed-1w", gpus=1, per_device=8),
+    # The sorted-pad pair also covers loss_type="all" (test_response_only_... compares the two types).
+    RunSpec("sorted-2w", batching="sorted-pad", loss_type="all"),
+    RunSpec("sorted-1w", gpus=1, per_device=8, batching="sorted-pad", loss_type="all"),
+    RunSpec("failure", inject_failure=True),
+    RunSpec("resume", resume_from="packed-2w"),
+    RunSpec("torchrun", launcher="torchrun"),
+    RunSpec("tmux", launcher="tmux"),
+]
+
+
+def needs(*names: str):
+    """Declare the runs a test reads, so the pool can start them all before the first test waits."""
+    def mark(test):
+        test.runs_needed = names
+        return test
+    return mark
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("training")
+
+
+@pytest.fixture(scope="module")
+def model_dir(workdir):
+    return build_inputs(workdir)
+
+
+@pytest.fixture(scope="module")
+def runs(request, workdir, model_dir):
+    """The pool, already running every run that the selected tests of this module need."""
+    pool = RunPool(workdir, model_dir, SPECS)
+    selected = [item for item in request.session.items if getattr(item, "module", None) is request.module]
+    pool.submit(name for item in selected for name in getattr(item.function, "runs_needed", ()))
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def dataset(workdir, model_dir):
+    from datasets import load_from_disk
+
+    return load_from_disk(str(workdir / "data" / "built_dataset" / "chat"))
+
+
+def assert_close_per_step(actual: list[float], expected: list[float], what: str) -> None:
+    assert len(actual) == len(expected), f"{what}: {len(actual)} values vs {len(expected)}"
+    rel = np.abs(np.subtract(actual, expected)) / np.abs(expected)
+    assert rel.max() <= RTOL, f"{what} differ: {actual} vs {expected} (relative {rel.tolist()})"
+
+
+# ---------------------------------------------------------------- 1. N workers == 1 worker
+
+
+@pytest.mark.parametrize("pair", [("packed-2w", "packed-1w"), ("sorted-2w", "sorted-1w")],
+                         ids=["packed-response_only", "sorted-pad-all"])
+@needs("packed-2w", "packed-1w", "sorted-2w", "sorted-1w")
+def test_two_workers_match_one_worker_with_the_same_global_batch(runs, pair):
+    multi, single = (runs.get(name).check_ok() for name in pair)
+    a, b = multi.summary, single.summary
+    assert (a["world_size"], b["world_size"]) == (2, 1)
+    assert a["global_batch_size"] == b["global_batch_size"] == 16
+    assert a["steps"] == b["steps"] == MAX_STEPS
+    assert a["tokens_seen"] == b["tokens_seen"] > 0  # the same samples were seen
+    assert_close_per_step(a["step_losses"], b["step_losses"], "per-step losses")
+    assert_close_per_step(a["grad_norms"], b["grad_norms"], "grad norms (before clipping)")
+    assert min(a["grad_norms"]) > 0.3  # max_grad_norm=0.3: every step was clipped on synced gradients
+    weights_multi, weights_single = multi.adapter(), single.adapter()
+    assert sorted(weights_multi) == sorted(weights_single)
+    lora_b = [w for name, w in weights_multi.items() if "lora_B" in name]
+    assert lora_b and all(np.linalg.norm(w) > 1e-3 for w in lora_b)  # B starts at 0: the weights moved
+    error = relative_error(flat_adapter(weights_multi), flat_adapter(weights_single))
+    assert error <= RTOL, f"final adapters differ: relative error {error:.3g}"
+
+
+# ---------------------------------------------------------------- 2. ranks stay in lockstep
+
+
+def _digest_of_saved_adapter(weights: dict[str, np.ndarray]) -> str:
+    """The worker's weight digest (name + float32 bytes, by parameter name) recomputed from the saved
+    adapter; PEFT saves `...lora_A.weight` for the parameter `...lora_A.default.weight`."""
+    digest = hashlib.sha256()
+    named = {name.replace(".weight", ".default.weight"): w for name, w in weights.items()}
+    for name in sorted(named):
+        digest.update(name.encode())
+        digest.update(np.ascontiguousarray(named[name], dtype=np.float32).tobytes())
+    return digest.hexdigest()
+
+
+@pytest.mark.parametrize("name", ["packed-2w", "sorted-2w", "resume", "torchrun"])
+@needs("packed-2w", "sorted-2w", "resume", "torchrun")
+def test_every_rank_ends_with_the_saved_adapter(runs, name):
+    run = runs.get(name).check_ok()
+    records = run.final_records()
+    assert [r["rank"] for r in records] == [0, 1]
+    assert records[0]["trainable_params"] == records[1]["trainable_params"] > 0
+    assert records[0]["sha256"] == records[1]["sha256"], f"ranks diverged: {records}"
+    assert records[0]["sha256"] == _digest_of_saved_adapter(run.adapter())
+
+
+# ---------------------------------------------------------------- 3. response_only
+
+
+def _direct_count(dataset, indices, loss_type: str) -> int:
+    """Targets a causal LM is scored on, from the raw columns: positions >= 1 with a label."""
+    if loss_type == "all":
+        return int(sum(dataset[int(i)]["length"] - 1 for i in indices))
+    return int(sum((np.asarray(dataset[int(i)]["labels"][1:]) != -100).sum() for i in indices))
+
+
+def _load_config(spec: RunSpec, model_dir, loss_type: str):
+    from HyperSloth.config import HyperConfig, TrainingArgsConfig
+
+    hyper = spec.hyper_config(model_dir)
+    hyper["training"]["loss_type"] = loss_type
+    return HyperConfig.model_validate(hyper), TrainingArgsConfig.model_validate(spec.training_config())
+
+
+def test_response_only_labels_cover_exactly_the_assistant_turns(dataset, model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    for row in dataset:
+        ids, labels = np.asarray(row["input_ids"]), np.asarray(row["labels"])
+        trained = labels != -100
+        assert np.array_equal(labels[trained], ids[trained])
+        assert row["num_trainable"] == int(trained[1:].sum()) > 0
+        # Every run of trained tokens is one assistant reply plus its <|im_end|>, and nothing else is trained.
+        edges = np.flatnonzero(np.diff(np.r_[0, trained.astype(np.int8), 0])).reshape(-1, 2)
+        cut = row["length"] == MAX_SEQ_LENGTH  # truncated: the last reply may end mid-way
+        for start, end in edges:
+            assert tokenizer.decode(ids[:start]).endswith("<|im_start|>assistant\n"), row["text"]
+            assert tokenizer.decode(ids[start:end]).endswith("<|im_end|>") or (cut and end == len(ids))
+        assert len(edges) == row["text"].count("<|im_start|>assistant\n") or cut
+
+
+@pytest.mark.parametrize("mode", ["packed", "sorted-pad"])
+def test_loss_denominator_counts_the_trained_tokens_of_each_step(dataset, model_dir, mode):
+    """What the trainer feeds every rank, summed over ranks, against a count from the raw labels."""
+    from HyperSloth.batching import adaptive_partition_batches, steps_per_epoch
+    from HyperSloth.collate import count_trainable
+    from HyperSloth.trainer import PlanSteps, dataset_lengths, plan_spec_for
+
+    counts = {}
+    for loss_type in ("response_only", "all"):
+        hyper, targs = _load_config(RunSpec("plan", batching=mode), model_dir, loss_type)
+        lengths, trainable = dataset_lengths(dataset, loss_type, hyper.fast_model_args.max_seq_length)
+        spec = plan_spec_for(hyper, targs, num_ranks=2)
+        plan = adaptive_partition_batches(lengths, trainable, spec)
+        per_epoch = steps_per_epoch(len(lengths), spec.samples_per_step)
+        rank_steps = [PlanSteps(dataset, partial(adaptive_partition_batches, lengths, trainable, spec), per_epoch,
+                                rank=r, mode=mode, loss_type=loss_type, pad_token_id=0) for r in range(2)]
+        counts[loss_type] = []
+        for step in plan.steps[:MAX_STEPS]:
+            indices = [i for rank in step.ranks for mb in rank for i in mb]
+            assert len(indices) == spec.samples_per_step == 16
+            expected = _direct_count(dataset, indices, loss_type)
+            items = [steps[(0, step.index)] for steps in rank_steps]
+            assert [item["num_items_in_batch"] for item in items] == [expected, expected]
+            assert sum(count_trainable(mb["labels"]) for item in items for mb in item["micro_batches"]) == expected
+            counts[loss_type].append(expected)
+    assert all(r < a for r, a in zip(counts["response_only"], counts["all"])), counts
+
+
+def _expected_step_loss(model_dir, dataset, indices, loss_type: str) -> float:
+    """Mean token cross-entropy of the untrained model (LoRA B = 0) over the step's targets."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="sdpa")
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in indices:
+            row = dataset[int(i)]
+            ids = torch.tensor(row["input_ids"])
+            targets = ids[1:] if loss_type == "all" else torch.tensor(row["labels"][1:])
+            logits = model(ids[None], use_cache=False).logits[0, :-1].double()
+            keep = targets != -100
+            total += float(torch.nn.functional.cross_entropy(logits[keep], targets[keep], reduction="sum"))
+            count += int(keep.sum())
+    return total / count
+
+
+@needs("packed-2w", "sorted-2w")
+def test_response_only_loss_is_the_mean_over_assistant_tokens(runs, dataset, model_dir):
+    from HyperSloth.batching import adaptive_partition_batches
+    from HyperSloth.trainer import dataset_lengths, plan_spec_for
+
+    response_only, everything = runs.get("packed-2w").check_ok(), runs.get("sorted-2w").check_ok()
+    first_losses = {}
+    for run in (response_only, everything):
+        hyper, targs = _load_config(run.spec, model_dir, run.spec.loss_type)
+        lengths, trainable = dataset_lengths(dataset, run.spec.loss_type, hyper.fast_model_args.max_seq_length)
+        first = adaptive_partition_batches(lengths, trainable, plan_spec_for(hyper, targs, 2)).steps[0]
+        indices = sorted(i for rank in first.ranks for mb in rank for i in mb)
+        first_losses[run.spec.loss_type] = (run.summary["step_losses"][0],
+                                            _expected_step_loss(model_dir, dataset, indices, run.spec.loss_type))
+    for loss_type, (actual, expected) in first_losses.items():
+        assert abs(actual - expected) <= RTOL * expected, f"{loss_type}: step 1 loss {actual} != {expected}"
+    assert abs(first_losses["response_only"][0] - first_losses["all"][0]) > 0.05, first_losses
+    assert all(abs(r - a) > 1e-3 for r, a in zip(response_only.summary["step_losses"],
+                                                 everything.summary["step_losses"]))
+
+
+# ---------------------------------------------------------------- 4. failure propagation
+
+
+@needs("failure")
+def test_a_worker_failing_mid_training_stops_the_run_and_names_its_rank(runs):
+    run = runs.get("failure")
+    assert run.returncode == 1, run.output[-3000:]
+    mark = run.out / FAILURE_MARK
+    assert mark.is_file(), f"the failure was never injected:\n{run.output[-3000:]}"
+    seconds = run.ended_at - float(mark.read_text())
+    assert 0 <= seconds < 30, f"the CLI exited {seconds:.1f} s after rank 1 failed"
+    assert "rank 1 (gpu 1) failed with exit code 1" in run.output
+    assert "RuntimeError: injected failure in training step 3" in run.output
+    assert not (run.out / "train_summary.json").exists()
+    assert processes_mentioning(str(run.config)) == []
+
+
+# ---------------------------------------------------------------- 5. resume
+
+
+@needs("packed-2w", "resume")
+def test_resume_from_checkpoint_continues_the_same_trajectory(runs):
+    full, resumed = runs.get("packed-2w").check_ok(), runs.get("resume").check_ok()
+    a, b = full.summary, resumed.summary
+    assert b["steps"] == MAX_STEPS
+    assert_close_per_step(b["step_losses"], a["step_losses"][SAVE_STEPS:], f"losses of steps {SAVE_STEPS + 1}..")
+    assert_close_per_step(b["grad_norms"][SAVE_STEPS:], a["grad_norms"][SAVE_STEPS:], "grad norms after resume")
+    error = relative_error(flat_adapter(full.adapter()), flat_adapter(resumed.adapter()))
+    assert error <= RTOL, f"final adapters differ: relative error {error:.3g}"
+
+
+# ---------------------------------------------------------------- 6./7. other ways to start the workers
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="the tmux binary is not installed")
+@needs("packed-2w", "tmux")
+def test_tmux_run_trains_like_the_launcher(runs):
+    launcher, tmux = runs.get("packed-2w").check_ok(), runs.get("tmux").check_ok()
+    assert "started 2 rank(s) in tmux session 'hs-train'" in tmux.output
+    assert_close_per_step(tmux.summary["step_losses"], launcher.summary["step_losses"], "losses tmux vs launcher")
+    records = tmux.final_records()
+    assert records[0]["sha256"] == records[1]["sha256"]
+
+
+@needs("packed-2w", "torchrun")
+def test_torchrun_launch_trains_like_the_launcher(runs):
+    launcher, torchrun = runs.get("packed-2w").check_ok(), runs.get("torchrun").check_ok()
+    assert "worker 0/2 (torchrun)" in (torchrun.out / "logs" / "rank0.log").read_text()
+    assert torchrun.summary["world_size"] == 2
+    assert_close_per_step(torchrun.summary["step_losses"], launcher.summary["step_losses"],
+                          "losses torchrun vs launcher")
+    assert_close_per_step(torchrun.summary["grad_norms"], launcher.summary["grad_norms"], "grad norms")
+    error = relative_error(flat_adapter(launcher.adapter()), flat_adapter(torchrun.adapter()))
+    assert error <= RTOL, f"final adapters differ: relative error {error:.3g}"

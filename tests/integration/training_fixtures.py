@@ -1,0 +1,275 @@
+"""Real training runs for the integration tests: a tiny model, a built dataset, configs and a run pool.
+
+Every run is the real CLI (`hypersloth-train`, torchrun or `--tmux`) in its own process tree, on CPU
+over gloo. A run costs ~15-40 s on 2 cores (mostly imports), so the pool starts the runs the selected
+tests need at once, two at a time, and each test waits only for the runs it reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+DATASET = "chat"
+SAMPLE_CHAT = Path(__file__).resolve().parents[2] / "data" / "sample_chat.jsonl"
+NUM_CONVERSATIONS = 256
+MAX_SEQ_LENGTH = 512
+MAX_STEPS = 6
+SAVE_STEPS = 3
+RUN_TIMEOUT_S = 420
+FAILURE_MARK = "failed_at.txt"  # written by the injected failure just before it raises
+
+# Rank 1 fails inside its 3rd optimizer step. The config file is executed by every worker, so it can
+# wrap the trainer's public `training_step` there without touching library code.
+FAILURE_INJECTION = '''
+import os as _os, time as _time
+from pathlib import Path as _Path
+if _os.environ.get("HYPERSLOTH_RANK") == "1":
+    from HyperSloth.trainer import HyperSlothTrainer as _Trainer
+    _step, _calls = _Trainer.training_step, []
+    def _failing_step(self, *args, **kwargs):
+        _calls.append(1)
+        if len(_calls) == 3:
+            _Path({mark!r}).write_text(repr(_time.time()))
+            raise RuntimeError("injected failure in training step 3")
+        return _step(self, *args, **kwargs)
+    _Trainer.training_step = _failing_step
+'''
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One training run. The global batch is per_device x 2 (accumulation) x gpus."""
+
+    name: str
+    gpus: int = 2
+    per_device: int = 4
+    batching: Literal["packed", "sorted-pad"] = "packed"
+    loss_type: Literal["all", "response_only"] = "response_only"
+    launcher: Literal["cli", "torchrun", "tmux"] = "cli"
+    resume_from: str | None = None  # copy this run's checkpoint-3 and resume from it
+    inject_failure: bool = False
+
+    def hyper_config(self, model_dir: Path) -> dict[str, Any]:
+        return {
+            "data": {"dataset_name": DATASET, "data_dir": "data"},
+            "training": {
+                "gpus": list(range(self.gpus)),
+                "loss_type": self.loss_type,
+                "batching": self.batching,
+                # Smaller than a step's tokens, so every rank accumulates several packed micro-batches.
+                "tokens_per_micro_batch": 512,
+            },
+            "fast_model_args": {"model_name": str(model_dir), "max_seq_length": MAX_SEQ_LENGTH,
+                                "dtype": "float32", "backend": "transformers"},
+            "lora_args": {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0},
+        }
+
+    def training_config(self) -> dict[str, Any]:
+        resume = f"outputs/{self.name}/checkpoint-{SAVE_STEPS}" if self.resume_from else None
+        return {
+            "output_dir": f"outputs/{self.name}",
+            "per_device_train_batch_size": self.per_device,
+            "gradient_accumulation_steps": 2,
+            "max_steps": MAX_STEPS,
+            "learning_rate": 3e-3,
+            "warmup_steps": 1,
+            "max_grad_norm": 0.3,  # below the observed norms: clipping acts, so it must see synced grads
+            "logging_steps": 1,
+            "save_steps": SAVE_STEPS,
+            "save_total_limit": None,
+            "report_to": "none",
+            "seed": 7,
+            "resume_from_checkpoint": resume,
+        }
+
+
+@dataclass
+class RunResult:
+    """What a finished run left: the CLI's exit code and output, and the output folder."""
+
+    spec: RunSpec
+    out: Path
+    config: Path
+    returncode: int
+    output: str
+    ended_at: float  # time.time() when the CLI exited
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        return json.loads((self.out / "train_summary.json").read_text())
+
+    def final_records(self) -> list[dict[str, Any]]:
+        return [json.loads((self.out / "logs" / f"rank{r}.final.json").read_text()) for r in range(self.spec.gpus)]
+
+    def adapter(self) -> dict[str, np.ndarray]:
+        from safetensors.numpy import load_file
+
+        return load_file(str(self.out / "adapter_model.safetensors"))
+
+    def check_ok(self) -> RunResult:
+        assert self.returncode == 0, f"run {self.spec.name} exited {self.returncode}:\n{self.output[-4000:]}"
+        return self
+
+
+def build_inputs(workdir: Path) -> Path:
+    """Tiny model in workdir/tiny-qwen3 and dataset `chat` registered in workdir/data; returns the model."""
+    from HyperSloth.data.build import build_dataset
+    from HyperSloth.tiny_model import build_tiny_model
+
+    model_dir = build_tiny_model(workdir / "tiny-qwen3")
+    source = workdir / "chat.jsonl"
+    with SAMPLE_CHAT.open() as lines:
+        source.write_text("".join(line for _, line in zip(range(NUM_CONVERSATIONS), lines)))
+    build_dataset(str(source), name=DATASET, tokenizer=str(model_dir), data_dir=str(workdir / "data"),
+                  max_seq_length=MAX_SEQ_LENGTH, num_proc=1)
+    return model_dir
+
+
+def write_config(spec: RunSpec, workdir: Path, model_dir: Path) -> Path:
+    """The config file of a run; plain dicts, which load_config validates like the models."""
+    path = workdir / "configs" / f"{spec.name}.py"
+    path.parent.mkdir(exist_ok=True)
+    text = f"hyper_config = {spec.hyper_config(model_dir)!r}\ntraining_config = {spec.training_config()!r}\n"
+    if spec.inject_failure:
+        text += FAILURE_INJECTION.format(mark=str(workdir / "outputs" / spec.name / FAILURE_MARK))
+    path.write_text(text)
+    return path
+
+
+def run_env(**extra: str) -> dict[str, str]:
+    """CPU only, one thread per worker (so 1 and 2 workers do the same float math, and no run
+    oversubscribes the cores), no Hub, and nothing inherited from an outer torchrun."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TMUX")}
+    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               **extra)
+    return env
+
+
+def _script(name: str) -> list[str]:
+    """A console script of this virtualenv (what users run), else its module."""
+    script = Path(sys.executable).with_name(name)
+    modules = {"hypersloth-train": "HyperSloth.cli.train", "torchrun": "torch.distributed.run"}
+    return [str(script)] if script.is_file() else [sys.executable, "-m", modules[name]]
+
+
+def _run(argv: list[str], cwd: Path, env: dict[str, str], timeout: float) -> tuple[int, str, float]:
+    """Run to completion in its own session; on timeout SIGTERM (the launcher stops its workers), then KILL."""
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            output, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+        output += f"\n[test: killed after {timeout} s]".encode()
+    return proc.returncode, output.decode(errors="replace"), time.time()
+
+
+def _tmux_run(config: Path, out: Path, cwd: Path) -> tuple[int, str, float]:
+    """`hypersloth-train CONFIG --tmux S` on a private tmux server (TMUX_TMPDIR), waited for via the
+    exit-code files the rank windows write; the server is killed afterwards."""
+    socket_dir = tempfile.mkdtemp(prefix="hs-tmux-")  # short: unix socket paths are limited to ~100 bytes
+    env = run_env(TMUX_TMPDIR=socket_dir)
+    try:
+        code, output, _ = _run([*_script("hypersloth-train"), str(config), "--tmux", "hs-train"], cwd, env, 120)
+        codes = [out / "logs" / f"rank{r}.exitcode" for r in range(2)]
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while code == 0 and not all(c.is_file() for c in codes) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        found = {c.name: c.read_text().strip() for c in codes if c.is_file()}
+        output += f"\n[test: rank exit codes {found}]"
+        code = code or (0 if list(found.values()) == ["0", "0"] else 1)
+        return code, output, time.time()
+    finally:
+        subprocess.run(["tmux", "kill-server"], env=env, capture_output=True)
+        shutil.rmtree(socket_dir, ignore_errors=True)
+
+
+class RunPool:
+    """Starts runs in the background (two at a time: 2-3 worker processes share the cores) and hands
+    back their results; a run named in `resume_from` is waited for before its resume starts."""
+
+    def __init__(self, workdir: Path, model_dir: Path, specs: Iterable[RunSpec], parallel: int = 2):
+        self.workdir, self.model_dir = workdir, model_dir
+        self.specs = {spec.name: spec for spec in specs}
+        self._executor = ThreadPoolExecutor(max_workers=parallel)
+        self._futures: dict[str, Future] = {}
+
+    def submit(self, names: Iterable[str]) -> None:
+        for name in names:
+            spec = self.specs[name]
+            if spec.resume_from:
+                self.submit([spec.resume_from])  # queued first, so it never waits behind its resume
+            if name not in self._futures:
+                self._futures[name] = self._executor.submit(self._execute, spec)
+
+    def get(self, name: str) -> RunResult:
+        self.submit([name])
+        return self._futures[name].result()
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def _execute(self, spec: RunSpec) -> RunResult:
+        out = self.workdir / "outputs" / spec.name
+        if spec.resume_from:
+            source = self.get(spec.resume_from).check_ok().out / f"checkpoint-{SAVE_STEPS}"
+            shutil.copytree(source, out / source.name)
+        config = write_config(spec, self.workdir, self.model_dir)
+        if spec.launcher == "tmux":
+            code, output, ended = _tmux_run(config, out, self.workdir)
+        else:
+            argv = [*_script("hypersloth-train"), str(config)]
+            if spec.launcher == "torchrun":
+                from HyperSloth.launch import free_port
+
+                argv = [*_script("torchrun"), "--nproc_per_node", str(spec.gpus), "--master_port", str(free_port()),
+                        "-m", "HyperSloth.cli.train", str(config)]
+            code, output, ended = _run(argv, self.workdir, run_env(), RUN_TIMEOUT_S)
+        return RunResult(spec, out, config, code, output, ended)
+
+
+def processes_mentioning(text: str) -> list[tuple[int, str]]:
+    """Live (non-zombie) processes whose command line contains `text`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmdline and state not in ("Z", "X"):
+            found.append((int(entry.name), cmdline))
+    return found
+
+
+def relative_error(a: np.ndarray, b: np.ndarray) -> float:
+    """||a - b|| / ||a||."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(a))
+
+
+def flat_adapter(weights: dict[str, np.ndarray]) -> np.ndarray:
+    """All adapter tensors as one vector, in name order."""
+    return np.concatenate([weights[name].astype(np.float64).ravel() for name in sorted(weights)])
