@@ -51,6 +51,11 @@ def run(config_path: str, info: dist.DistInfo) -> dict[str, Any] | None:
         os.environ.setdefault("UNSLOTH_COMPILE_LOCATION", f"unsloth_compiled_cache_rank{info.rank}")
         os.environ.setdefault("UNSLOTH_DISABLE_AUTO_PADDING_FREE", "1")
     model_lib.import_backend(backend)  # before transformers/trl are imported below
+    if backend == "unsloth":
+        from HyperSloth.patches import enable_unsloth_torch_varlen
+
+        if enable_unsloth_torch_varlen():
+            logger.info("packed rows use torch's varlen flash kernel (GQA shim for torch 2.11, see patches.py)")
     dist.setup(info, timeout_s=loaded.hyper.training.nccl_timeout_s)
     try:
         return _train(loaded, info, out_dir)

@@ -271,7 +271,7 @@ def run_system(name: str, model: str, a, data: dict) -> dict:
         argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", *argv[1:]]
     started = time.time()
     proc = subprocess.run(argv, timeout=a.timeout, capture_output=True, text=True)
-    log = Path(a.out) / "logs" / f"{model.replace(':', '-')}-{name}.log"
+    log = Path(a.work) / "logs" / f"{model.replace(':', '-')}-{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
