@@ -28,7 +28,7 @@ class PhaseTimer:
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
-        self.totals: dict[str, float] = defaultdict(float)
+        self.per_step: list[dict[str, float]] = []
         self.steps = 0
         self._last = time.perf_counter()
 
@@ -42,7 +42,9 @@ class PhaseTimer:
             return
         _sync()
         now = time.perf_counter()
-        self.totals[phase] += now - self._last
+        if len(self.per_step) <= self.steps:
+            self.per_step.append(defaultdict(float))
+        self.per_step[self.steps][phase] += now - self._last
         self._last = now
 
     @contextmanager
@@ -51,11 +53,13 @@ class PhaseTimer:
         yield
         self.mark(name)
 
-    def mean_per_step(self) -> dict[str, float]:
-        """Mean seconds per optimizer step for each phase (empty when disabled)."""
-        if not self.enabled or self.steps == 0:
+    def mean_per_step(self, skip: int = 2) -> dict[str, float]:
+        """Mean seconds per optimizer step for each phase, leaving out the first `skip` steps (compilation
+        and warm-up) when there are more; empty when disabled."""
+        steps = self.per_step[skip:] if len(self.per_step) > skip else self.per_step
+        if not self.enabled or not steps:
             return {}
-        return {p: self.totals.get(p, 0.0) / self.steps for p in PHASES}
+        return {p: sum(s.get(p, 0.0) for s in steps) / len(steps) for p in PHASES}
 
 
 class StepClock(TrainerCallback):

@@ -240,6 +240,7 @@ SYSTEMS = {
     "hypersloth-1": dict(runner="hypersloth", gpus=1, micro=32, accum=1, gc=False),
     "hypersloth-2": dict(runner="hypersloth", gpus=2, micro=16, accum=1, gc=False),
     "hypersloth-2-gc": dict(runner="hypersloth", gpus=2, micro=16, accum=1, gc="unsloth"),
+    "hypersloth-2-profile": dict(runner="hypersloth", gpus=2, micro=16, accum=1, gc=False, profile=True),
 }
 
 
@@ -265,7 +266,7 @@ def run_system(name: str, model: str, a, data: dict) -> dict:
     argv = [sys.executable, __file__, "--run", system["runner"], "--model", model, "--work", a.work,
             "--checkpoint", f"{a.work}/ckpt_{shape_of(model)}", "--steps", str(a.warmup + a.steps), "--micro",
             str(system["micro"]), "--accum", str(system["accum"]), "--gc", str(system["gc"]),
-            "--gpus", str(system["gpus"]), "--token-budget", str(a.token_budget), "--profile", str(a.profile),
+            "--gpus", str(system["gpus"]), "--token-budget", str(a.token_budget), "--profile", str(system.get("profile", a.profile)),
             "--loader-workers", str(a.loader_workers), "--result", f"{a.work}/result.json"]
     if system["runner"] == "trl":
         argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", *argv[1:]]
