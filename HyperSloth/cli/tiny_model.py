@@ -1,0 +1,72 @@
+"""``hypersloth-tiny-model``: build the embedded tiny Qwen3 + ChatML tokenizer for offline runs.
+
+Usage::
+
+    hypersloth-tiny-model [OUT_DIR=build/tiny-qwen3] [--data_path FILE.jsonl] [--force]
+    python -m HyperSloth.cli.tiny_model build/tiny-qwen3
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import sys
+from pathlib import Path
+
+import fire
+
+from HyperSloth.tiny_model import build_tiny_model
+
+DEFAULT_OUT_DIR = "build/tiny-qwen3"
+
+
+def tiny_model(out_dir: str = DEFAULT_OUT_DIR, data_path: str | None = None, force: bool = False) -> None:
+    """Build (or reuse) the tiny random-weight Qwen3 in OUT_DIR and print what is there.
+
+    Args:
+        out_dir: folder to write the Hugging Face model + tokenizer into.
+        data_path: OpenAI-messages JSONL to train the tokenizer on (default: data/sample_chat.jsonl).
+        force: replace a non-empty OUT_DIR that holds something else.
+    """
+    try:
+        path = build_tiny_model(out_dir, data_path=data_path, force=force)
+    except (FileNotFoundError, FileExistsError) as error:
+        print(f"hypersloth-tiny-model: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(describe(path))
+
+
+def describe(path: Path) -> str:
+    """What was built: path, parameter count, vocabulary size and shape, read from the saved files."""
+    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    return "\n".join(
+        [
+            f"tiny model: {path}",
+            f"parameters: {count_parameters(path / 'model.safetensors'):,}",
+            f"vocab size: {config['vocab_size']}",
+            f"layers: {config['num_hidden_layers']}, hidden: {config['hidden_size']}, "
+            f"heads: {config['num_attention_heads']}/{config['num_key_value_heads']} (q/kv)",
+        ]
+    )
+
+
+def count_parameters(safetensors_file: Path) -> int:
+    """Sum the element counts in a safetensors header (a u64 length, then JSON).
+
+    Reading the header directly keeps the idempotent no-op run free of the multi-second torch
+    import. The tied lm_head is not stored, so each parameter is counted once.
+    """
+    with open(safetensors_file, "rb") as handle:
+        (header_len,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(header_len))
+    return sum(math.prod(entry["shape"]) for name, entry in header.items() if name != "__metadata__")
+
+
+def main() -> None:
+    """Console-script entry point."""
+    fire.Fire(tiny_model)
+
+
+if __name__ == "__main__":
+    main()

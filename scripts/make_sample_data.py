@@ -1,0 +1,164 @@
+#!/usr/bin/env python
+"""Write the embedded sample chat dataset: ``data/sample_chat.jsonl``.
+
+Each line is one conversation in OpenAI messages form::
+
+    {"messages": [{"content": "...", "role": "system"}, {"content": "reverse: a b", "role": "user"},
+                  {"content": "b a", "role": "assistant"}, ...]}
+
+The tasks use fixed phrasing over a tiny vocabulary (reverse, sort, count, uppercase, repeat,
+next letters) so a 2-layer, 64-wide model visibly lowers its loss within a few dozen steps.
+List lengths are skewed (many short, a few long) so padding and the batching planner matter.
+
+The output is byte-for-byte reproducible: only ``random.Random(seed)`` integer draws are used
+(no float maths whose last bit could differ between libm builds), JSON is written with sorted
+keys and ``\\n`` line ends. Usage::
+
+    python scripts/make_sample_data.py [--n 2000] [--seed 0] [--out data/sample_chat.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import string
+from pathlib import Path
+from typing import Callable
+
+Message = dict[str, str]
+
+WORDS: tuple[str, ...] = (
+    "cat", "dog", "sun", "moon", "tree", "fish", "bird", "star", "rain", "snow",
+    "red", "blue", "green", "gold", "milk", "bread", "apple", "stone", "river", "cloud",
+)  # fmt: skip
+DIGITS: tuple[str, ...] = tuple(string.digits)
+LETTERS: str = string.ascii_lowercase
+SYSTEM_PROMPTS: tuple[str, ...] = (
+    "You are a helpful assistant.",
+    "You are a precise text tool. Answer with the result only.",
+    "Follow the instruction exactly.",
+)
+# Octaves of list length with integer weights: a discrete log-scale draw (many short lists, a
+# few long ones) that needs no floating point, so every platform draws the same numbers.
+LENGTH_OCTAVES: tuple[tuple[int, int, int], ...] = (
+    (1, 3, 12),
+    (4, 7, 22),
+    (8, 15, 27),
+    (16, 31, 22),
+    (32, 63, 11),
+    (64, 127, 5),
+    (128, 240, 1),
+)
+TURN_WEIGHTS: tuple[tuple[int, int], ...] = ((1, 20), (2, 30), (3, 27), (4, 23))
+SYSTEM_PERCENT = 30
+
+
+def weighted_choice(rng: random.Random, options: tuple[tuple, ...]) -> tuple:
+    """Pick one option; the last element of each option is its integer weight."""
+    ticket = rng.randrange(sum(option[-1] for option in options))
+    for option in options:
+        ticket -= option[-1]
+        if ticket < 0:
+            return option
+    raise AssertionError("unreachable: ticket always falls inside the total weight")
+
+
+def list_length(rng: random.Random) -> int:
+    """Draw a skewed list length in [1, 240]: pick an octave by weight, then uniform inside."""
+    low, high, _ = weighted_choice(rng, LENGTH_OCTAVES)
+    return rng.randint(low, high)
+
+
+def _words(rng: random.Random) -> list[str]:
+    return [rng.choice(WORDS) for _ in range(list_length(rng))]
+
+
+def task_reverse(rng: random.Random) -> tuple[str, str]:
+    """Reverse a word list: ``reverse: a b c`` -> ``c b a``."""
+    items = _words(rng)
+    return "reverse: " + " ".join(items), " ".join(reversed(items))
+
+
+def task_sort(rng: random.Random) -> tuple[str, str]:
+    """Sort digits: ``sort: 5 2 9`` -> ``2 5 9``."""
+    items = [rng.choice(DIGITS) for _ in range(list_length(rng))]
+    return "sort: " + " ".join(items), " ".join(sorted(items))
+
+
+def task_count(rng: random.Random) -> tuple[str, str]:
+    """Count words: ``count the words: cat dog sun`` -> ``3``."""
+    items = _words(rng)
+    return "count the words: " + " ".join(items), str(len(items))
+
+
+def task_uppercase(rng: random.Random) -> tuple[str, str]:
+    """Upper-case words: ``uppercase: cat dog`` -> ``CAT DOG``."""
+    items = _words(rng)
+    text = " ".join(items)
+    return "uppercase: " + text, text.upper()
+
+
+def task_repeat(rng: random.Random) -> tuple[str, str]:
+    """Repeat a word: ``repeat 3 times: cat`` -> ``cat cat cat``."""
+    times = list_length(rng)
+    word = rng.choice(WORDS)
+    return f"repeat {times} times: {word}", " ".join([word] * times)
+
+
+def task_next_letters(rng: random.Random) -> tuple[str, str]:
+    """Continue the alphabet: ``next 3 letters after d:`` -> ``e f g`` (never past z)."""
+    start = rng.randrange(len(LETTERS) - 1)
+    count = rng.randint(1, min(8, len(LETTERS) - 1 - start))
+    letters = LETTERS[start + 1 : start + 1 + count]
+    return f"next {count} letters after {LETTERS[start]}:", " ".join(letters)
+
+
+TASKS: tuple[Callable[[random.Random], tuple[str, str]], ...] = (
+    task_reverse, task_sort, task_count, task_uppercase, task_repeat, task_next_letters,
+)  # fmt: skip
+
+
+def make_conversation(rng: random.Random) -> list[Message]:
+    """One conversation: an optional system message, then 1-4 user/assistant turns."""
+    messages: list[Message] = []
+    if rng.randrange(100) < SYSTEM_PERCENT:
+        messages.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
+    (num_turns, _) = weighted_choice(rng, TURN_WEIGHTS)
+    for _ in range(num_turns):
+        prompt, answer = rng.choice(TASKS)(rng)
+        messages.append({"role": "user", "content": prompt})
+        messages.append({"role": "assistant", "content": answer})
+    return messages
+
+
+def generate(n: int = 2000, seed: int = 0) -> list[dict[str, list[Message]]]:
+    """Return ``n`` conversations as ``{"messages": [...]}`` records, fully determined by ``seed``."""
+    rng = random.Random(seed)
+    return [{"messages": make_conversation(rng)} for _ in range(n)]
+
+
+def to_jsonl(records: list[dict[str, list[Message]]]) -> bytes:
+    """Serialise records as UTF-8 JSONL with sorted keys and "\\n" line ends (stable bytes)."""
+    lines = (json.dumps(record, ensure_ascii=False, sort_keys=True) for record in records)
+    return "".join(line + "\n" for line in lines).encode("utf-8")
+
+
+def main(argv: list[str] | None = None) -> Path:
+    """Parse arguments, write the JSONL file and print a one-line summary."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=2000, help="number of conversations")
+    parser.add_argument("--seed", type=int, default=0, help="random seed")
+    parser.add_argument("--out", type=Path, default=Path("data/sample_chat.jsonl"), help="output file")
+    args = parser.parse_args(argv)
+    if args.n < 1:
+        parser.error("--n must be at least 1")
+    payload = to_jsonl(generate(args.n, args.seed))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_bytes(payload)
+    print(f"wrote {args.n} conversations ({len(payload)} bytes) to {args.out}")
+    return args.out
+
+
+if __name__ == "__main__":
+    main()
