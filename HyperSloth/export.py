@@ -12,8 +12,9 @@ RUN is a run's output_dir or one of its checkpoint-N folders. The base model is 
 the chosen dtype from its original weights and the adapter is added to those. This is the usual
 QLoRA merge; the result differs from the trained model by the base's quantisation error. A base
 stored pre-quantised (e.g. `unsloth/Qwen3-8B-bnb-4bit`, whose config.json holds a
-quantization_config) has no original weights to load: pass `base` = its 16-bit original
-(e.g. `unsloth/Qwen3-8B`). The merge runs on CPU, so it needs about (parameters x dtype size) of RAM.
+quantization_config) has no original weights to load: for the merge, pass `base` = its 16-bit
+original (e.g. `unsloth/Qwen3-8B`); the adapter alone exports against the quantised base as is.
+The merge runs on CPU, so it needs about (parameters x dtype size) of RAM.
 
 A full fine-tuning run has no adapter: its weights are already the model, and OUT/merged gets
 them re-saved in the chosen dtype. Every user mistake raises `ExportError` with what to change.
@@ -110,7 +111,7 @@ def export_run(
         logger.info(f"{source.path} is a full fine-tune: no adapter to export; writing its weights to merged/")
         merged = save_full_model(source.path, out_dir / "merged", dtype=dtype, force=True)
         return ExportResult(adapter_dir=None, merged_dir=merged, base=source.base)
-    base_name = resolve_base(source, base)
+    base_name = resolve_base(source, base, for_merge=merge)  # before writing anything
     adapter = export_adapter(source.path, out_dir / "adapter", base=base_name, force=True, verify=verify)
     merged = merge_adapter(source.path, out_dir / "merged", base=base_name, dtype=dtype, force=True) if merge else None
     return ExportResult(adapter_dir=adapter, merged_dir=merged, base=base_name)
@@ -161,7 +162,7 @@ def merge_adapter(
     source = inspect_run(run_dir)
     if source.kind != "adapter":
         return save_full_model(source.path, dest, dtype=dtype, force=force)
-    base_name = resolve_base(source, base)
+    base_name = resolve_base(source, base, for_merge=True)
     if source.load_in_4bit:
         logger.info(f"the run trained on a 4-bit base; merging into {base_name}'s unquantised weights in {dtype}")
     with _staged(Path(dest), force) as staging:
@@ -188,8 +189,12 @@ def save_full_model(
     return Path(dest)
 
 
-def resolve_base(source: RunSource, override: str | None = None) -> str:
-    """The base model to load: an absolute local folder or a hub id; ExportError if missing or pre-quantised."""
+def resolve_base(source: RunSource, override: str | None = None, *, for_merge: bool = False) -> str:
+    """The base model: an absolute local folder or a hub id; ExportError if missing.
+
+    `for_merge` also refuses a pre-quantised base (the merge needs its original weights); an adapter
+    alone is exported against whatever base it was trained on.
+    """
     name = override or source.base
     if not name:
         raise ExportError(f"{source.path} does not name its base model (no {CONFIG_FILE}, no base_model_name_or_path "
@@ -204,7 +209,7 @@ def resolve_base(source: RunSource, override: str | None = None) -> str:
                           "id of the model the run was trained from")
     else:
         quant = _hub_config(name).get("quantization_config")
-    if quant:
+    if quant and for_merge:
         raise ExportError(_prequantised_message(name, quant))
     return name
 

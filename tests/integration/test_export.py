@@ -159,7 +159,7 @@ def test_base_override_and_relative_name_resolved_next_to_the_config(tiny, run, 
     assert export_run(moved, tmp_path / "b", base=str(tiny)).base == str(tiny)
 
 
-def test_prequantised_base_asks_for_the_original_weights(tiny, run, tmp_path):
+def test_prequantised_base_merge_asks_for_the_original_weights(tiny, run, tmp_path):
     run_dir, _ = run
     quantised = tmp_path / "Qwen3-8B-bnb-4bit"
     shutil.copytree(tiny, quantised)
@@ -168,6 +168,13 @@ def test_prequantised_base_asks_for_the_original_weights(tiny, run, tmp_path):
     (quantised / "config.json").write_text(json.dumps(config))
     with pytest.raises(ExportError, match=r"stored pre-quantised \(bitsandbytes\).*e\.g\. --base .*/Qwen3-8B$"):
         merge_adapter(run_dir, tmp_path / "merged", base=str(quantised))
+    with pytest.raises(ExportError, match="stored pre-quantised"):
+        export_run(run_dir, tmp_path / "out", merge=True, base=str(quantised))
+    assert not (tmp_path / "out").exists()  # refused before the adapter was written
+    # The adapter alone is fine against the quantised base it was trained on (QLoRA's usual case).
+    adapter = export_adapter(run_dir, tmp_path / "adapter", base=str(quantised))
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(quantised)
 
 
 def test_qlora_run_merges_into_the_unquantised_base(tiny, run, tmp_path):
