@@ -8,6 +8,7 @@ add the same numbers in a different order, nothing more.
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 from functools import partial
 
@@ -30,6 +31,7 @@ from training_fixtures import (
 pytestmark = pytest.mark.slow
 
 RTOL = 1e-5
+HAVE_TMUX = shutil.which("tmux") is not None
 SPECS = [
     RunSpec("packed-2w"),
     RunSpec("packed-1w", gpus=1, per_device=8),
@@ -99,7 +101,7 @@ def test_two_workers_match_one_worker_with_the_same_global_batch(runs, pair):
     assert a["tokens_seen"] == b["tokens_seen"] > 0  # the same samples were seen
     assert_close_per_step(a["step_losses"], b["step_losses"], "per-step losses")
     assert_close_per_step(a["grad_norms"], b["grad_norms"], "grad norms (before clipping)")
-    assert min(a["grad_norms"]) > 0.3  # max_grad_norm=0.3: every step was clipped on synced gradients
+    assert min(a["grad_norms"]) > 0.01  # max_grad_norm=0.01: every step was clipped, after the sync
     weights_multi, weights_single = multi.adapter(), single.adapter()
     assert sorted(weights_multi) == sorted(weights_single)
     lora_b = [w for name, w in weights_multi.items() if "lora_B" in name]
@@ -266,13 +268,31 @@ def test_resume_from_checkpoint_continues_the_same_trajectory(runs):
     assert_close_per_step(b["grad_norms"][SAVE_STEPS:], a["grad_norms"][SAVE_STEPS:], "grad norms after resume")
     error = relative_error(flat_adapter(full.adapter()), flat_adapter(resumed.adapter()))
     assert error <= RTOL, f"final adapters differ: relative error {error:.3g}"
+    checkpoint = full.out / f"checkpoint-{SAVE_STEPS}"
+    assert json.loads((checkpoint / "hypersloth_plan_state.json").read_text())["global_step"] == SAVE_STEPS
+    saved = json.loads((checkpoint / "hypersloth_config.json").read_text())
+    assert saved["training_config"]["per_device_train_batch_size"] == full.spec.per_device
+
+
+@pytest.mark.xfail(strict=True, reason="library bug: HyperSlothTrainer.tokens_seen restarts at 0 on resume "
+                   "(trainer.py __init__; not stored in the checkpoint)")
+@needs("packed-2w", "resume")
+def test_resume_keeps_counting_tokens_seen(runs):
+    full, resumed = runs.get("packed-2w").check_ok(), runs.get("resume").check_ok()
+
+    def logged(run: RunResult) -> list[int]:
+        state = json.loads((run.out / f"checkpoint-{MAX_STEPS}" / "trainer_state.json").read_text())
+        return [h["tokens_seen"] for h in state["log_history"] if "loss" in h]
+
+    assert logged(resumed) == logged(full)
+    assert resumed.summary["tokens_seen"] == full.summary["tokens_seen"]
 
 
 # ---------------------------------------------------------------- 6./7. other ways to start the workers
 
 
-@pytest.mark.skipif(shutil.which("tmux") is None, reason="the tmux binary is not installed")
-@needs("packed-2w", "tmux")
+@pytest.mark.skipif(not HAVE_TMUX, reason="the tmux binary is not installed")
+@needs("packed-2w", *(["tmux"] if HAVE_TMUX else []))
 def test_tmux_run_trains_like_the_launcher(runs):
     launcher, tmux = runs.get("packed-2w").check_ok(), runs.get("tmux").check_ok()
     assert "started 2 rank(s) in tmux session 'hs-train'" in tmux.output
