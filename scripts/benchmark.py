@@ -263,7 +263,7 @@ def _padding_pct(system: dict, data: dict) -> float:
 
 def run_system(name: str, model: str, a, data: dict) -> dict:
     system = SYSTEMS[name]
-    argv = [sys.executable, __file__, "--run", system["runner"], "--model", model, "--work", a.work,
+    argv = [sys.executable, __file__, "--as-system", system["runner"], "--model", model, "--work", a.work,
             "--checkpoint", f"{a.work}/ckpt_{shape_of(model)}", "--steps", str(a.warmup + a.steps), "--micro",
             str(system["micro"]), "--accum", str(system["accum"]), "--gc", str(system["gc"]),
             "--gpus", str(system["gpus"]), "--token-budget", str(a.token_budget), "--profile", str(system.get("profile", a.profile)),
@@ -314,12 +314,12 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     p.add_argument("--timeout", type=int, default=400)
     # internal: run one system in this process
-    p.add_argument("--run"), p.add_argument("--model"), p.add_argument("--checkpoint"), p.add_argument("--result")
+    p.add_argument("--as-system"), p.add_argument("--model"), p.add_argument("--checkpoint"), p.add_argument("--result")
     p.add_argument("--micro", type=int), p.add_argument("--accum", type=int), p.add_argument("--gpus", type=int)
     p.add_argument("--gc", type=lambda s: {"True": True, "False": False}.get(s, s), default=False)
     a = p.parse_args()
-    if a.run:
-        result = {"unsloth": run_stock_unsloth, "trl": run_stock_trl_ddp, "hypersloth": run_hypersloth}[a.run](a)
+    if a.as_system:
+        result = {"unsloth": run_stock_unsloth, "trl": run_stock_trl_ddp, "hypersloth": run_hypersloth}[a.as_system](a)
         if result is not None:
             Path(a.result).write_text(json.dumps(result))
         return
