@@ -31,7 +31,7 @@ def tiny_model(out_dir: str = DEFAULT_OUT_DIR, data_path: str | None = None, for
     """
     try:
         path = build_tiny_model(out_dir, data_path=data_path, force=force)
-    except (FileNotFoundError, FileExistsError) as error:
+    except (FileNotFoundError, FileExistsError, ValueError) as error:
         print(f"hypersloth-tiny-model: {error}", file=sys.stderr)
         raise SystemExit(2) from None
     print(describe(path))

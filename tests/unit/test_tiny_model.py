@@ -45,6 +45,9 @@ def test_loads_and_generates_from_chat_prompt(built: Path, tokenizer) -> None:
     assert model.config.model_type == "qwen3" and model.dtype == torch.float32
     assert model.config.tie_word_embeddings and model.config.vocab_size == len(tokenizer) == 512
     assert sum(p.numel() for p in model.parameters()) == EXPECTED_PARAMS
+    # initializer_range 0.1 (not Qwen3's 0.02): the std that lets LoRA learn on a random base.
+    for weight in (model.model.embed_tokens.weight, model.model.layers[0].mlp.up_proj.weight):
+        assert 0.095 < weight.std().item() < 0.105
     ids = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     out = model.generate(**ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
     assert out.shape == (1, ids["input_ids"].shape[1] + 4)
@@ -135,6 +138,20 @@ def test_crash_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyP
 def test_missing_data_names_the_flag(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="--data_path"):
         build_tiny_model(tmp_path / "model", data_path=tmp_path / "absent.jsonl")
+
+
+def test_malformed_data_names_the_line(tmp_path: Path) -> None:
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"text": "no messages"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2 .*--data_path"):
+        build_tiny_model(tmp_path / "model", data_path=data)
+    assert not (tmp_path / "model").exists()
+
+
+def test_tokenizer_config_loads_on_transformers_4_and_5(built: Path, tokenizer) -> None:
+    config = json.loads((built / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert tokenizer.chat_template == CHATML_TEMPLATE
 
 
 def test_cli_reports_what_it_built(built: Path, capsys: pytest.CaptureFixture) -> None:
