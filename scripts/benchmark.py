@@ -301,6 +301,34 @@ def run_system(name: str, model: str, a, data: dict) -> dict:
     return record
 
 
+def render(records_path: Path, out_dir: Path) -> None:
+    """Markdown table (printed) and a bar chart PNG of s/step per system and model from a records file."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [r for r in json.loads(records_path.read_text()) if "error" not in r]
+    print("| system | model | GPUs | micro x accum | grad ckpt | s/step | tokens/s | tokens/s/GPU | MFU % "
+          "| peak GB/GPU | padding % |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in records:
+        print(f"| {r['system']} | {r['model']} | {r['gpus']} | {r['micro_batch']} x {r['grad_accum']} | "
+              f"{r['gradient_checkpointing']} | {r['s_per_step']:.3f} | {r['tokens_per_s']:,.0f} | "
+              f"{r['tokens_per_s_per_gpu']:,.0f} | {r['mfu_pct']:.1f} | {r['peak_gb']:.1f} | {r['padding_pct']:.1f} |")
+    models = sorted({r["model"] for r in records})
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4))
+    for ax, model in zip(np.atleast_1d(axes), models):
+        rows = [r for r in records if r["model"] == model]
+        ax.barh([r["system"] for r in rows], [r["s_per_step"] for r in rows],
+                color=["tab:green" if r["system"].startswith("hypersloth") else "tab:gray" for r in rows])
+        ax.set_title(f"Qwen3-{model}, global batch 32")
+        ax.set_xlabel("s / step (lower is better)")
+        ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(out_dir / "benchmarks.png", dpi=120)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="0.6b,8b")
@@ -313,11 +341,15 @@ def main() -> None:
     p.add_argument("--work", default="/tmp/hs_bench")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     p.add_argument("--timeout", type=int, default=400)
+    p.add_argument("--render", help="print the markdown table and write benchmarks.png for a records JSON file")
     # internal: run one system in this process
     p.add_argument("--as-system"), p.add_argument("--model"), p.add_argument("--checkpoint"), p.add_argument("--result")
     p.add_argument("--micro", type=int), p.add_argument("--accum", type=int), p.add_argument("--gpus", type=int)
     p.add_argument("--gc", type=lambda s: {"True": True, "False": False}.get(s, s), default=False)
     a = p.parse_args()
+    if a.render:
+        render(Path(a.render), Path(a.out))
+        return
     if a.as_system:
         result = {"unsloth": run_stock_unsloth, "trl": run_stock_trl_ddp, "hypersloth": run_hypersloth}[a.as_system](a)
         if result is not None:
