@@ -12,6 +12,7 @@ This module imports no model code; torch only lazily, to count GPUs.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -259,7 +260,15 @@ class _Supervisor:
         return None
 
     def failure(self, spec: WorkerSpec, code: int) -> RankFailure:
-        """The report of a failed rank; call after `stop`, when its stderr is complete."""
+        """The report of the failed rank that failed first; call after `stop`, when stderr is complete.
+
+        When one rank raises, its peers soon fail too (their collective loses a peer) and may exit first.
+        Workers stamp the moment their exception was raised into `rank{r}.failure.json`, before the
+        process group is torn down, so the earliest stamp names the root cause."""
+        first = _earliest_failed_rank(self.logs_dir)
+        if first is not None and first != spec.rank:
+            spec = self.specs[first]
+            code = self.procs[first].returncode
         tail = self.pumps[spec.rank].tail()
         return RankFailure(spec.rank, spec.gpu, code, tail, self.logs_dir / f"rank{spec.rank}.stderr")
 
@@ -337,6 +346,8 @@ def launch(
     specs = build_worker_specs(config_path, gpus, output_dir, cuda=cuda, worker_argv=worker_argv)
     logs_dir = Path(output_dir) / "logs"
     logs_dir.mkdir(parents=True, exist_ok=True)
+    for stale in logs_dir.glob("rank*.failure.json"):  # a previous run's stamps must not name a culprit
+        stale.unlink()
     device = "GPU(s) " + ",".join(map(str, gpus)) if cuda else "CPU (gloo)"
     _say(f"starting {len(specs)} worker(s) on {device}, port {specs[0].env['HYPERSLOTH_MASTER_PORT']}; logs in {logs_dir}")
     supervisor = _Supervisor(specs, logs_dir, grace_s)
@@ -358,6 +369,17 @@ def launch(
         return 1
     _say(f"all {len(specs)} worker(s) finished; output in {Path(output_dir).resolve()}")
     return 0
+
+
+def _earliest_failed_rank(logs_dir: Path) -> int | None:
+    stamps = []
+    for path in Path(logs_dir).glob("rank*.failure.json"):
+        try:
+            record = json.loads(path.read_text())
+            stamps.append((float(record["time"]), int(record["rank"])))
+        except (OSError, ValueError, KeyError):
+            continue
+    return min(stamps)[1] if stamps else None
 
 
 # ---------------------------------------------------------------- tmux: one window per rank

@@ -136,9 +136,14 @@ class HyperSlothTrainer(SFTTrainer):
         self.timer = PhaseTimer(profile)
         self.clock = StepClock(self.timer)
         kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self.clock]
-        self.tokens_seen = 0
+        self.tokens_this_run = 0  # for throughput; the cumulative count lives in the checkpointed state
         self._step_losses: list[torch.Tensor] = []
         super().__init__(*args, **kwargs)
+
+    @property
+    def tokens_seen(self) -> int:
+        """Real (non-padding) tokens of all steps so far, across ranks; survives a resume."""
+        return int(self.state.num_input_tokens_seen)
 
     @property
     def step_losses(self) -> list[float]:
@@ -174,7 +179,8 @@ class HyperSlothTrainer(SFTTrainer):
             local_loss += loss.detach().float()
         global_loss = self.grad_sync.all_reduce(local_loss.reshape(1))[0]
         self.timer.mark("allreduce")
-        self.tokens_seen += int(inputs["real_tokens"])
+        self.tokens_this_run += int(inputs["real_tokens"])
+        self.state.num_input_tokens_seen += int(inputs["real_tokens"])
         self._step_losses.append(global_loss.detach())  # kept on device: no host sync per step
         return global_loss.to(self.args.device)
 

@@ -59,8 +59,18 @@ def run(config_path: str, info: dist.DistInfo) -> dict[str, Any] | None:
     dist.setup(info, timeout_s=loaded.hyper.training.nccl_timeout_s)
     try:
         return _train(loaded, info, out_dir)
+    except BaseException as err:
+        _record_failure(out_dir, info.rank, err)
+        raise
     finally:
         dist.teardown()
+
+
+def _record_failure(out_dir: Path, rank: int, err: BaseException) -> None:
+    """Stamp when this rank's exception was raised, before the process group goes down: the peers'
+    errors that follow come later, so the launcher can name the rank that failed first."""
+    path = logs.log_path(out_dir, rank).with_suffix(".failure.json")
+    path.write_text(json.dumps({"rank": rank, "time": time.time(), "error": f"{type(err).__name__}: {err}"}))
 
 
 def _train(loaded: LoadedConfig, info: dist.DistInfo, out_dir: Path) -> dict[str, Any] | None:
@@ -122,7 +132,7 @@ def _summary(trainer, setup, result, wall_s: float, info: dist.DistInfo) -> dict
         "last_loss": trainer.step_losses[-1] if trainer.step_losses else None,
         "tokens_seen": trainer.tokens_seen,
         "train_runtime_s": runtime,
-        "tokens_per_s": trainer.tokens_seen / runtime if runtime else None,
+        "tokens_per_s": trainer.tokens_this_run / runtime if runtime else None,
         "padding_pct": stats["padding_pct"],
         "random_padding_pct": stats["random_padding_pct"],
         "imbalance": stats["imbalance"],

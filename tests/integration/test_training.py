@@ -274,8 +274,6 @@ def test_resume_from_checkpoint_continues_the_same_trajectory(runs):
     assert saved["training_config"]["per_device_train_batch_size"] == full.spec.per_device
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: HyperSlothTrainer.tokens_seen restarts at 0 on resume "
-                   "(trainer.py __init__; not stored in the checkpoint)")
 @needs("packed-2w", "resume")
 def test_resume_keeps_counting_tokens_seen(runs):
     full, resumed = runs.get("packed-2w").check_ok(), runs.get("resume").check_ok()
