@@ -112,7 +112,7 @@ def read_registry(data_dir: str | os.PathLike) -> dict[str, dict[str, Any]]:
     if not registry.is_file():
         raise ConfigError(
             f"no dataset registry at {registry}: build a dataset first with "
-            "`hypersloth-build-dataset ... --name NAME`, or set data_dir to the folder that holds data_config.json"
+            "`hypersloth-build-dataset --local_path FILE_OR_DIR --tokenizer MODEL --name NAME`, or set data_dir to the folder that holds data_config.json"
         )
     try:
         content = json.loads(registry.read_text())
@@ -155,7 +155,7 @@ class DataConfig(BaseModel):
             known = ", ".join(sorted(datasets)) or "(none)"
             raise ConfigError(
                 f"dataset '{self.dataset_name}' is not registered in {Path(self.data_dir) / REGISTRY_FILE} "
-                f"(registered: {known}); build it with `hypersloth-build-dataset ... --name {self.dataset_name}`"
+                f"(registered: {known}); build it with `hypersloth-build-dataset --local_path FILE_OR_DIR --tokenizer MODEL --name {self.dataset_name}`"
             )
         return datasets[self.dataset_name]
 

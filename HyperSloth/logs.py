@@ -20,6 +20,14 @@ def log_path(output_dir: str | Path, rank: int) -> Path:
     return Path(output_dir) / "logs" / f"rank{rank}.log"
 
 
+class _OwnProcessGroupFilter(logging.Filter):
+    """Drop transformers' hint to launch with torch.distributed: HyperSloth creates the process group
+    itself and deliberately keeps the Trainer in single-process mode (see dist.py)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "parallel_mode != ParallelMode.DISTRIBUTED" not in record.getMessage()
+
+
 def configure(rank: int, output_dir: str | Path, *, console_all_ranks: bool = False) -> Path:
     """Send loguru output to `{output_dir}/logs/rank{rank}.log`, and to stderr on rank 0.
 
@@ -31,6 +39,7 @@ def configure(rank: int, output_dir: str | Path, *, console_all_ranks: bool = Fa
     logger.remove()
     logger.configure(extra={"rank": rank})
     logger.add(path, format=FORMAT, level="DEBUG", enqueue=False, colorize=False)
+    logging.getLogger("transformers.training_args").addFilter(_OwnProcessGroupFilter())
     if rank == 0 or console_all_ranks:
         logger.add(sys.stderr, format=FORMAT, level="INFO", colorize=sys.stderr.isatty())
     else:

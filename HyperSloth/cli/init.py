@@ -16,9 +16,9 @@ TEMPLATES: dict[str, str] = {
 }
 # What must exist before training with each template (its model and its registered dataset).
 PREPARE: dict[str, list[str]] = {
-    "tiny-cpu": ["hypersloth-tiny-model", "hypersloth-build-dataset ... --name sample-chat"],
-    "lora-2gpu": ["hypersloth-build-dataset ... --name my-chat   # your data, named as in the config"],
-    "qlora-2gpu": ["hypersloth-build-dataset ... --name my-chat   # your data, named as in the config"],
+    "tiny-cpu": ["hypersloth-tiny-model", "hypersloth-build-dataset --local_path data/sample_chat.jsonl --name sample-chat --tokenizer build/tiny-qwen3 --max_seq_length 1024"],
+    "lora-2gpu": ["hypersloth-build-dataset --local_path FILE_OR_DIR --tokenizer MODEL --name my-chat   # your data, named as in the config"],
+    "qlora-2gpu": ["hypersloth-build-dataset --local_path FILE_OR_DIR --tokenizer MODEL --name my-chat   # your data, named as in the config"],
 }
 
 

@@ -63,7 +63,7 @@ def _dataset_columns(path: Path, loss_type: str, max_seq_length: int) -> tuple[n
         dataset = datasets.load_from_disk(str(path)).with_format("numpy")
     except FileNotFoundError:
         raise ConfigError(f"the built dataset folder {path} is missing or incomplete: rebuild it with "
-                          "`hypersloth-build-dataset ... --name NAME`") from None
+                          "`hypersloth-build-dataset --local_path FILE_OR_DIR --tokenizer MODEL --name NAME`") from None
     missing = [c for c in ("length", "num_trainable") if c not in dataset.column_names]
     if missing:
         raise ConfigError(f"{path} has no column(s) {missing}: rebuild it with `hypersloth-build-dataset`")

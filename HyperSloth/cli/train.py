@@ -98,7 +98,7 @@ def _check_inputs(loaded) -> None:
     if not dataset.is_dir():
         name = loaded.hyper.data.dataset_name
         raise LaunchError(f"dataset '{name}' is registered but its folder {dataset} is missing: rebuild it with "
-                          f"`hypersloth-build-dataset ... --name {name}`")
+                          f"`hypersloth-build-dataset --local_path FILE_OR_DIR --tokenizer MODEL --name {name}`")
     model_name = loaded.hyper.fast_model_args.model_name
     if looks_like_local_path(model_name) and not Path(model_name).expanduser().exists():
         raise LaunchError(f"model_name '{model_name}' looks like a local folder but {Path(model_name).expanduser()} "

@@ -3,7 +3,7 @@
 The base model stays in bfloat16 and only the LoRA adapter trains. Qwen3-0.6B fits easily on one
 24 GB card per process; for larger models switch to the qlora-2gpu template (4-bit base weights).
 
-    hypersloth-build-dataset ... --name my-chat      # tokenise and register your data in data/
+    hypersloth-build-dataset --local_path FILE_OR_DIR --tokenizer MODEL --name my-chat      # tokenise and register your data in data/
     hypersloth-plan hypersloth_config.py             # check the batch plan first
     hypersloth-train hypersloth_config.py
 

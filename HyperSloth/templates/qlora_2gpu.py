@@ -3,7 +3,7 @@
 The base weights are stored in 4-bit (bitsandbytes NF4) and a LoRA adapter trains on top, so an 8B
 model fits in about 10 GB per process. Needs CUDA and `pip install 'HyperSloth[gpu]'`.
 
-    hypersloth-build-dataset ... --name my-chat      # tokenise and register your data in data/
+    hypersloth-build-dataset --local_path FILE_OR_DIR --tokenizer MODEL --name my-chat      # tokenise and register your data in data/
     hypersloth-plan hypersloth_config.py             # check the batch plan first
     hypersloth-train hypersloth_config.py
 

@@ -2,7 +2,8 @@
 
 Before training, build the two local inputs this file names:
     hypersloth-tiny-model                                 # random-weight tiny Qwen3 -> build/tiny-qwen3
-    hypersloth-build-dataset ... --name sample-chat       # registers 'sample-chat' in data/
+    hypersloth-build-dataset --local_path data/sample_chat.jsonl --name sample-chat \
+        --tokenizer build/tiny-qwen3 --max_seq_length 1024   # registers 'sample-chat' in data/
 Then:
     hypersloth-plan hypersloth_config.py                  # show the batch plan, no training
     hypersloth-train hypersloth_config.py
@@ -27,7 +28,7 @@ hyper_config_model = HyperConfig(
     ),
     fast_model_args=FastModelArgs(
         model_name="build/tiny-qwen3",  # a local folder, made by `hypersloth-tiny-model`
-        max_seq_length=512,
+        max_seq_length=1024,  # the longest sample chat is 676 tokens
         dtype="float32",  # CPU kernels are fastest and exact in float32
         backend="transformers",  # Unsloth needs CUDA
     ),
@@ -40,7 +41,7 @@ training_config_model = TrainingArgsConfig(
     per_device_train_batch_size=4,  # samples per micro-batch on each process
     gradient_accumulation_steps=2,  # micro-batches per optimizer step on each process
     max_steps=30,  # optimizer steps; overrides num_train_epochs
-    learning_rate=3e-3,  # high because the model is tiny and random
+    learning_rate=1e-2,  # high because the model is tiny and random
     warmup_steps=2,
     lr_scheduler_type="linear",
     optim="adamw_torch",  # 8-bit optimizers need CUDA

@@ -326,7 +326,7 @@ def test_from_dataset_name_missing_name_lists_registered(data_dir):
         DataConfig.from_dataset_name("chta", data_dir=str(data_dir))
     message = str(info.value)
     assert "dataset 'chta' is not registered" in message and "(registered: abs, chat)" in message
-    assert "hypersloth-build-dataset ... --name chta" in message
+    assert "hypersloth-build-dataset --local_path FILE_OR_DIR --tokenizer MODEL --name chta" in message
 
 
 def test_from_dataset_name_missing_registry(tmp_path):
