@@ -43,7 +43,7 @@ def test_tiny_cpu_template_values():
     assert hyper.training.gpus == [0, 1] and hyper.training.batching == "packed"
     assert (hyper.lora_args.r, hyper.lora_args.lora_alpha) == (16, 16)
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.max_steps) == (4, 2, 30)
-    assert (args.learning_rate, args.warmup_steps, args.logging_steps, args.save_steps) == (3e-3, 2, 1, 10)
+    assert (args.learning_rate, args.warmup_steps, args.logging_steps, args.save_steps) == (1e-2, 2, 1, 10)
     assert (args.report_to, args.output_dir) == ("none", "outputs/tiny-demo")
     assert hyper.global_batch_size(args) == 16
 
