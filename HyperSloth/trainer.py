@@ -32,11 +32,12 @@ from torch.utils.data import DataLoader, Dataset
 from transformers import TrainerCallback
 from trl import SFTConfig, SFTTrainer
 
-from HyperSloth.batching import EpochPlan, PlanSpec, adaptive_partition_batches, steps_per_epoch
+from HyperSloth.batching import EpochPlan, adaptive_partition_batches, steps_per_epoch
 from HyperSloth.collate import LossType, collate, sample_labels
-from HyperSloth.config import HyperConfig, LoadedConfig, TrainingArgsConfig, config_to_dict
+from HyperSloth.config import LoadedConfig, TrainingArgsConfig, config_to_dict
 from HyperSloth.dist import DistInfo, GradientSync
 from HyperSloth.model import trainable_parameters
+from HyperSloth.plan_inputs import dataset_lengths, plan_spec_for
 from HyperSloth.profiling import PhaseTimer, StepClock
 
 PLAN_STATE_FILE = "hypersloth_plan_state.json"
@@ -235,38 +236,6 @@ class RunSetup:
     samples_per_step: int
     steps_per_epoch: int
     first_epoch_stats: dict[str, float]
-
-
-def plan_spec_for(hyper: HyperConfig, targs: TrainingArgsConfig, num_ranks: int) -> PlanSpec:
-    """The planner's parameters for this config and number of ranks."""
-    training = hyper.training
-    per_device = targs.per_device_train_batch_size
-    return PlanSpec(
-        num_ranks=num_ranks,
-        samples_per_step=per_device * targs.gradient_accumulation_steps * num_ranks,
-        mode=training.batching,
-        micro_batch_size=per_device,
-        token_budget=training.tokens_per_micro_batch or per_device * hyper.fast_model_args.max_seq_length,
-        group_by_length=training.group_by_length,
-        group_window_steps=training.group_window_steps,
-        seed=targs.seed,
-    )
-
-
-def dataset_lengths(dataset, loss_type: str, max_seq_length: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per-sample lengths and trainable-token counts (the planner's inputs)."""
-    lengths = np.asarray(dataset["length"], dtype=np.int64)
-    if len(lengths) == 0:
-        raise ValueError("the dataset is empty: rebuild it with hypersloth-build-dataset")
-    longest = int(lengths.max())
-    if longest > max_seq_length:
-        raise ValueError(
-            f"the dataset holds samples of up to {longest} tokens but fast_model_args.max_seq_length is "
-            f"{max_seq_length}: raise max_seq_length or rebuild the dataset with --max_seq_length {max_seq_length}"
-        )
-    if loss_type == "all":
-        return lengths, np.maximum(lengths - 1, 0)
-    return lengths, np.asarray(dataset["num_trainable"], dtype=np.int64)
 
 
 def sft_config_for(targs: TrainingArgsConfig, dtype: torch.dtype, is_main: bool) -> SFTConfig:

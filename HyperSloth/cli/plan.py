@@ -21,7 +21,8 @@ import fire
 import numpy as np
 
 from HyperSloth.batching import EpochPlan, PlanSpec, PlanStats, adaptive_partition_batches
-from HyperSloth.config import ConfigError, HyperConfig, TrainingArgsConfig, load_config
+from HyperSloth.config import ConfigError, load_config
+from HyperSloth.plan_inputs import dataset_lengths, plan_spec_for
 
 
 @dataclass(frozen=True)
@@ -40,21 +41,6 @@ class PlanSummary:
     plan_seconds: float
 
 
-def spec_for(hyper: HyperConfig, training_args: TrainingArgsConfig, num_ranks: int) -> PlanSpec:
-    """The planner's parameters for a config on `num_ranks` GPUs (the global batch grows with them)."""
-    training, per_device = hyper.training, training_args.per_device_train_batch_size
-    return PlanSpec(
-        num_ranks=num_ranks,
-        samples_per_step=per_device * training_args.gradient_accumulation_steps * num_ranks,
-        mode=training.batching,
-        micro_batch_size=per_device,
-        token_budget=training.tokens_per_micro_batch or per_device * hyper.fast_model_args.max_seq_length,
-        group_by_length=training.group_by_length,
-        group_window_steps=training.group_window_steps,
-        seed=training_args.seed,
-    )
-
-
 def _dataset_columns(path: Path, loss_type: str, max_seq_length: int) -> tuple[np.ndarray, np.ndarray]:
     """(lengths, trainable) of a built dataset; trainable = length - 1 when the loss covers every token."""
     import datasets  # heavy; only the preview needs it
@@ -67,16 +53,10 @@ def _dataset_columns(path: Path, loss_type: str, max_seq_length: int) -> tuple[n
     missing = [c for c in ("length", "num_trainable") if c not in dataset.column_names]
     if missing:
         raise ConfigError(f"{path} has no column(s) {missing}: rebuild it with `hypersloth-build-dataset`")
-    lengths = np.asarray(dataset["length"], dtype=np.int64)
-    if lengths.size == 0:
-        raise ConfigError(f"the dataset at {path} is empty: rebuild it from a file with samples")
-    if int(lengths.max()) > max_seq_length:
-        raise ConfigError(f"the dataset holds samples of up to {int(lengths.max())} tokens but "
-                          f"fast_model_args.max_seq_length is {max_seq_length}: raise max_seq_length or rebuild "
-                          f"the dataset with --max_seq_length {max_seq_length}")
-    if loss_type == "all":
-        return lengths, np.maximum(lengths - 1, 0)
-    return lengths, np.asarray(dataset["num_trainable"], dtype=np.int64)
+    try:
+        return dataset_lengths(dataset, loss_type, max_seq_length)
+    except ValueError as err:
+        raise ConfigError(f"{path}: {err}") from None
 
 
 def _max_micro_batch_tokens(plan: EpochPlan, lengths: np.ndarray) -> int:
@@ -97,7 +77,7 @@ def preview(config_path: str, *, num_ranks: int | None = None) -> PlanSummary:
     lengths, trainable = _dataset_columns(path, hyper.training.loss_type, hyper.fast_model_args.max_seq_length)
     start = time.perf_counter()
     try:
-        spec = spec_for(hyper, targs, ranks)
+        spec = plan_spec_for(hyper, targs, ranks)
         plan = adaptive_partition_batches(lengths, trainable, spec, epoch=0)
     except ValueError as err:  # the planner's own checks, e.g. a negative seed
         raise ConfigError(f"{loaded.path}: cannot plan the batches: {err}") from None

@@ -176,7 +176,8 @@ def test_loss_denominator_counts_the_trained_tokens_of_each_step(dataset, model_
     """What the trainer feeds every rank, summed over ranks, against a count from the raw labels."""
     from HyperSloth.batching import adaptive_partition_batches, steps_per_epoch
     from HyperSloth.collate import count_trainable
-    from HyperSloth.trainer import PlanSteps, dataset_lengths, plan_spec_for
+    from HyperSloth.plan_inputs import dataset_lengths, plan_spec_for
+    from HyperSloth.trainer import PlanSteps
 
     counts = {}
     for loss_type in ("response_only", "all"):
@@ -221,7 +222,7 @@ def _expected_step_loss(model_dir, dataset, indices, loss_type: str) -> float:
 @needs("packed-2w", "sorted-2w")
 def test_response_only_loss_is_the_mean_over_assistant_tokens(runs, dataset, model_dir):
     from HyperSloth.batching import adaptive_partition_batches
-    from HyperSloth.trainer import dataset_lengths, plan_spec_for
+    from HyperSloth.plan_inputs import dataset_lengths, plan_spec_for
 
     response_only, everything = runs.get("packed-2w").check_ok(), runs.get("sorted-2w").check_ok()
     first_losses = {}

@@ -1,0 +1,44 @@
+"""From a config and a built dataset to the planner's inputs; shared by the trainer and `hypersloth-plan`.
+
+Torch-free, so the plan preview stays fast and GPU-free, and the preview plans exactly what training will.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from HyperSloth.batching import PlanSpec
+from HyperSloth.config import HyperConfig, TrainingArgsConfig
+
+
+def plan_spec_for(hyper: HyperConfig, training_args: TrainingArgsConfig, num_ranks: int) -> PlanSpec:
+    """The planner's parameters for a config on `num_ranks` ranks (the global batch grows with them)."""
+    training, per_device = hyper.training, training_args.per_device_train_batch_size
+    return PlanSpec(
+        num_ranks=num_ranks,
+        samples_per_step=per_device * training_args.gradient_accumulation_steps * num_ranks,
+        mode=training.batching,
+        micro_batch_size=per_device,
+        token_budget=training.tokens_per_micro_batch or per_device * hyper.fast_model_args.max_seq_length,
+        group_by_length=training.group_by_length,
+        group_window_steps=training.group_window_steps,
+        seed=training_args.seed,
+    )
+
+
+def dataset_lengths(dataset, loss_type: str, max_seq_length: int) -> tuple[np.ndarray, np.ndarray]:
+    """(lengths, trainable-token counts) of a built dataset; trainable = length - 1 when the loss covers
+    every token (position 0 is never a target). ValueError, saying what to change, for an empty dataset
+    or samples longer than max_seq_length."""
+    lengths = np.asarray(dataset["length"], dtype=np.int64)
+    if lengths.size == 0:
+        raise ValueError("the dataset is empty: rebuild it from a file with samples")
+    longest = int(lengths.max())
+    if longest > max_seq_length:
+        raise ValueError(
+            f"the dataset holds samples of up to {longest} tokens but fast_model_args.max_seq_length is "
+            f"{max_seq_length}: raise max_seq_length or rebuild the dataset with --max_seq_length {max_seq_length}"
+        )
+    if loss_type == "all":
+        return lengths, np.maximum(lengths - 1, 0)
+    return lengths, np.asarray(dataset["num_trainable"], dtype=np.int64)
