@@ -103,6 +103,11 @@ def _check_inputs(loaded) -> None:
     if looks_like_local_path(model_name) and not Path(model_name).expanduser().exists():
         raise LaunchError(f"model_name '{model_name}' looks like a local folder but {Path(model_name).expanduser()} "
                           "does not exist: fix the path, or use a Hub id such as 'unsloth/Qwen3-0.6B'")
+    from HyperSloth.data.tokenizer_check import tokenizer_mismatch
+
+    mismatch = tokenizer_mismatch(loaded.hyper.data.registry_entry(), model_name, loaded.hyper.data.dataset_name)
+    if mismatch:
+        raise LaunchError(mismatch)
 
 
 def check_run(config_path: str | os.PathLike) -> CheckedRun:

@@ -382,3 +382,22 @@ def test_unknown_flag_is_refused_before_anything_runs(cli, tmp_path, capsys):
     # fire alone would call train() first and complain about the extra flag only after training.
     assert cli.run([str(write_config(tmp_path)), "--dryrun"]) == 2
     assert "unknown option --dryrun" in capsys.readouterr().err and cli.calls == []
+
+
+def test_dataset_built_with_another_tokenizer_exits_2(cli, tmp_path, capsys):
+    from HyperSloth.tiny_model import build_tiny_tokenizer
+
+    texts = [f"hello world number {i} and some more words" for i in range(50)]
+    build_tiny_tokenizer(texts, vocab_size=300).save_pretrained(tmp_path / "model")  # the model's tokenizer
+    build_tiny_tokenizer(texts[:10], vocab_size=280).save_pretrained(tmp_path / "other")
+    config = write_config(tmp_path)
+    registry_path = tmp_path / "data" / "data_config.json"
+    registry = json.loads(registry_path.read_text())
+    registry["datasets"]["chat"]["tokenizer"] = str(tmp_path / "other")
+    registry_path.write_text(json.dumps(registry))
+    assert cli.run([str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "dataset 'chat' was tokenised with" in err and "--tokenizer" in err and cli.calls == []
+    registry["datasets"]["chat"]["tokenizer"] = str(tmp_path / "model")  # the same folder: accepted
+    registry_path.write_text(json.dumps(registry))
+    assert cli.run([str(config)]) == 0

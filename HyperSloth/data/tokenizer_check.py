@@ -1,0 +1,40 @@
+"""Is a built dataset's tokenisation valid for the model about to be trained?
+
+The dataset stores token ids; they only mean the same thing to a model whose tokenizer has the same
+vocabulary. The registry records which tokenizer built the dataset, so the launcher can compare before
+any worker starts instead of training silently on garbage ids.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _same_source(a: str, b: str) -> bool:
+    if a == b:
+        return True
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+
+
+def tokenizer_mismatch(entry: dict, model_name: str, dataset_name: str) -> str | None:
+    """None when the dataset's tokenizer is (or has the same vocabulary as) the model's; otherwise a message
+    that says what to change. Also None when the two cannot be compared here (e.g. a Hub id offline):
+    the check must not block a run it cannot judge."""
+    built_with = entry.get("tokenizer")
+    if not built_with or _same_source(str(built_with), model_name):
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        dataset_vocab = AutoTokenizer.from_pretrained(str(built_with)).get_vocab()
+        model_vocab = AutoTokenizer.from_pretrained(model_name).get_vocab()
+    except Exception:  # noqa: BLE001 - unreachable hub, gated repo, missing files: cannot judge
+        return None
+    if dataset_vocab == model_vocab:
+        return None
+    return (
+        f"dataset '{dataset_name}' was tokenised with '{built_with}' ({len(dataset_vocab):,} tokens), whose "
+        f"vocabulary differs from the model's '{model_name}' ({len(model_vocab):,} tokens): rebuild it with "
+        f"`hypersloth-build-dataset ... --name {dataset_name} --tokenizer {model_name} --overwrite`"
+    )
