@@ -49,12 +49,13 @@ def built_dataset(dataset: str, data_dir: str) -> tuple[np.ndarray, np.ndarray] 
     return np.asarray(table["length"], dtype=np.int64), np.asarray(table["num_trainable"], dtype=np.int64)
 
 
-def specs() -> list[tuple[str, PlanSpec]]:
+def specs(layouts: list[tuple[int, int]] = LAYOUTS, extra_sorted: list[tuple[int, int]] = [(8, 256)]
+          ) -> list[tuple[str, PlanSpec]]:
     """(label, spec) of every benchmarked configuration."""
     out = []
-    for ranks, batch in LAYOUTS + [(8, 256)]:
+    for ranks, batch in layouts + extra_sorted:
         out.append(("sorted-pad B=8", PlanSpec(ranks, batch, mode="sorted-pad", micro_batch_size=8)))
-        if (ranks, batch) in LAYOUTS:
+        if (ranks, batch) in layouts:
             out.append(("sorted-pad B=8 grouped", PlanSpec(ranks, batch, mode="sorted-pad", group_by_length=True)))
             out += [(f"packed {b}", PlanSpec(ranks, batch, token_budget=b)) for b in BUDGETS]
     return out
@@ -81,8 +82,11 @@ def row(name: str, label: str, spec: PlanSpec, stats: PlanStats, wall: float, cp
             f"| {wall:.3f} | {cpu:.3f} |")
 
 
-def bench(samples: int = 1_000_000, repeats: int = 3, dataset: str = "sample-chat", data_dir: str = "data") -> None:
-    """Print the benchmark table (see the module docstring)."""
+def bench(samples: int = 1_000_000, repeats: int = 3, dataset: str = "sample-chat", data_dir: str = "data",
+          layouts: str = "") -> None:
+    """Print the benchmark table (see the module docstring). `--layouts 4x32,4x64,8x32,8x128` replaces the
+    default RANKSxGLOBAL_BATCH layouts (and drops the extra 8x256 sorted-pad row)."""
+    chosen = [tuple(int(v) for v in item.split("x")) for item in str(layouts).split(",") if item]
     sets = [(f"synthetic {samples:,}", *synthetic(samples))]
     built = built_dataset(dataset, data_dir)
     if built is None:
@@ -93,7 +97,7 @@ def bench(samples: int = 1_000_000, repeats: int = 3, dataset: str = "sample-cha
     print(HEADER)
     print("|" + "---|" * HEADER.count(" | ") + "---|")
     for name, lengths, trainable in sets:
-        for label, spec in specs():
+        for label, spec in (specs(chosen, []) if chosen else specs()):
             print(row(name, label, spec, *timed(lengths, trainable, spec, repeats)), flush=True)
     print("pad tokens cut = padding tokens avoided / random batching's padding tokens; pad % cut = 1 - padding % "
           "/ random %; imbalance = mean over steps of max/mean rank load "

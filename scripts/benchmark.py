@@ -40,7 +40,7 @@ SHAPES = {  # hidden, layers, heads, kv heads, intermediate, tied embeddings (Qw
 }
 FOUR_BIT = {"0.6b": False, "1.7b": False, "8b": True}  # default precision per shape; "0.6b:4bit" overrides
 VOCAB, HEAD_DIM, PEAK_FLOPS = 151936, 128, 989e12
-GLOBAL_BATCH, LR, SEED = 32, 2e-4, 3407
+LR, SEED = 2e-4, 3407
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -76,14 +76,14 @@ def build_checkpoint(model: str, folder: Path) -> None:
     build_tiny_tokenizer(texts, vocab_size=512).save_pretrained(folder)
 
 
-def build_data(work: Path, steps: int) -> dict:
+def build_data(work: Path, steps: int, global_batch: int) -> dict:
     """Synthetic samples, registered for HyperSloth and ordered by its plan for the stock trainers."""
     from datasets import Dataset
 
     from HyperSloth.batching import PlanSpec, adaptive_partition_batches
 
     rng = np.random.default_rng(SEED)
-    n = GLOBAL_BATCH * steps
+    n = global_batch * steps
     lengths = np.clip(np.exp(rng.normal(6.2, 0.8, n)), 32, 4096).astype(np.int64)
     ids = [rng.integers(100, VOCAB - 100, size=int(L)).tolist() for L in lengths]
     ds = Dataset.from_dict({"input_ids": ids, "labels": ids, "length": lengths.tolist(),
@@ -92,7 +92,7 @@ def build_data(work: Path, steps: int) -> dict:
     (work / "data" / "data_config.json").write_text(json.dumps(
         {"version": 1, "datasets": {"bench": {"name": "bench", "path": "built_dataset/bench"}}}))
     # HyperSloth's step sets do not depend on the rank count: order the stock data step by step.
-    spec = PlanSpec(num_ranks=1, samples_per_step=GLOBAL_BATCH, mode="packed", token_budget=1 << 20, seed=SEED)
+    spec = PlanSpec(num_ranks=1, samples_per_step=global_batch, mode="packed", token_budget=1 << 20, seed=SEED)
     plan = adaptive_partition_batches(lengths, lengths - 1, spec, epoch=0)
     order = [i for step in plan.steps for mb in step.ranks[0] for i in sorted(mb)]
     Dataset.from_dict({"input_ids": [ids[i] for i in order]}).save_to_disk(str(work / "stock_data"))
@@ -197,7 +197,7 @@ def run_stock_trl_ddp(a) -> dict | None:
 
 
 def hypersloth_config(a, gpus: list[int], out: Path) -> Path:
-    per_device = GLOBAL_BATCH // len(gpus)
+    per_device = a.global_batch // len(gpus)
     text = f'''
 from HyperSloth.config import *
 hyper_config_model = HyperConfig(
@@ -261,13 +261,22 @@ def _padding_pct(system: dict, data: dict) -> float:
     return 100.0 * (1 - real / computed)
 
 
+def system_for(name: str, global_batch: int) -> dict:
+    """A named system, or `hypersloth-N` for any N GPUs (micro-batch = global batch / N, one step each)."""
+    if name in SYSTEMS:
+        return SYSTEMS[name]
+    gpus = int(name.removeprefix("hypersloth-"))
+    return dict(runner="hypersloth", gpus=gpus, micro=global_batch // gpus, accum=1, gc=False)
+
+
 def run_system(name: str, model: str, a, data: dict) -> dict:
-    system = SYSTEMS[name]
+    system = system_for(name, a.global_batch)
     argv = [sys.executable, __file__, "--as-system", system["runner"], "--model", model, "--work", a.work,
             "--checkpoint", f"{a.work}/ckpt_{shape_of(model)}", "--steps", str(a.warmup + a.steps), "--micro",
             str(system["micro"]), "--accum", str(system["accum"]), "--gc", str(system["gc"]),
             "--gpus", str(system["gpus"]), "--token-budget", str(a.token_budget), "--profile", str(system.get("profile", a.profile)),
-            "--loader-workers", str(a.loader_workers), "--result", f"{a.work}/result.json"]
+            "--loader-workers", str(a.loader_workers), "--result", f"{a.work}/result.json",
+            "--global-batch", str(a.global_batch)]
     if system["runner"] == "trl":
         argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", *argv[1:]]
     started = time.time()
@@ -282,7 +291,8 @@ def run_system(name: str, model: str, a, data: dict) -> dict:
     timed = raw["s_per_step_all"][a.warmup:]
     tokens = sum(data["step_tokens"][a.warmup:a.warmup + len(timed)])
     seconds = sum(timed)
-    flops = sum(flops_per_step(model, [data["lengths"][i] for i in data["order"][k * 32:(k + 1) * 32]])
+    batch = a.global_batch
+    flops = sum(flops_per_step(model, [data["lengths"][i] for i in data["order"][k * batch:(k + 1) * batch]])
                 for k in range(a.warmup, a.warmup + len(timed)))
     record = {
         "system": name, "model": shape_of(model) + (" 4-bit" if four_bit(model) else " bf16"), "gpus": system["gpus"],
@@ -334,6 +344,8 @@ def main() -> None:
     p.add_argument("--models", default="0.6b,8b")
     p.add_argument("--systems", default="unsloth-8x4,unsloth-32x1,trl-ddp-4x4,hypersloth-1,hypersloth-2")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--global-batch", type=int, default=32,
+                   help="samples per optimizer step (the stock systems' micro x accum assume 32)")
     p.add_argument("--steps", type=int, default=5, help="timed optimizer steps after warm-up")
     p.add_argument("--token-budget", type=int, default=16384, help="HyperSloth packed micro-batch tokens")
     p.add_argument("--loader-workers", type=int, default=1, help="HyperSloth collation processes per rank")
@@ -356,7 +368,7 @@ def main() -> None:
             Path(a.result).write_text(json.dumps(result))
         return
     Path(a.work).mkdir(parents=True, exist_ok=True)
-    data = build_data(Path(a.work), a.warmup + a.steps)
+    data = build_data(Path(a.work), a.warmup + a.steps, a.global_batch)
     records = []
     for model in a.models.split(","):
         build_checkpoint(model, Path(a.work) / f"ckpt_{shape_of(model)}")
