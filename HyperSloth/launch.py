@@ -3,7 +3,7 @@
 Three ways to run the workers of `training.gpus`:
 - `launch`: child processes of this one (the default). Each child gets its own session/process
   group, so a stop signal reaches the worker and anything it forked (data-loader workers).
-- `launch_tmux`: one tmux window per rank plus a `main` window running `monitor_tmux_run`.
+- `launch_tmux` (in launch_tmux.py): one tmux window per rank plus a `main` window.
 - torchrun: nothing is spawned here; `is_torchrun_env` lets the CLI call the worker in-process.
 
 The worker contract (environment, argv, log paths) lives in `worker_env` / `build_worker_specs`.
@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
-import shutil
 import signal
 import socket
 import subprocess
@@ -35,14 +33,6 @@ TORCHRUN_VARS = (
 )
 MASTER_ADDR = "127.0.0.1"
 STDERR_TAIL_LINES = 20
-# A tmux window inherits the tmux *server's* environment, not ours; these launcher variables are
-# passed inline so a run started from a virtualenv with NCCL settings behaves as without tmux.
-_TMUX_FORWARD_NAMES = ("PATH", "VIRTUAL_ENV", "CONDA_PREFIX", "PYTHONPATH", "LD_LIBRARY_PATH")
-_TMUX_FORWARD_PREFIXES = (
-    "NCCL_", "TORCH_", "PYTORCH_", "CUDA_", "GLOO_", "HF_", "TRANSFORMERS_", "UNSLOTH_", "OMP_", "MKL_",
-    "TOKENIZERS_", "WANDB_", "HYPERSLOTH_",
-)
-
 
 class LaunchError(Exception):
     """A problem found before any worker starts; the CLI prints it and exits 2."""
@@ -380,175 +370,3 @@ def _earliest_failed_rank(logs_dir: Path) -> int | None:
         except (OSError, ValueError, KeyError):
             continue
     return min(stamps)[1] if stamps else None
-
-
-# ---------------------------------------------------------------- tmux: one window per rank
-
-
-def _inline_env(env: Mapping[str, str]) -> dict[str, str]:
-    """The part of `env` a tmux window must get explicitly (it inherits the tmux server's env, not ours)."""
-    keep = {
-        name: value for name, value in env.items()
-        if (name in _TMUX_FORWARD_NAMES or name.startswith(_TMUX_FORWARD_PREFIXES)) and "\n" not in value
-    }
-    return dict(sorted(keep.items()))
-
-
-def _env_command(env: Mapping[str, str], argv: Sequence[str]) -> str:
-    """`env -u RANK ... VAR=value ... argv`: the same environment as a spawned worker, set inline."""
-    unset = " ".join(f"-u {name}" for name in TORCHRUN_VARS)
-    assigns = " ".join(shlex.quote(f"{name}={value}") for name, value in _inline_env(env).items())
-    return f"env {unset} {assigns} {shlex.join(argv)}"
-
-
-def _rank_script(spec: WorkerSpec, logs_dir: Path) -> str:
-    """Shell script of a rank window: record the pane's pid, run the worker, record its exit code, stay open.
-
-    The trap keeps the shell alive when the monitor (or Ctrl-C) stops the worker, so the exit code
-    is still written and the window keeps showing the worker's last output.
-    """
-    pid_file, code_file = shlex.quote(str(logs_dir / f"rank{spec.rank}.pid")), logs_dir / f"rank{spec.rank}.exitcode"
-    done = f"rank {spec.rank} (gpu {spec.gpu}) exited with code $code; press Enter to close this window"
-    return "\n".join([
-        f"trap 'echo \"[rank {spec.rank}: stop signal received]\"' INT TERM",
-        f"echo $$ > {pid_file}",
-        _env_command(spec.env, spec.argv),
-        "code=$?",
-        f"echo $code > {shlex.quote(str(code_file))}.tmp && mv {shlex.quote(str(code_file))}.tmp {shlex.quote(str(code_file))}",
-        f'echo "[{done}]"',
-        "read _",
-    ])
-
-
-def _main_script(logs_dir: Path, gpus: Sequence[int], grace_s: float) -> str:
-    monitor = [sys.executable, "-m", "HyperSloth.launch", "monitor", str(logs_dir), ",".join(map(str, gpus)), str(grace_s)]
-    return _env_command(os.environ, monitor) + '\necho "[press Enter to close this window]"\nread _'
-
-
-def _window_command(script: str) -> str:
-    # Whatever the user's default-shell is (fish, zsh), the script runs under /bin/sh.
-    return "exec /bin/sh -c " + shlex.quote(script)
-
-
-def _tmux_server(socket_name: str | None):
-    if shutil.which("tmux") is None:
-        raise LaunchError("--tmux needs the tmux program, which is not on PATH: install it "
-                          "(e.g. `apt-get install tmux`) or run without --tmux")
-    import libtmux
-
-    return libtmux.Server(socket_name=socket_name)
-
-
-def launch_tmux(
-    config_path: str | os.PathLike,
-    gpus: Sequence[int],
-    output_dir: str | os.PathLike,
-    session: str,
-    *,
-    replace: bool = False,
-    worker_argv: Sequence[str] | None = None,
-    cuda: bool | None = None,
-    socket_name: str | None = None,
-    grace_s: float = 5.0,
-) -> str:
-    """Create tmux session `session`: window `main` (monitor) and one window `rank{r}` per GPU.
-
-    Returns as soon as the session exists, with the command to attach to it. An existing session
-    raises TmuxSessionExists unless `replace`. `socket_name` picks a private tmux server (`tmux -L`).
-    """
-    if not session or any(c in session for c in ".:"):
-        raise LaunchError(f"tmux session name {session!r} is not allowed: use letters, digits, '-' or '_'")
-    server = _tmux_server(socket_name)
-    if server.has_session(session):
-        if not replace:
-            raise TmuxSessionExists(f"tmux session '{session}' already exists: pass --y to replace it, "
-                                    "or choose another name")
-        server.kill_session(session)
-    cuda = cuda_device_count() > 0 if cuda is None else cuda
-    specs = build_worker_specs(config_path, gpus, output_dir, cuda=cuda, worker_argv=worker_argv)
-    logs_dir = (Path(output_dir) / "logs").resolve()
-    logs_dir.mkdir(parents=True, exist_ok=True)
-    for stale in [*logs_dir.glob("rank*.exitcode"), *logs_dir.glob("rank*.pid")]:
-        stale.unlink()  # a previous run's exit codes would make the monitor finish at once
-    main = _window_command(_main_script(logs_dir, gpus, grace_s))
-    tmux_session = server.new_session(
-        session_name=session, window_name="main", start_directory=os.getcwd(), window_command=main, attach=False
-    )
-    for spec in specs:
-        tmux_session.new_window(window_name=f"rank{spec.rank}", start_directory=os.getcwd(),
-                                window_shell=_window_command(_rank_script(spec, logs_dir)), attach=False)
-    socket = f"-L {shlex.quote(socket_name)} " if socket_name else ""
-    return f"tmux {socket}attach -t {shlex.quote(session)}"
-
-
-def _read_exit_codes(logs_dir: Path, world_size: int) -> dict[int, int]:
-    codes = {}
-    for rank in range(world_size):
-        path = logs_dir / f"rank{rank}.exitcode"
-        if path.is_file():
-            codes[rank] = int(path.read_text().strip() or 1)
-    return codes
-
-
-def _stop_tmux_ranks(logs_dir: Path, ranks: Sequence[int], grace_s: float) -> dict[int, int]:
-    """Stop the given ranks' panes (process groups); ranks not done after the grace are SIGKILLed (-9)."""
-    pid_files = {rank: logs_dir / f"rank{rank}.pid" for rank in ranks}
-    pgid_rank = {int(path.read_text()): rank for rank, path in pid_files.items() if path.is_file()}
-    def done(pgid: int) -> bool:
-        return (logs_dir / f"rank{pgid_rank[pgid]}.exitcode").is_file()
-    stop_process_groups(list(pgid_rank), grace_s, done)
-    codes = _read_exit_codes(logs_dir, max(ranks, default=-1) + 1)
-    return {rank: codes.get(rank, -signal.SIGKILL) for rank in pgid_rank.values()}
-
-
-class _LogFollower:
-    """`tail -F` of one file into stdout, one `pump()` at a time."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.offset = path, 0
-
-    def pump(self) -> None:
-        if not self.path.is_file():
-            return
-        with self.path.open("rb") as handle:
-            handle.seek(self.offset)
-            chunk = handle.read()
-        self.offset += len(chunk)
-        sys.stdout.write(chunk.decode("utf-8", errors="replace"))
-        sys.stdout.flush()
-
-
-def _log_tail(path: Path, lines: int = STDERR_TAIL_LINES) -> list[str]:
-    if not path.is_file():
-        return [f"({path} does not exist)"]
-    return path.read_text(errors="replace").rstrip("\n").split("\n")[-lines:]
-
-
-def monitor_tmux_run(logs_dir: str | os.PathLike, gpus: Sequence[int], grace_s: float = 5.0, poll_s: float = 0.5) -> int:
-    """The `main` window of a tmux run: follow rank 0's log, stop every rank when one fails, summarise.
-
-    Returns 0 when every rank exited 0, else 1.
-    """
-    logs, world = Path(logs_dir), len(gpus)
-    print(f"HyperSloth: {world} rank(s) on gpus {list(gpus)}; windows rank0..rank{world - 1} "
-          f"(Ctrl-b n: next window). Following {logs / 'rank0.log'}\n", flush=True)
-    follower, codes, failed = _LogFollower(logs / "rank0.log"), {}, None
-    while len(codes) < world:
-        follower.pump()
-        codes.update(_read_exit_codes(logs, world))
-        if failed is None and (failed := next((r for r, c in sorted(codes.items()) if c != 0), None)) is not None:
-            print(f"\n[rank {failed} (gpu {gpus[failed]}) failed with exit code {codes[failed]}; stopping the others]")
-            print("\n".join("    " + line for line in _log_tail(logs / f"rank{failed}.log")), flush=True)
-        if failed is not None:  # again each round: a rank whose window had not started yet has no pid before
-            codes.update(_stop_tmux_ranks(logs, [r for r in range(world) if r not in codes], grace_s))
-        time.sleep(poll_s)
-    follower.pump()
-    print("\n[all ranks finished] " + ", ".join(f"rank {r}: exit {codes[r]}" for r in sorted(codes)), flush=True)
-    return 0 if all(code == 0 for code in codes.values()) else 1
-
-
-if __name__ == "__main__":
-    # Internal entry of the tmux `main` window: python -m HyperSloth.launch monitor LOGS_DIR GPUS GRACE_S
-    if len(sys.argv) != 5 or sys.argv[1] != "monitor":
-        sys.exit("usage: python -m HyperSloth.launch monitor LOGS_DIR GPU,GPU,... GRACE_S")
-    sys.exit(monitor_tmux_run(sys.argv[2], [int(g) for g in sys.argv[3].split(",")], float(sys.argv[4])))

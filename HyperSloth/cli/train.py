@@ -23,8 +23,8 @@ from HyperSloth.launch import (
     cuda_device_count,
     is_torchrun_env,
     launch,
-    launch_tmux,
 )
+from HyperSloth.launch_tmux import launch_tmux
 
 USAGE = """\
 usage: hypersloth-train CONFIG [--tmux SESSION] [--y] [--dry-run]

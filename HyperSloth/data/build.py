@@ -14,7 +14,6 @@ which nothing reads.)
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import sys
 import urllib.error

@@ -17,6 +17,7 @@ import pytest
 
 import HyperSloth.cli.train as train_cli
 import HyperSloth.launch as launch_mod
+import HyperSloth.launch_tmux as tmux_mod
 from HyperSloth.launch import TORCHRUN_VARS, build_worker_specs, launch, worker_env
 
 # A fake worker: records its environment and pid (and a grandchild's pid), then acts out `mode`.
@@ -293,8 +294,8 @@ def test_missing_config_file_exits_2(cli, tmp_path, capsys):
 
 
 def test_missing_tmux_binary_exits_2(cli, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(train_cli, "launch_tmux", launch_mod.launch_tmux)
-    monkeypatch.setattr(launch_mod.shutil, "which", lambda name: None)
+    monkeypatch.setattr(train_cli, "launch_tmux", tmux_mod.launch_tmux)
+    monkeypatch.setattr(tmux_mod.shutil, "which", lambda name: None)
     assert cli.run([str(write_config(tmp_path)), "--tmux", "train"]) == 2
     assert "--tmux needs the tmux program" in capsys.readouterr().err
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from HyperSloth.launch import TORCHRUN_VARS, TmuxSessionExists, launch_tmux
+from HyperSloth.launch import TORCHRUN_VARS, TmuxSessionExists
+from HyperSloth.launch_tmux import launch_tmux
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="the tmux binary is not installed")
 
