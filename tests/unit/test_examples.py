@@ -57,3 +57,14 @@ def test_full_finetune_example_has_no_adapter():
 def test_continue_example_sets_adapter_path():
     loaded = load_config(ROOT / "examples/continue_from_adapter.py")
     assert loaded.hyper.lora_args.init_adapter_path
+
+
+def test_tiny_cpu_example_is_the_init_template():
+    """examples/tiny_cpu_demo.py is the tiny-cpu template for reading in the repo: below their docstrings
+    the two files must stay identical, so `make demo` trains exactly what `hypersloth-init` writes."""
+
+    def body(path):
+        text = (ROOT / path).read_text()
+        return text[text.index('"""', 3) + 3:]
+
+    assert body("examples/tiny_cpu_demo.py") == body("HyperSloth/templates/tiny_cpu.py")
