@@ -7,6 +7,7 @@ interleaved files and tmux windows stay readable.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -45,8 +46,8 @@ def configure(rank: int, output_dir: str | Path, *, console_all_ranks: bool = Fa
     else:
         logger.add(sys.stderr, format=FORMAT, level="ERROR", colorize=False)
         warnings.filterwarnings("ignore")
-        import transformers
-
-        transformers.logging.set_verbosity_error()
+        # Through the environment, not `transformers.logging`: importing transformers here would come
+        # before Unsloth's import, which must be first (worker.py). transformers reads it on import.
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         logging.getLogger("datasets").setLevel(logging.ERROR)
     return path

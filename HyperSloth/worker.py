@@ -45,17 +45,8 @@ def run(config_path: str, info: dist.DistInfo) -> dict[str, Any] | None:
 
     from HyperSloth import model as model_lib
 
-    backend = model_lib.resolve_backend(loaded.hyper.fast_model_args)
-    if backend == "unsloth":
-        # One compile cache per rank: ranks compiling into one folder race (unsloth-zoo #379).
-        os.environ.setdefault("UNSLOTH_COMPILE_LOCATION", f"unsloth_compiled_cache_rank{info.rank}")
-        os.environ.setdefault("UNSLOTH_DISABLE_AUTO_PADDING_FREE", "1")
-    model_lib.import_backend(backend)  # before transformers/trl are imported below
-    if backend == "unsloth":
-        from HyperSloth.patches import enable_unsloth_torch_varlen
-
-        if enable_unsloth_torch_varlen():
-            logger.info("packed rows use torch's varlen flash kernel (GQA shim for torch 2.11, see patches.py)")
+    if model_lib.resolve_backend(loaded.hyper.fast_model_args) == "unsloth":
+        _prepare_unsloth(info.rank)  # before transformers/trl are imported below
     dist.setup(info, timeout_s=loaded.hyper.training.nccl_timeout_s)
     try:
         return _train(loaded, info, out_dir)
@@ -64,6 +55,19 @@ def run(config_path: str, info: dist.DistInfo) -> dict[str, Any] | None:
         raise
     finally:
         dist.teardown()
+
+
+def _prepare_unsloth(rank: int) -> None:
+    """Import Unsloth first (it patches transformers/trl), with a compile cache of this rank's own."""
+    from HyperSloth import model as model_lib
+    from HyperSloth.patches import enable_unsloth_torch_varlen
+
+    # One compile cache per rank: ranks compiling into one folder race (unsloth-zoo #379).
+    os.environ.setdefault("UNSLOTH_COMPILE_LOCATION", f"unsloth_compiled_cache_rank{rank}")
+    os.environ.setdefault("UNSLOTH_DISABLE_AUTO_PADDING_FREE", "1")  # HyperSloth plans the batches
+    model_lib.import_backend("unsloth")
+    if enable_unsloth_torch_varlen():
+        logger.info("packed rows use torch's varlen flash kernel (GQA shim for torch 2.11, see patches.py)")
 
 
 def _record_failure(out_dir: Path, rank: int, err: BaseException) -> None:

@@ -91,3 +91,19 @@ def test_gradient_sync_is_a_no_op_for_one_process():
     p.grad = torch.ones(3)
     out = dist.GradientSync([p], world_size=1).all_reduce(torch.tensor([2.5]))
     assert float(out[0]) == 2.5 and torch.equal(p.grad, torch.ones(3))
+
+
+def test_worker_start_up_imports_no_transformers_before_unsloth(tmp_path):
+    """Unsloth must be imported before transformers/trl/peft in a worker; everything the worker runs
+    before `_prepare_unsloth` (config, dist, logs of a rank > 0, model) must leave them unimported."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from HyperSloth import worker, model, logs\n"
+        f"logs.configure(1, {str(tmp_path)!r})\n"
+        "print(sorted(m for m in ('transformers', 'trl', 'peft', 'datasets') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
