@@ -5,15 +5,39 @@ Torch-free, so the plan preview stays fast and GPU-free, and the preview plans e
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 
 from HyperSloth.batching import PlanSpec
 from HyperSloth.config import HyperConfig, TrainingArgsConfig
 
 
+def attention_coef(model_name: str) -> float | None:
+    """The planner's cost-model coefficient c (load = L + c L^2 per sequence) for a local model folder.
+
+    Per token and layer the linear layers cost 2 x P FLOP (P = weights of q, k, v, o and the gated MLP)
+    and causal attention 2 x d_attn x L, so c = d_attn / P: about 1.3e-4 for Qwen3-0.6B, 2.1e-5 for
+    Qwen3-8B. None (the planner's default) when the model is not a local folder with a config.json:
+    the preview and the trainer read the same file, so they always plan the same dealing.
+    """
+    path = Path(model_name).expanduser() / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+        d, ff = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
+        head_dim = int(cfg.get("head_dim") or d // int(cfg["num_attention_heads"]))
+        attn = int(cfg["num_attention_heads"]) * head_dim
+        kv = int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]) * head_dim
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return attn / (d * (attn + 2 * kv) + attn * d + 3 * d * ff)
+
+
 def plan_spec_for(hyper: HyperConfig, training_args: TrainingArgsConfig, num_ranks: int) -> PlanSpec:
     """The planner's parameters for a config on `num_ranks` ranks (the global batch grows with them)."""
     training, per_device = hyper.training, training_args.per_device_train_batch_size
+    coef = attention_coef(hyper.fast_model_args.model_name)
     return PlanSpec(
         num_ranks=num_ranks,
         samples_per_step=per_device * training_args.gradient_accumulation_steps * num_ranks,
@@ -23,6 +47,7 @@ def plan_spec_for(hyper: HyperConfig, training_args: TrainingArgsConfig, num_ran
         group_by_length=training.group_by_length,
         group_window_steps=training.group_window_steps,
         seed=training_args.seed,
+        **({} if coef is None else {"attention_coef": coef}),
     )
 
 

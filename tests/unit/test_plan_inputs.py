@@ -1,0 +1,58 @@
+"""plan_inputs.py: what the trainer and the plan preview both feed the planner."""
+
+import json
+
+import numpy as np
+import pytest
+
+from HyperSloth.batching import PlanSpec
+from HyperSloth.config import DataConfig, FastModelArgs, HyperConfig, TrainingArgsConfig, TrainingConfig
+from HyperSloth.plan_inputs import attention_coef, dataset_lengths, plan_spec_for
+
+QWEN3 = {
+    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8, head_dim=128),
+    "8b": dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8, head_dim=128),
+}
+
+
+def _model_dir(tmp_path, shape):
+    folder = tmp_path / shape
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(QWEN3[shape]))
+    return folder
+
+
+@pytest.mark.parametrize(("shape", "expected"), [("0.6b", 2048 / 15_728_640), ("8b", 4096 / 192_937_984)])
+def test_attention_coef_is_attention_width_over_linear_weights_per_layer(tmp_path, shape, expected):
+    assert attention_coef(str(_model_dir(tmp_path, shape))) == pytest.approx(expected)
+
+
+def test_attention_coef_unknown_for_hub_ids_and_broken_configs(tmp_path):
+    assert attention_coef("unsloth/Qwen3-8B") is None
+    (tmp_path / "config.json").write_text("{not json")
+    assert attention_coef(str(tmp_path)) is None
+
+
+def test_plan_spec_for_config(tmp_path):
+    hyper = HyperConfig(
+        data=DataConfig(dataset_name="d"),
+        training=TrainingConfig(gpus=[0, 1, 2], batching="packed"),
+        fast_model_args=FastModelArgs(model_name=str(_model_dir(tmp_path, "0.6b")), max_seq_length=512),
+    )
+    targs = TrainingArgsConfig(per_device_train_batch_size=4, gradient_accumulation_steps=2, seed=7)
+    spec = plan_spec_for(hyper, targs, num_ranks=3)
+    assert (spec.samples_per_step, spec.micro_batch_size, spec.token_budget, spec.seed) == (24, 4, 2048, 7)
+    assert spec.attention_coef == pytest.approx(attention_coef(hyper.fast_model_args.model_name))
+    hub = hyper.model_copy(update={"fast_model_args": FastModelArgs(model_name="org/model")})
+    assert plan_spec_for(hub, targs, 3).attention_coef == PlanSpec(1, 1, mode="sorted-pad").attention_coef  # default
+
+
+def test_dataset_lengths_loss_types_and_errors():
+    data = {"length": [5, 9, 3], "num_trainable": [2, 4, 0]}
+    lengths, trainable = dataset_lengths(data, "response_only", 16)
+    assert lengths.tolist() == [5, 9, 3] and trainable.tolist() == [2, 4, 0]
+    assert dataset_lengths(data, "all", 16)[1].tolist() == [4, 8, 2]  # position 0 is never a target
+    with pytest.raises(ValueError, match="up to 9 tokens.*--max_seq_length 8"):
+        dataset_lengths(data, "all", 8)
+    with pytest.raises(ValueError, match="empty"):
+        dataset_lengths({"length": np.array([], dtype=int), "num_trainable": []}, "all", 8)
