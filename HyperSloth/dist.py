@@ -121,11 +121,6 @@ def teardown() -> None:
         torch_dist.destroy_process_group()
 
 
-def barrier() -> None:
-    if torch_dist.is_initialized():
-        torch_dist.barrier()
-
-
 class GradientSync:
     """Sum the gradients of the trainable parameters (and a few scalars) over all ranks.
 

@@ -82,7 +82,7 @@ def _train(loaded: LoadedConfig, info: dist.DistInfo, out_dir: Path) -> dict[str
     from datasets import load_from_disk
 
     from HyperSloth import model as model_lib
-    from HyperSloth.trainer import build_trainer
+    from HyperSloth.trainer import CONFIG_FILE, build_trainer
 
     hyper, targs = loaded.hyper, loaded.training_args
     transformers.set_seed(targs.seed)
@@ -99,7 +99,7 @@ def _train(loaded: LoadedConfig, info: dist.DistInfo, out_dir: Path) -> dict[str
     trainer.save_model(str(out_dir))
     summary = _summary(trainer, setup, result, time.perf_counter() - started, info)
     (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
-    (out_dir / "hypersloth_config.json").write_text(json.dumps(config_to_dict(loaded), indent=2, default=str))
+    (out_dir / CONFIG_FILE).write_text(json.dumps(config_to_dict(loaded), indent=2, default=str))
     _print_summary(summary, out_dir)
     logger.info(f"{report.format_console(summary)}\nreport: {report.write_report(out_dir)}")
     return summary

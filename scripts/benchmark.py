@@ -113,25 +113,11 @@ def flops_per_step(model: str, step_lengths: list[int]) -> float:
 # ------------------------------------------------------------------ systems (each runs in its own process)
 
 
-class _Clock:
-    """A TrainerCallback recording synchronised wall time at the end of every optimizer step."""
+def _clock():
+    """HyperSloth's own step clock (a synchronised stamp at every optimizer step end), for the stock runs."""
+    from HyperSloth.profiling import PhaseTimer, StepClock
 
-    def __new__(cls):
-        import torch
-        from transformers import TrainerCallback
-
-        class Clock(TrainerCallback):
-            stamps: list[float] = []
-
-            def on_train_begin(self, args, state, control, **kw):
-                torch.cuda.synchronize()
-                self.stamps = [time.perf_counter()]
-
-            def on_step_end(self, args, state, control, **kw):
-                torch.cuda.synchronize()
-                self.stamps.append(time.perf_counter())
-
-        return Clock()
+    return StepClock(PhaseTimer(enabled=False))
 
 
 def _stock_args(out: Path, micro: int, accum: int, steps: int, **extra):
@@ -155,13 +141,13 @@ def run_stock_unsloth(a) -> dict:
     model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, lora_dropout=0, bias="none",
                                              target_modules=PROJECTIONS, random_state=SEED,
                                              use_gradient_checkpointing=a.gc)
-    clock = _Clock()
+    clock = _clock()
     trainer = SFTTrainer(model=model, processing_class=tok, train_dataset=load_from_disk(a.work + "/stock_data"),
                          args=_stock_args(Path(a.work) / "out_unsloth", a.micro, a.accum, a.steps),
                          callbacks=[clock])
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    steps = [b - c for c, b in zip(clock.stamps, clock.stamps[1:])]
+    steps = clock.step_seconds()
     return {"s_per_step_all": steps, "losses": losses, "peak_gb": [torch.cuda.max_memory_allocated() / 2**30]}
 
 
@@ -179,7 +165,7 @@ def run_stock_trl_ddp(a) -> dict | None:
                                                            bnb_4bit_compute_dtype=torch.bfloat16)
     model = AutoModelForCausalLM.from_pretrained(a.checkpoint, **kwargs)
     peft = LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=PROJECTIONS, task_type="CAUSAL_LM")
-    clock = _Clock()
+    clock = _clock()
     args = _stock_args(Path(a.work) / "out_trl", a.micro, a.accum, a.steps, gradient_checkpointing=True,
                        ddp_find_unused_parameters=False)
     trainer = SFTTrainer(model=model, processing_class=AutoTokenizer.from_pretrained(a.checkpoint),
@@ -192,7 +178,7 @@ def run_stock_trl_ddp(a) -> dict | None:
     if torch.distributed.get_rank() != 0:
         return None
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    steps = [b - c for c, b in zip(clock.stamps, clock.stamps[1:])]
+    steps = clock.step_seconds()
     return {"s_per_step_all": steps, "losses": losses, "peak_gb": [float(g) for g in gathered]}
 
 
