@@ -3,7 +3,12 @@
 HyperSloth owns the distribution. The launcher (or torchrun) tells each worker its rank; this module
 reads that from the environment (the only place besides the launcher that does), scrubs torchrun's
 variables so that transformers/accelerate see one ordinary single-process run (no DDP wrapper, no
-sampler sharding), and creates the process group with an explicit TCP rendezvous.
+sampler sharding), and creates the process group.
+
+Rendezvous: under the HyperSloth launcher the run's TCPStore is hosted by the launcher (`host_store`),
+bound on a kernel-chosen port before any worker starts and held until the workers are gone; every
+worker, rank 0 included, joins it as a client. Nobody chooses a port and binds it later, so two runs
+on one machine cannot race for it. Under torchrun, torchrun's own rendezvous is used (tcp:// init).
 
 Gradients are summed, never averaged: every micro-batch loss is already divided by the step's *global*
 trainable-token count, so the sum over ranks is exactly the gradient one process would compute on the
@@ -96,6 +101,21 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+# How long `host_store` answers a client that waits for a key; the workers' own timeout
+# (training.nccl_timeout_s) bounds their waits, this only bounds the host's side of a request.
+HOST_STORE_TIMEOUT_S = 1800
+
+
+def host_store(addr: str = "127.0.0.1") -> torch_dist.TCPStore:
+    """The rendezvous store of one run, listening now on a port the kernel picked (`.port`).
+
+    Port 0 makes the kernel choose a free port and bind it in one step; whoever holds the returned
+    object owns the port until it is dropped. Workers join with `setup` (launched_by="hypersloth").
+    """
+    return torch_dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False,
+                               timeout=timedelta(seconds=HOST_STORE_TIMEOUT_S))
+
+
 def setup(info: DistInfo, *, backend: str | None = None, timeout_s: int = 1800) -> None:
     """Create the default process group (nothing to do for one process)."""
     if info.world_size == 1 or torch_dist.is_initialized():
@@ -105,14 +125,13 @@ def setup(info: DistInfo, *, backend: str | None = None, timeout_s: int = 1800) 
     if backend == "nccl":
         torch.cuda.set_device(0)  # each worker sees exactly one GPU
         kwargs["device_id"] = torch.device("cuda", 0)
-    torch_dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://{info.master_addr}:{info.master_port}",
-        rank=info.rank,
-        world_size=info.world_size,
-        timeout=timedelta(seconds=timeout_s),
-        **kwargs,
-    )
+    timeout = timedelta(seconds=timeout_s)
+    if info.launched_by == "hypersloth":  # the launcher hosts the store: join it, bind nothing
+        kwargs["store"] = torch_dist.TCPStore(info.master_addr, info.master_port, is_master=False, timeout=timeout)
+    else:
+        kwargs["init_method"] = f"tcp://{info.master_addr}:{info.master_port}"
+    torch_dist.init_process_group(backend=backend, rank=info.rank, world_size=info.world_size, timeout=timeout,
+                                  **kwargs)
 
 
 def teardown() -> None:

@@ -2,20 +2,24 @@
 
 Three ways to run the workers of `training.gpus`:
 - `launch`: child processes of this one (the default). Each child gets its own session/process
-  group, so a stop signal reaches the worker and anything it forked (data-loader workers).
+  group, so a stop signal reaches the worker and anything it forked (data-loader workers), and a
+  parent-death signal (Linux), so it dies with the launcher even when the launcher is SIGKILLed.
 - `launch_tmux` (in launch_tmux.py): one tmux window per rank plus a `main` window.
 - torchrun: nothing is spawned here; `is_torchrun_env` lets the CLI call the worker in-process.
 
 The worker contract (environment, argv, log paths) lives in `worker_env` / `build_worker_specs`.
-This module imports no model code; torch only lazily, to count GPUs.
+The rendezvous port is owned by this process from the moment it is chosen: `launch` binds the run's
+TCPStore itself (port 0: the kernel picks a free one) and holds it until the workers are gone, so no
+other process can take the port between choosing and binding (see `dist.host_store`).
+This module imports no model code; torch only lazily (to count GPUs and to host the store).
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -74,14 +78,33 @@ def is_torchrun_env(env: Mapping[str, str] = os.environ) -> bool:
     return all(env.get(name) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
-def free_port(host: str = MASTER_ADDR) -> int:
-    """A TCP port free right now: bind port 0, read what the kernel chose, close.
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
-    A fixed port (the original used 29501) makes two runs on one machine collide.
+
+def die_with_parent_hook(signum: int = signal.SIGKILL) -> Callable[[], None] | None:
+    """A Popen `preexec_fn` after which the child gets `signum` when this process dies (None off Linux).
+
+    Without it a worker outlives a SIGKILLed launcher (its own session shields it from the terminal),
+    and keeps its GPU until its next write to the launcher's closed pipe, which in a silent phase
+    (loading a model, a long step) may be minutes. SIGKILL because a worker stuck in a C call, or one
+    whose libraries installed a SIGTERM handler, must still go. Two Linux details:
+    - the signal fires when the *thread* that forked exits, so the thread that calls Popen must be
+      the one that waits for the child (true of `launch`);
+    - the launcher may already be dead when the child sets it: then the child is reparented, and it
+      kills itself when its parent is no longer the launcher.
     """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child only calls it
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    launcher = os.getpid()
+
+    def hook() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
+        if os.getppid() != launcher:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
 
 
 def cuda_device_count() -> int:
@@ -141,15 +164,16 @@ def build_worker_specs(
     gpus: Sequence[int],
     output_dir: str | os.PathLike,
     *,
+    port: int,
     cuda: bool,
     worker_argv: Sequence[str] | None = None,
     base_env: Mapping[str, str] | None = None,
 ) -> list[WorkerSpec]:
-    """One spec per entry of `gpus`, all sharing one freshly chosen rendezvous port."""
+    """One spec per entry of `gpus`, all joining the rendezvous store that listens on `port`."""
     if len(set(gpus)) != len(gpus) or not gpus:
         raise LaunchError(f"gpus must be a non-empty list of distinct ids, got {list(gpus)}")
     argv = tuple(worker_argv) if worker_argv is not None else tuple(default_worker_argv(config_path))
-    port, env = free_port(), dict(os.environ if base_env is None else base_env)
+    env = dict(os.environ if base_env is None else base_env)
     return [
         WorkerSpec(rank, gpu, argv, worker_env(env, rank=rank, gpus=gpus, port=port, run_dir=output_dir, cuda=cuda))
         for rank, gpu in enumerate(gpus)
@@ -222,13 +246,13 @@ class _Supervisor:
         self.pumps: list[_StderrPump] = []
 
     def start(self, signals: _SignalRecord) -> None:
+        die_with_launcher = die_with_parent_hook()
         for spec in self.specs:
             if signals.signum is not None:
                 return
             stdout = None if spec.rank == 0 else (self.logs_dir / f"rank{spec.rank}.stdout").open("wb")
-            proc = subprocess.Popen(
-                spec.argv, env=spec.env, stdout=stdout, stderr=subprocess.PIPE, start_new_session=True
-            )
+            proc = subprocess.Popen(spec.argv, env=spec.env, stdout=stdout, stderr=subprocess.PIPE,
+                                    start_new_session=True, preexec_fn=die_with_launcher)
             if stdout is not None:
                 stdout.close()  # the child holds its own copy
             self.procs.append(proc)
@@ -279,16 +303,20 @@ class _Supervisor:
         return False
 
 
+# A closed terminal or a dropped ssh sends SIGHUP: the workers must stop then as on Ctrl-C.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 @dataclass
 class _SignalRecord:
-    """The first SIGINT/SIGTERM received while workers run; checked by the supervisor's loops."""
+    """The first stop signal received while workers run; checked by the supervisor's loops."""
 
     signum: int | None = None
 
 
 @contextmanager
 def _signals_recorded() -> Iterator[_SignalRecord]:
-    """Record SIGINT/SIGTERM instead of raising, so no child can be forked and then lost mid-spawn.
+    """Record SIGINT/SIGTERM/SIGHUP instead of raising, so no child can be forked and then lost mid-spawn.
 
     Handlers can only be installed from the main thread (Python's rule); elsewhere nothing changes.
     """
@@ -298,7 +326,7 @@ def _signals_recorded() -> Iterator[_SignalRecord]:
         return
     def handler(signum, _frame):
         record.signum = record.signum or signum
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
     try:
         yield record
     finally:
@@ -307,7 +335,10 @@ def _signals_recorded() -> Iterator[_SignalRecord]:
 
 
 def _say(message: str) -> None:
-    print(f"hypersloth-train: {message}", file=sys.stderr, flush=True)
+    try:
+        print(f"hypersloth-train: {message}", file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass  # the terminal is gone (SIGHUP): stopping the workers matters more than the message
 
 
 def _report_failure(failure: RankFailure, others: int, logs_dir: Path) -> None:
@@ -329,11 +360,16 @@ def launch(
     """Run one worker per entry of `gpus` to completion; return the exit code for the CLI.
 
     0 when every rank exits 0; 1 when a rank fails (the others are stopped: SIGTERM to each
-    process group, SIGKILL after `grace_s`); 128+signal when SIGINT/SIGTERM stops the launcher.
-    No child outlives this call, whatever happens. `cuda=None` asks torch whether CUDA is there.
+    process group, SIGKILL after `grace_s`); 128+signal when SIGINT/SIGTERM/SIGHUP stops the
+    launcher. No child outlives this call, whatever happens, nor this process (parent-death signal).
+    `cuda=None` asks torch whether CUDA is there. Call it from the thread that lives longest: the
+    workers die when the thread that started them ends.
     """
+    from HyperSloth.dist import host_store
+
     cuda = cuda_device_count() > 0 if cuda is None else cuda
-    specs = build_worker_specs(config_path, gpus, output_dir, cuda=cuda, worker_argv=worker_argv)
+    store = host_store(MASTER_ADDR)  # held (bound) until this function returns
+    specs = build_worker_specs(config_path, gpus, output_dir, port=store.port, cuda=cuda, worker_argv=worker_argv)
     logs_dir = Path(output_dir) / "logs"
     logs_dir.mkdir(parents=True, exist_ok=True)
     for stale in logs_dir.glob("rank*.failure.json"):  # a previous run's stamps must not name a culprit
@@ -352,6 +388,7 @@ def launch(
             if stopped_by is not None:
                 _say(f"received {signal.Signals(stopped_by).name}; stopping {len(specs)} worker(s)")
             supervisor.stop()
+            del store  # the workers are gone: free the port
     if stopped_by is not None:
         return 128 + stopped_by
     if failure is not None:

@@ -1,5 +1,10 @@
 """tmux mode of the launcher: one window per rank plus a `main` window that follows rank 0, stops every
 rank when one fails and summarises the exit codes. Same worker contract as `launch.launch`.
+
+`hypersloth-train --tmux` returns once the session exists, so it cannot hold the rendezvous port:
+the `main` window's monitor does. It binds the run's TCPStore (port 0, `dist.host_store`), writes
+the port to `logs/rendezvous.port` and holds the store until every rank has exited; the launcher
+waits for that file before it creates the rank windows, so a port is never chosen and bound apart.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from HyperSloth.launch import (
+    MASTER_ADDR,
     STDERR_TAIL_LINES,
     TORCHRUN_VARS,
     LaunchError,
@@ -23,6 +29,9 @@ from HyperSloth.launch import (
     cuda_device_count,
     stop_process_groups,
 )
+
+RENDEZVOUS_PORT_FILE = "rendezvous.port"  # in the logs folder; written by the monitor
+PORT_WAIT_S = 120.0  # the monitor imports torch before it can bind the store
 
 # A tmux window inherits the tmux *server's* environment, not ours; these launcher variables are
 # passed inline so a run started from a virtualenv with NCCL settings behaves as without tmux.
@@ -72,7 +81,8 @@ def _rank_script(spec: WorkerSpec, logs_dir: Path) -> str:
 
 
 def _main_script(logs_dir: Path, gpus: Sequence[int], grace_s: float) -> str:
-    monitor = [sys.executable, "-m", "HyperSloth.launch_tmux", "monitor", str(logs_dir), ",".join(map(str, gpus)), str(grace_s)]
+    monitor = [sys.executable, "-m", "HyperSloth.launch_tmux", "monitor", str(logs_dir), ",".join(map(str, gpus)),
+               str(grace_s), str(logs_dir / RENDEZVOUS_PORT_FILE)]
     return _env_command(os.environ, monitor) + '\necho "[press Enter to close this window]"\nread _'
 
 
@@ -116,20 +126,51 @@ def launch_tmux(
                                     "or choose another name")
         server.kill_session(session)
     cuda = cuda_device_count() > 0 if cuda is None else cuda
-    specs = build_worker_specs(config_path, gpus, output_dir, cuda=cuda, worker_argv=worker_argv)
     logs_dir = (Path(output_dir) / "logs").resolve()
     logs_dir.mkdir(parents=True, exist_ok=True)
-    for stale in [*logs_dir.glob("rank*.exitcode"), *logs_dir.glob("rank*.pid")]:
-        stale.unlink()  # a previous run's exit codes would make the monitor finish at once
+    port_file = logs_dir / RENDEZVOUS_PORT_FILE
+    for stale in [*logs_dir.glob("rank*.exitcode"), *logs_dir.glob("rank*.pid"), port_file]:
+        stale.unlink(missing_ok=True)  # a previous run's exit codes would make the monitor finish at once
     main = _window_command(_main_script(logs_dir, gpus, grace_s))
     tmux_session = server.new_session(
         session_name=session, window_name="main", start_directory=os.getcwd(), window_command=main, attach=False
     )
+    port = _wait_for_port(port_file, tmux_session)
+    specs = build_worker_specs(config_path, gpus, output_dir, port=port, cuda=cuda, worker_argv=worker_argv)
     for spec in specs:
         tmux_session.new_window(window_name=f"rank{spec.rank}", start_directory=os.getcwd(),
                                 window_shell=_window_command(_rank_script(spec, logs_dir)), attach=False)
     socket = f"-L {shlex.quote(socket_name)} " if socket_name else ""
     return f"tmux {socket}attach -t {shlex.quote(session)}"
+
+
+def _wait_for_port(port_file: Path, tmux_session, timeout_s: float = PORT_WAIT_S) -> int:
+    """The port the `main` window's monitor bound; if it never comes, the session is removed."""
+    def main_pane() -> list[str]:
+        return tmux_session.windows.get(window_name="main").active_pane.capture_pane()
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if port_file.is_file() and (text := port_file.read_text().strip()):
+            return int(text)
+        if "press Enter to close this window" in "\n".join(main_pane()):  # the monitor ended
+            break
+        time.sleep(0.1)
+    output = "\n".join("    " + line for line in main_pane() if line.strip())
+    tmux_session.kill()
+    raise LaunchError(f"the tmux monitor did not bind the rendezvous port within {timeout_s:.0f} s; "
+                      f"nothing started. Its window showed:\n{output}")
+
+
+def _hold_rendezvous(port_file: Path):
+    """Bind the run's store and publish its port (atomically: the launcher polls the file)."""
+    from HyperSloth.dist import host_store
+
+    store = host_store(MASTER_ADDR)
+    tmp = port_file.with_suffix(".tmp")
+    tmp.write_text(f"{store.port}\n")
+    tmp.rename(port_file)
+    return store
 
 
 def _read_exit_codes(logs_dir: Path, world_size: int) -> dict[int, int]:
@@ -175,12 +216,22 @@ def _log_tail(path: Path, lines: int = STDERR_TAIL_LINES) -> list[str]:
     return path.read_text(errors="replace").rstrip("\n").split("\n")[-lines:]
 
 
-def monitor_tmux_run(logs_dir: str | os.PathLike, gpus: Sequence[int], grace_s: float = 5.0, poll_s: float = 0.5) -> int:
+def monitor_tmux_run(logs_dir: str | os.PathLike, gpus: Sequence[int], grace_s: float = 5.0, poll_s: float = 0.5,
+                     port_file: str | os.PathLike | None = None) -> int:
     """The `main` window of a tmux run: follow rank 0's log, stop every rank when one fails, summarise.
 
-    Returns 0 when every rank exited 0, else 1.
+    With `port_file`, first bind the run's rendezvous store, write its port there, and hold it until
+    every rank has exited. Returns 0 when every rank exited 0, else 1.
     """
-    logs, world = Path(logs_dir), len(gpus)
+    store = _hold_rendezvous(Path(port_file)) if port_file is not None else None
+    try:
+        return _follow_ranks(Path(logs_dir), gpus, grace_s, poll_s)
+    finally:
+        del store
+
+
+def _follow_ranks(logs: Path, gpus: Sequence[int], grace_s: float, poll_s: float) -> int:
+    world = len(gpus)
     print(f"HyperSloth: {world} rank(s) on gpus {list(gpus)}; windows rank0..rank{world - 1} "
           f"(Ctrl-b n: next window). Following {logs / 'rank0.log'}\n", flush=True)
     follower, codes, failed = _LogFollower(logs / "rank0.log"), {}, None
@@ -199,7 +250,9 @@ def monitor_tmux_run(logs_dir: str | os.PathLike, gpus: Sequence[int], grace_s: 
 
 
 if __name__ == "__main__":
-    # Internal entry of the tmux `main` window: python -m HyperSloth.launch_tmux monitor LOGS_DIR GPUS GRACE_S
-    if len(sys.argv) != 5 or sys.argv[1] != "monitor":
-        sys.exit("usage: python -m HyperSloth.launch_tmux monitor LOGS_DIR GPU,GPU,... GRACE_S")
-    sys.exit(monitor_tmux_run(sys.argv[2], [int(g) for g in sys.argv[3].split(",")], float(sys.argv[4])))
+    # Internal entry of the tmux `main` window:
+    # python -m HyperSloth.launch_tmux monitor LOGS_DIR GPUS GRACE_S PORT_FILE
+    if len(sys.argv) != 6 or sys.argv[1] != "monitor":
+        sys.exit("usage: python -m HyperSloth.launch_tmux monitor LOGS_DIR GPU,GPU,... GRACE_S PORT_FILE")
+    sys.exit(monitor_tmux_run(sys.argv[2], [int(g) for g in sys.argv[3].split(",")], float(sys.argv[4]),
+                              port_file=sys.argv[5]))

@@ -25,13 +25,16 @@ FAKE_WORKER = textwrap.dedent('''
     import json, os, socket, subprocess, sys, time
     out, mode = sys.argv[1], sys.argv[2]
     rank = int(os.environ["HYPERSLOTH_RANK"])
-    if rank == 0:
-        # Hold the rendezvous port as torch's TCPStore would: a collision with another run fails here.
-        server = socket.socket()
-        server.bind((os.environ["HYPERSLOTH_MASTER_ADDR"], int(os.environ["HYPERSLOTH_MASTER_PORT"])))
-        server.listen()
+    addr, port = os.environ["HYPERSLOTH_MASTER_ADDR"], int(os.environ["HYPERSLOTH_MASTER_PORT"])
+    try:  # the launcher must already own the rendezvous port: nobody else can bind it ...
+        socket.socket().bind((addr, port))
+        port_owned = False
+    except OSError:
+        port_owned = True
+    socket.create_connection((addr, port), timeout=5).close()  # ... and it answers
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) if mode != "ok" else None
-    record = {"pid": os.getpid(), "child_pid": child.pid if child else None, "env": dict(os.environ)}
+    record = {"pid": os.getpid(), "child_pid": child.pid if child else None, "env": dict(os.environ),
+              "port_owned": port_owned}
     with open(os.path.join(out, f"rank{rank}.json.tmp"), "w") as f:
         json.dump(record, f)
     os.replace(os.path.join(out, f"rank{rank}.json.tmp"), os.path.join(out, f"rank{rank}.json"))
@@ -94,6 +97,7 @@ def test_env_contract_on_cuda_maps_gpus_and_strips_torchrun_vars(fake, tmp_path,
         assert not set(TORCHRUN_VARS) & set(env)
     assert rank0["HYPERSLOTH_MASTER_PORT"] == rank1["HYPERSLOTH_MASTER_PORT"]
     assert 1024 < int(rank0["HYPERSLOTH_MASTER_PORT"]) < 65536
+    assert all(record["port_owned"] for record in fake.read(2))
     # Every rank's stderr lands in its file; rank 0's is also on the terminal.
     assert "rank 1 says hello" in (out / "logs" / "rank1.stderr").read_text()
     assert "rank 0 says hello" in (out / "logs" / "rank0.stderr").read_text()
@@ -120,32 +124,49 @@ def test_gpu_ids_count_within_parent_cuda_visible_devices():
 
 
 def test_specs_use_python_m_worker_by_default(tmp_path):
-    specs = build_worker_specs(tmp_path / "c.py", [0], tmp_path, cuda=False, base_env={})
+    specs = build_worker_specs(tmp_path / "c.py", [0], tmp_path, port=4321, cuda=False, base_env={})
     assert specs[0].argv == (sys.executable, "-m", "HyperSloth.worker", str(tmp_path / "c.py"))
+    assert specs[0].env["HYPERSLOTH_MASTER_PORT"] == "4321"
 
 
-def test_two_launches_at_once_get_different_ports(tmp_path):
-    # Both runs are alive at the same time and rank 0 of each binds its port, like a real rendezvous.
-    fakes, codes = [], {}
-    for name in ("a", "b"):
-        (tmp_path / name).mkdir()
-        script = tmp_path / name / "w.py"
-        script.write_text(FAKE_WORKER.replace('"ok": 0.5', '"ok": 1.5'))
-        (tmp_path / name / "rec").mkdir()
-        fakes.append((name, [sys.executable, str(script), str(tmp_path / name / "rec"), "ok"]))
-    threads = [
-        threading.Thread(target=lambda n=n, a=a: codes.__setitem__(n, launch("c.py", [0, 1], tmp_path / n / "out",
-                                                                            worker_argv=a, cuda=False)))
-        for n, a in fakes
-    ]
+# A worker that only meets its peer: the real rendezvous (dist.setup) and one all-reduce over gloo.
+RENDEZVOUS_WORKER = textwrap.dedent('''
+    import json, sys
+    import torch
+    from HyperSloth import dist
+    info = dist.DistInfo.from_env()
+    dist.setup(info, backend="gloo", timeout_s=60)
+    total = torch.tensor([float(info.rank + 1)])
+    torch.distributed.all_reduce(total)
+    dist.teardown()
+    with open(f"{sys.argv[1]}/rank{info.rank}.json", "w") as f:
+        json.dump({"sum": total.item(), "port": info.master_port}, f)
+''')
+
+
+def test_four_runs_at_once_all_meet_their_own_peers(tmp_path):
+    # Four launches on one machine at the same time, 2 workers each: every launcher owns its port
+    # from the moment it is chosen, so no run can take another's or end up in another's group.
+    script = tmp_path / "rendezvous_worker.py"
+    script.write_text(RENDEZVOUS_WORKER)
+    runs = [tmp_path / f"run{i}" for i in range(4)]
+    codes: dict[int, int] = {}
+
+    def run(i: int) -> None:
+        runs[i].mkdir()
+        codes[i] = launch("c.py", [0, 1], runs[i] / "out", worker_argv=[sys.executable, str(script), str(runs[i])],
+                          cuda=False, grace_s=2)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=15)
-    assert codes == {"a": 0, "b": 0}
-    ports = {n: json.loads((tmp_path / n / "rec" / "rank0.json").read_text())["env"]["HYPERSLOTH_MASTER_PORT"]
-             for n in ("a", "b")}
-    assert ports["a"] != ports["b"]
+        thread.join(timeout=120)
+    assert codes == {0: 0, 1: 0, 2: 0, 3: 0}
+    records = [[json.loads((run / f"rank{r}.json").read_text()) for r in range(2)] for run in runs]
+    assert all(record["sum"] == 3.0 for pair in records for record in pair)  # 1 + 2: exactly its own peer
+    ports = [pair[0]["port"] for pair in records]
+    assert len(set(ports)) == 4 and all(pair[0]["port"] == pair[1]["port"] for pair in records)
 
 
 def test_failing_rank_stops_the_others_and_is_reported(fake, tmp_path, capfd):
@@ -186,22 +207,62 @@ DRIVER = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_signal_to_launcher_stops_every_worker(fake, tmp_path, sig):
+def start_driver(fake, tmp_path: Path) -> subprocess.Popen:
+    """A launcher process whose 2 fake workers are in a silent phase (sleeping, writing nothing)."""
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
     proc = subprocess.Popen([sys.executable, str(driver), str(tmp_path / "out"), *fake.argv("sleep")],
                             stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: all((fake.records / f"rank{r}.json").exists() for r in range(2)), timeout=30)
+    return proc
+
+
+# SIGHUP is what a closed terminal or a dropped ssh sends: handled like SIGTERM.
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_signal_to_launcher_stops_every_worker(fake, tmp_path, sig):
+    proc = start_driver(fake, tmp_path)
     try:
-        wait_for(lambda: all((fake.records / f"rank{r}.json").exists() for r in range(2)))
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=10)
     finally:
         proc.kill()
     assert proc.returncode == 128 + sig
-    assert f"received {sig.name}; stopping 2 worker(s)" in err
+    lines = [line for line in err.splitlines() if "says hello" not in line and "starting 2 worker" not in line]
+    assert lines == [f"hypersloth-train: received {sig.name}; stopping 2 worker(s)"]  # one line, no traceback
     for record in fake.read(2):
         assert not alive(record["pid"]) and not alive(record["child_pid"])
+
+
+def test_sigkill_of_launcher_kills_silent_workers(fake, tmp_path):
+    # The launcher gets no chance to stop anything; the workers write nothing, so no broken pipe
+    # tells them either: only the parent-death signal they set at start does.
+    proc = start_driver(fake, tmp_path)
+    try:
+        proc.kill()
+        proc.wait(timeout=10)
+        for record in fake.read(2):
+            wait_for(lambda: not alive(record["pid"]), timeout=10)
+    finally:
+        for record in fake.read(2):
+            for pid in (record["pid"], record["child_pid"]):
+                if alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def test_child_whose_launcher_died_before_it_set_the_signal_kills_itself(monkeypatch):
+    # The race the hook closes: the launcher dies between fork and prctl, the child is reparented and
+    # would never get the signal. Pretend the launcher is another pid: the child must end at once.
+    monkeypatch.setattr(launch_mod.os, "getpid", lambda: 1)  # pid 1 is never this test's parent
+    hook = launch_mod.die_with_parent_hook()
+    monkeypatch.undo()
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], preexec_fn=hook)
+    assert proc.wait(timeout=10) == -signal.SIGKILL
+
+
+def test_child_of_a_live_launcher_keeps_running():
+    proc = subprocess.Popen([sys.executable, "-c", "print('alive')"], preexec_fn=launch_mod.die_with_parent_hook(),
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.communicate(timeout=30)[0] == "alive\n" and proc.returncode == 0
 
 
 # ------------------------------------------------------------------ CLI: checks before any spawn

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -240,12 +241,17 @@ class RunPool:
         else:
             argv = [*_script("hypersloth-train"), str(config)]
             if spec.launcher == "torchrun":
-                from HyperSloth.launch import free_port
-
-                argv = [*_script("torchrun"), "--nproc_per_node", str(spec.gpus), "--master_port", str(free_port()),
+                argv = [*_script("torchrun"), "--nproc_per_node", str(spec.gpus), "--master_port", str(_free_port()),
                         "-m", "HyperSloth.cli.train", str(config)]
             code, output, ended = _run(argv, self.workdir, run_env(), RUN_TIMEOUT_S)
         return RunResult(spec, out, config, code, output, ended)
+
+
+def _free_port() -> int:
+    # torchrun's own --master_port (HyperSloth's launcher holds its port itself and needs none).
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def processes_mentioning(text: str) -> list[tuple[int, str]]:

@@ -1,7 +1,5 @@
 """dist.py: who-am-I from the environment, torchrun isolation, and the bucketed gradient SUM."""
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -35,12 +33,6 @@ def test_isolate_process_narrows_gpus_and_drops_torchrun_vars(visible, expected)
     assert env == {"CUDA_VISIBLE_DEVICES": expected, "KEEP": "x"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_grads(rank: int) -> list[torch.Tensor | None]:
     # Three fp32 parameters and one bf16 one; rank 1 never touched the second (grad None).
     torch.manual_seed(rank)
@@ -68,7 +60,8 @@ def _worker(rank: int, port: int, queue) -> None:
 
 def test_gradient_sync_sums_every_bucket_and_fills_missing_grads():
     ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), _free_port()
+    store = dist.host_store()  # as the launcher does: held here, both ranks join as clients
+    queue, port = ctx.Queue(), store.port
     procs = [ctx.Process(target=_worker, args=(r, port, queue)) for r in range(2)]
     for p in procs:
         p.start()
