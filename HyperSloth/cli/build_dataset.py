@@ -28,6 +28,9 @@ Options:
                           by default bad records are counted per reason, skipped and summarised
   --print_samples [N]     print N rendered samples (default 3) with the trained tokens marked:
                           coloured on a terminal, inside [[...]] otherwise
+  --history_rewrite MODE  when the template renders earlier replies differently once later turns
+                          follow (Qwen3 drops their <think> reasoning): split (default: one sample per
+                          reply, trained on that reply), last (the final reply only) or skip
 
 Labels train the assistant messages' content and the template's end-of-turn token after each of
 them; everything else is -100. User errors print one line and exit with code 2.
@@ -62,6 +65,7 @@ def build_dataset_cli(
     overwrite: bool = False,
     strict: bool = False,
     print_samples: int | bool = 0,
+    history_rewrite: str = "split",
 ) -> None:
     """Build a dataset (see the module docstring / --help for every flag)."""
     from HyperSloth.data.build import build_dataset
@@ -90,6 +94,7 @@ def build_dataset_cli(
         overwrite=overwrite,
         num_proc=num_proc,
         print_samples=int(print_samples),
+        history_rewrite=history_rewrite,
     )
 
 

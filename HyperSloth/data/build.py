@@ -31,13 +31,13 @@ from loguru import logger
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tqdm.auto import tqdm
 
-from HyperSloth.data import formats, masking, registry
+from HyperSloth.data import formats, masking, registry, summary
 from HyperSloth.data.formats import DataInputError, RawRecord, RecordError
 
 COLUMNS: tuple[str, ...] = ("input_ids", "labels", "length", "num_trainable", "text")
 KEPT = ("ok", "truncated")
+SAMPLE_INFO: tuple[str, ...] = ("location", "kind", "turn", "turns", "full_length")  # kept rows, not saved
 MIN_ROWS_PER_PROC = 500  # below this a worker process costs more to start than it saves
-SHOW_EXAMPLES = 5  # per skip reason, how many file:line examples the summary prints
 _FEATURES = datasets.Features(
     {
         "input_ids": datasets.List(datasets.Value("int64")),
@@ -48,6 +48,10 @@ _FEATURES = datasets.Features(
         "status": datasets.Value("string"),
         "error": datasets.Value("string"),
         "location": datasets.Value("string"),
+        "kind": datasets.Value("string"),
+        "turn": datasets.Value("int64"),
+        "turns": datasets.Value("int64"),
+        "full_length": datasets.Value("int64"),
     }
 )
 
@@ -71,6 +75,9 @@ class BuildOptions(BaseModel):
     overwrite: bool = Field(False, description="replace an existing dataset of the same name")
     num_proc: int | None = Field(None, ge=1, description="tokenising processes (default: all cores)")
     print_samples: int = Field(0, ge=0, description="rendered samples to print with the mask marked")
+    history_rewrite: Literal["split", "last", "skip"] = Field(
+        "split", description="a template that rewrites earlier replies: one sample per reply, the last reply, or skip"
+    )
 
 
 @dataclass
@@ -83,6 +90,9 @@ class Collected:
     skipped: Counter = field(default_factory=Counter)
     examples: dict[str, list[str]] = field(default_factory=dict)
     formats: Counter = field(default_factory=Counter)
+    trimmed: list[str] = field(default_factory=list)  # locations whose trailing user turn(s) were cut
+    rewritten: Counter = field(default_factory=Counter)  # "split"/"last": conversations; "split_samples": rows
+    overlength: dict[str, list[str]] = field(default_factory=dict)  # status -> first few samples, named
 
     def skip(self, location: str, err: RecordError, strict: bool) -> None:
         """Count a bad record (or stop, under --strict)."""
@@ -90,7 +100,7 @@ class Collected:
             raise DataInputError(f"{location}: {err.reason}: {err.detail} (--strict makes bad records fatal)")
         self.skipped[err.reason] += 1
         self.examples.setdefault(err.reason, [])
-        if len(self.examples[err.reason]) < SHOW_EXAMPLES:
+        if len(self.examples[err.reason]) < summary.SHOW_EXAMPLES:
             self.examples[err.reason].append(f"{location}: {err.detail}")
 
 
@@ -111,6 +121,7 @@ def build_dataset(
     overwrite: bool = False,
     num_proc: int | None = None,
     print_samples: int = 0,
+    history_rewrite: str = "split",
     source_type: Literal["auto", "local", "hf"] = "auto",
 ) -> dict[str, Any]:
     """Build ``source`` into ``{data_dir}/built_dataset/{name}`` and register it; return the entry.
@@ -127,20 +138,23 @@ def build_dataset(
     raw = formats.read_local(source, opts.split) if kind == "local" else load_hub_dataset(source, opts.split)
     tok = load_tokenizer(opts.tokenizer, opts.chat_template)
     collected = collect_conversations(raw, fmt=opts.fmt, n=opts.n, seed=opts.seed, strict=opts.strict)
+    if not collected.records_read:
+        raise DataInputError(f"{source} holds no records (it is empty or has only blank lines): nothing to build")
     if not collected.messages:
-        _log_summary(collected, Counter(), {})
+        summary.log_summary(collected, Counter(), {})
         raise DataInputError(f"no usable conversations in {source} (see the skip summary above)")
-    built, statuses = encode_dataset(collected, tok, opts)
-    if not len(built):
-        _log_summary(collected, statuses, {})
+    kept, statuses = encode_dataset(collected, tok, opts)
+    if not len(kept):
+        summary.log_summary(collected, statuses, {})
         raise DataInputError(f"every conversation of {source} was dropped (see the summary above)")
-    stats = compute_stats(built, collected, statuses, opts)
+    built = kept.select_columns(list(COLUMNS))
+    stats = compute_stats(kept, collected, statuses, opts)
     entry = _entry(opts, source, tok, len(built), stats)
     _save_and_register(built, entry, opts)
-    _log_summary(collected, statuses, stats)
+    summary.log_summary(collected, statuses, stats)
     logger.info(f"built {opts.name}: {len(built)} samples -> {registry.entry_dir(entry, opts.data_dir)}")
     if opts.print_samples:
-        show_samples(built, tok, opts.print_samples, color=sys.stdout.isatty())
+        summary.show_samples(kept, tok, opts.print_samples, color=sys.stdout.isatty())
     return entry
 
 
@@ -277,10 +291,13 @@ def collect_conversations(
             record_fmt = formats.detect_format(raw_record.record) if fmt == "auto" and isinstance(
                 raw_record.record, dict
             ) else fmt
-            collected.messages.append(formats.to_messages(raw_record.record, record_fmt))
+            messages, cut = formats.trim_trailing_turns(formats.to_messages(raw_record.record, record_fmt))
         except RecordError as err:
             collected.skip(raw_record.location, err, strict)
             continue
+        if cut:
+            collected.trimmed.append(raw_record.location)
+        collected.messages.append(messages)
         collected.locations.append(raw_record.location)
         collected.formats[record_fmt] += 1
         bar.update()
@@ -320,26 +337,31 @@ def _iter_records(raw: list[RawRecord] | datasets.Dataset, order: np.ndarray, ch
 class _Encoder:
     """The ``datasets.map`` function (a class so it pickles to worker processes)."""
 
-    def __init__(self, tokenizer: Any, max_seq_length: int, overlength: str) -> None:
+    def __init__(self, tokenizer: Any, max_seq_length: int, overlength: str, history_rewrite: str = "split") -> None:
         self.tokenizer = tokenizer
         self.specials = masking.special_token_strings(tokenizer)
         self.max_seq_length = max_seq_length
         self.overlength = overlength
+        self.history_rewrite = history_rewrite
 
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
-        encoded = masking.encode_conversations(self.tokenizer, batch["messages"], self.specials)
-        out: dict[str, list] = {k: [] for k in _FEATURES if k != "location"}
-        for item in encoded:
-            row = self.apply_policy(item)
-            for key, value in row.items():
-                out[key].append(value)
+        """One row per sample (a conversation split by a history rewrite gives several) or error."""
+        encoded = masking.encode_conversations(self.tokenizer, batch["messages"], self.specials, self.history_rewrite)
+        out: dict[str, list] = {k: [] for k in _FEATURES}
+        for location, item in zip(batch["location"], encoded):
+            for row in [self.apply_policy(item)] if isinstance(item, RecordError) else map(self.apply_policy, item):
+                for key, value in row.items():
+                    out[key].append(value)
+                out["location"].append(location)
         return out
 
     def apply_policy(self, item: masking.Encoded | RecordError) -> dict[str, Any]:
         """One output row: the sample after the over-length policy, with its status."""
         empty = {"input_ids": [], "labels": [], "length": 0, "num_trainable": 0, "text": "", "error": ""}
+        empty |= {"kind": "", "turn": 0, "turns": 0, "full_length": 0}
         if isinstance(item, RecordError):
             return {**empty, "status": item.reason, "error": item.detail}
+        empty |= {"kind": item.kind, "turn": item.turn, "turns": item.turns, "full_length": len(item.input_ids)}
         status = "ok"
         ids, labels, text = item.input_ids, item.labels, item.text
         if len(ids) > self.max_seq_length:
@@ -351,19 +373,21 @@ class _Encoder:
         num_trainable = sum(label != masking.IGNORE_INDEX for label in labels[1:])
         if num_trainable == 0:
             return {**empty, "status": "dropped_no_trainable"}
-        row = {"input_ids": ids, "labels": labels, "length": len(ids), "num_trainable": num_trainable}
-        return {**row, "text": text, "status": status, "error": ""}
+        row = {**empty, "input_ids": ids, "labels": labels, "length": len(ids), "num_trainable": num_trainable}
+        return {**row, "text": text, "status": status}
 
 
 def encode_dataset(collected: Collected, tok: Any, opts: BuildOptions) -> tuple[datasets.Dataset, Counter]:
-    """Tokenise every conversation (batched, multi-process); return the kept rows and status counts."""
+    """Tokenise every conversation (batched, multi-process); return the kept rows (``COLUMNS`` plus
+    ``SAMPLE_INFO``) and the rows' status counts. Skips, history rewrites and over-length samples
+    are recorded in ``collected``."""
     table = datasets.Dataset.from_dict({"messages": collected.messages, "location": collected.locations})
     num_proc = min(opts.num_proc or os.cpu_count() or 1, max(1, len(table) // MIN_ROWS_PER_PROC))
     mapped = table.map(
-        _Encoder(tok, opts.max_seq_length, opts.overlength),
+        _Encoder(tok, opts.max_seq_length, opts.overlength, opts.history_rewrite),
         batched=True,
         num_proc=num_proc if num_proc > 1 else None,
-        remove_columns=["messages"],
+        remove_columns=["messages", "location"],  # re-emitted per sample: a split conversation gives several
         features=_FEATURES,
         new_fingerprint=uuid.uuid4().hex,  # hashing a large tokenizer is slow and caching is unwanted
         desc="Tokenising",
@@ -375,8 +399,27 @@ def encode_dataset(collected: Collected, tok: Any, opts: BuildOptions) -> tuple[
             err = RecordError(status, mapped[i]["error"])
             collected.skip(mapped[i]["location"], err, opts.strict)
     keep = [i for i, status in enumerate(status_list) if status in KEPT]
+    _record_samples(collected, mapped, status_list, keep)
     kept = mapped.select(keep) if len(keep) < len(mapped) else mapped
-    return kept.select_columns(list(COLUMNS)), statuses
+    return kept.select_columns([*COLUMNS, *SAMPLE_INFO]), statuses
+
+
+def _record_samples(collected: Collected, mapped: datasets.Dataset, status_list: list[str], keep: list[int]) -> None:
+    """Count conversations a history rewrite split (or cut to the last reply), and name the first
+    few over-length samples: ``#i`` is the row in the built dataset (truncated) or the source."""
+    kinds = mapped["kind"][:]
+    locations = mapped["location"][:]
+    for kind in ("split", "last"):
+        collected.rewritten[kind] = len({loc for loc, k in zip(locations, kinds) if k == kind})
+    collected.rewritten["split_samples"] = sum(kinds[i] == "split" for i in keep)
+    row_of = {i: row for row, i in enumerate(keep)}
+    for status in ("truncated", "dropped_overlength"):
+        named = collected.overlength.setdefault(status, [])
+        for i in (i for i, s in enumerate(status_list) if s == status):
+            if len(named) == summary.SHOW_EXAMPLES:
+                break
+            where = f"sample #{row_of[i]}, " if i in row_of else ""
+            named.append(f"{where}{summary.origin(mapped[i])}: {mapped[i]['full_length']} tokens")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,6 +440,12 @@ def compute_stats(built: datasets.Dataset, collected: Collected, statuses: Count
         "truncated": statuses["truncated"],
         "dropped_overlength": statuses["dropped_overlength"],
         "dropped_no_trainable": statuses["dropped_no_trainable"],
+        "overlength_examples": {k: v for k, v in collected.overlength.items() if v},
+        "trailing_turn_dropped": len(collected.trimmed),
+        "history_rewrite": opts.history_rewrite,
+        "conversations_split": collected.rewritten["split"],
+        "samples_from_split": collected.rewritten["split_samples"],
+        "conversations_last_reply_only": collected.rewritten["last"],
         "skipped": dict(sorted(collected.skipped.items())),
         "records_read": collected.records_read,
         "formats": dict(collected.formats),
@@ -457,31 +506,3 @@ def _swap_in(tmp: Path, target: Path, entry: dict[str, Any], opts: BuildOptions)
         raise
     if backup:
         shutil.rmtree(backup, ignore_errors=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# Reporting
-# ---------------------------------------------------------------------------------------------
-def _log_summary(collected: Collected, statuses: Counter, stats: dict) -> None:
-    for reason in formats.SKIP_REASONS:
-        if collected.skipped[reason]:
-            logger.warning(f"skipped {collected.skipped[reason]} record(s): {reason}")
-            for example in collected.examples.get(reason, []):
-                logger.warning(f"    {example}")
-    for status in ("truncated", "dropped_overlength", "dropped_no_trainable"):
-        if statuses[status]:
-            logger.warning(f"{status}: {statuses[status]} sample(s)")
-    if stats:
-        keys = ("total_tokens", "mean_tokens", "p50_tokens", "p95_tokens", "max_tokens", "fraction_trainable")
-        logger.info("tokens: " + ", ".join(f"{k.removesuffix('_tokens')}={stats[k]}" for k in keys))
-
-
-def show_samples(built: datasets.Dataset, tok: Any, count: int, *, color: bool) -> None:
-    """Print ``count`` rendered samples with the trained text marked (colour or ``[[...]]``)."""
-    for i in range(min(count, len(built))):
-        row = built[i]
-        _, offsets = masking.tokenize_with_offsets(tok, [row["text"]])[0]
-        spans = masking.trained_char_spans(offsets[: row["length"]], row["labels"])
-        marks = "coloured" if color else "in [[...]]"
-        print(f"--- sample {i}: {row['length']} tokens, {row['num_trainable']} trained ({marks}) ---")
-        print(masking.highlight(row["text"], spans, color=color))

@@ -39,6 +39,7 @@ SKIP_REASONS: tuple[str, ...] = (
     "no_assistant_turn",
     "template_error",
     "content_not_in_render",
+    "history_rewritten",
 )
 
 # ShareGPT speaker names (and their OpenAI spellings, which ShareGPT dumps often mix in).
@@ -110,6 +111,16 @@ def to_messages(record: Any, fmt: str = "auto") -> list[Message]:
     if not any(m["role"] == "assistant" for m in messages):
         raise RecordError("no_assistant_turn", "no assistant/gpt message to train on")
     return messages
+
+
+def trim_trailing_turns(messages: list[Message]) -> tuple[list[Message], int]:
+    """``messages`` up to and including the last assistant message, and how many were cut after it.
+
+    Nothing after the last reply can be trained, and a trailing user turn would make templates that
+    rewrite history (Qwen3's) render every reply as past history, without its reasoning.
+    """
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages) - 1)
+    return messages[: last + 1], len(messages) - last - 1
 
 
 def _turns(record: dict[str, Any], fmt: str) -> list[Any]:

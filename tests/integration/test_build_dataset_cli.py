@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 import multiprocessing
 import os
@@ -27,6 +28,8 @@ CHATML = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 WORDS = "cat dog sun moon tree fish bird star rain snow red blue green gold".split()
+# The official Qwen3 template, as TRL ships it (it renders past replies without their reasoning).
+QWEN3 = (importlib.resources.files("trl") / "chat_templates" / "qwen3.jinja").read_text(encoding="utf-8")
 
 
 def conversation(i: int, turns: int = 2) -> list[dict]:
@@ -37,6 +40,15 @@ def conversation(i: int, turns: int = 2) -> list[dict]:
             {"role": "user", "content": "reverse: " + " ".join(words)},
             {"role": "assistant", "content": " ".join(reversed(words))},
         ]
+    return messages
+
+
+def reasoning_conversation(i: int, turns: int) -> list[dict]:
+    """Like ``conversation`` with every reply carrying <think> reasoning (as Qwen3 writes it)."""
+    messages = conversation(i, turns)
+    for m in messages:
+        if m["role"] == "assistant":
+            m["content"] = f"<think>\nreverse {len(m['content'].split())} words\n</think>\n\n{m['content']}"
     return messages
 
 
@@ -61,7 +73,10 @@ def tok_dirs(tmp_path_factory) -> dict[str, str]:
     tok.save_pretrained(root / "plain")
     tok.chat_template = CHATML
     tok.save_pretrained(root / "chatml")
-    return {"chatml": str(root / "chatml"), "plain": str(root / "plain")}
+    tok.add_tokens(["<think>", "</think>"])  # as in Qwen3's tokenizer: added, not special
+    tok.chat_template = QWEN3
+    tok.save_pretrained(root / "qwen3")
+    return {"chatml": str(root / "chatml"), "plain": str(root / "plain"), "qwen3": str(root / "qwen3")}
 
 
 @pytest.fixture()
@@ -169,7 +184,7 @@ def test_bad_input_corpus_is_counted_reported_and_strict_is_fatal(tmp_path, tok_
     assert snapshot(data_dir) == before
 
 
-def test_truncate_and_drop_policies(tmp_path, tok_dirs):
+def test_truncate_and_drop_policies(tmp_path, tok_dirs, logs):
     rows = [{"messages": conversation(i, turns=4)} for i in range(20)]
     src = str(write_jsonl(tmp_path / "c.jsonl", rows))
     data_dir = str(tmp_path / "data")
@@ -182,6 +197,13 @@ def test_truncate_and_drop_policies(tmp_path, tok_dirs):
     drop = build_dataset(src, name="drop", tokenizer=tok_dirs["chatml"], data_dir=data_dir, max_seq_length=limit,
                          overlength="drop", num_proc=1)  # fmt: skip
     assert cut["stats"]["truncated"] == over and cut["num_samples"] == 20 and cut["stats"]["max_tokens"] == limit
+    # The truncated samples are named: row, source line and length before the cut.
+    long_rows = [i for i, length in enumerate(full_ds["length"]) if length > limit]
+    named = [f"sample #{i}, {src}:{i + 1}: {full_ds[i]['length']} tokens" for i in long_rows[:5]]
+    assert cut["stats"]["overlength_examples"]["truncated"] == named
+    assert drop["stats"]["overlength_examples"]["dropped_overlength"] == [n.split(", ", 1)[1] for n in named]
+    text = "\n".join(logs)
+    assert f"truncated: {over} sample(s) cut to --max_seq_length" in text and f"    {named[0]}" in text
     assert drop["stats"]["dropped_overlength"] == over and drop["num_samples"] == 20 - over
     cut_ds = datasets.load_from_disk(f"{data_dir}/built_dataset/cut")
     tok = AutoTokenizer.from_pretrained(tok_dirs["chatml"])
@@ -280,7 +302,7 @@ def test_tokenizer_and_path_errors_exit_2(tmp_path, tok_dirs, capsys):
     main(["--local_path", src, "--tokenizer", tok_dirs["plain"], "--chat_template", str(template), "--name", "ok",
           "--data_dir", str(tmp_path / "data"), "--print_samples"])  # fmt: skip
     out = capsys.readouterr().out
-    assert "[[" in out and "<|im_end|>]]" in out and "--- sample 0:" in out
+    assert "[[" in out and "<|im_end|>]]" in out and f"--- sample 0 from {src}:1:" in out
     assert "<|im_start|>user" in out.split("\n", 1)[1].split("[[")[0]  # the prompt is outside the markers
     assert not (tmp_path / "data" / "built_dataset" / "x").exists()
 
@@ -353,3 +375,65 @@ def test_library_errors_are_data_input_errors(tmp_path, tok_dirs):
         build_dataset(src, name="none", tokenizer=tok_dirs["chatml"], data_dir=str(tmp_path / "data"))
     with pytest.raises(DataInputError, match="--name"):
         build_dataset(src, name="../escape", tokenizer=tok_dirs["chatml"], data_dir=str(tmp_path / "data"))
+
+
+def test_reasoning_chats_under_qwen3_are_split_per_reply(tmp_path, tok_dirs, logs, capsys):
+    rows = [{"messages": conversation(0, turns=2)}]  # plain: one sample, as before
+    rows += [{"messages": reasoning_conversation(i, turns=2)} for i in range(1, 5)]
+    rows += [{"messages": reasoning_conversation(5, turns=3)}, {"messages": reasoning_conversation(6, turns=1)}]
+    rows += [{"messages": [*reasoning_conversation(7, turns=2), {"role": "user", "content": "and then?"}]}]
+    src = str(write_jsonl(tmp_path / "r.jsonl", rows))
+    data_dir = str(tmp_path / "data")
+    argv = ["--local_path", src, "--tokenizer", tok_dirs["qwen3"], "--data_dir", data_dir, "--num_proc", "1"]
+    main([*argv, "--name", "split", "--print_samples", "1"])
+    entry = json.loads((tmp_path / "data" / "data_config.json").read_text())["datasets"]["split"]
+    stats = entry["stats"]
+    # Conversations 1-5 and 7 (its trailing question dropped) are split: 2*4 + 3 + 2 samples.
+    assert (stats["conversations_split"], stats["samples_from_split"], stats["trailing_turn_dropped"]) == (6, 13, 1)
+    assert entry["num_samples"] == 15 and stats["skipped"] == {} and stats["history_rewrite"] == "split"
+    ds = datasets.load_from_disk(f"{data_dir}/built_dataset/split")
+    tok = AutoTokenizer.from_pretrained(tok_dirs["qwen3"])
+    expected = []  # (text, trained text) of every sample, in order
+    for row in rows:
+        messages = row["messages"][:-1] if row["messages"][-1]["role"] == "user" else row["messages"]
+        replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if "<think>" not in messages[replies[0]]["content"] or len(replies) == 1:
+            trained = "".join(messages[i]["content"] + "<|im_end|>" for i in replies)
+            expected.append((tok.apply_chat_template(messages, tokenize=False), trained))
+            continue
+        for i in replies:  # one sample per reply, rendered as the conversation stood at that reply
+            reply = messages[i]["content"] + "<|im_end|>"
+            expected.append((tok.apply_chat_template(messages[: i + 1], tokenize=False), reply))
+    trained = [tok.decode([t for t, label in zip(r["input_ids"], r["labels"]) if label != -100]) for r in ds]
+    assert list(zip(ds["text"], trained)) == expected
+    text = "\n".join(logs)
+    assert "6 conversation(s) split into 13 samples, one per reply" in text
+    assert "dropped the trailing user turn of 1 conversation(s)" in text and f"    {src}:8" in text
+    out = capsys.readouterr().out
+    assert f"--- sample 0 from {src}:1: " in out  # the first sample, then the first split conversation
+    assert f"--- sample 1 from {src}:2, reply 1 of 2 (split: the template rewrites earlier replies)" in out
+    assert f"--- sample 2 from {src}:2, reply 2 of 2 (split" in out and "--- sample 3 " not in out
+
+    main([*argv, "--name", "last", "--history_rewrite", "last"])
+    main([*argv, "--name", "skip", "--history_rewrite", "skip"])
+    registered = json.loads((tmp_path / "data" / "data_config.json").read_text())["datasets"]
+    assert registered["last"]["num_samples"] == 8 and registered["last"]["stats"]["conversations_last_reply_only"] == 6
+    last = datasets.load_from_disk(f"{data_dir}/built_dataset/last")
+    assert last["text"][1] == tok.apply_chat_template(rows[1]["messages"], tokenize=False)
+    assert registered["skip"]["num_samples"] == 2 and registered["skip"]["stats"]["skipped"] == {"history_rewritten": 6}
+    assert "--history_rewrite split keeps such conversations" in "\n".join(logs)
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--name", "bad", "--history_rewrite", "all"])
+    assert exit_info.value.code == 2 and "--history_rewrite" in capsys.readouterr().err
+
+
+def test_empty_jsonl_says_it_is_empty(tmp_path, tok_dirs, capsys):
+    for content in ("", "\n\n"):
+        src = tmp_path / "empty.jsonl"
+        src.write_text(content)
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--local_path", str(src), "--name", "e", "--tokenizer", tok_dirs["chatml"],
+                  "--data_dir", str(tmp_path / "data")])  # fmt: skip
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert exit_info.value.code == 2 and "holds no records (it is empty" in err and "summary" not in err
+    assert not (tmp_path / "data" / "data_config.json").exists()

@@ -68,6 +68,13 @@ def test_bad_records_raise_with_their_reason(record, reason):
     assert reason in formats.SKIP_REASONS
 
 
+def test_trailing_turns_after_the_last_reply_are_cut_and_counted():
+    question = {"role": "user", "content": "and then?"}
+    assert formats.trim_trailing_turns(EXPECTED) == (EXPECTED, 0)
+    assert formats.trim_trailing_turns([*EXPECTED, question]) == (EXPECTED, 1)
+    assert formats.trim_trailing_turns([*EXPECTED, question, {"role": "system", "content": "x"}]) == (EXPECTED, 2)
+
+
 def test_forced_format_that_does_not_fit_is_missing_fields():
     with pytest.raises(RecordError) as err:
         to_messages({"messages": EXPECTED}, "sharegpt")

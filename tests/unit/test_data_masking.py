@@ -1,6 +1,9 @@
-"""The response mask: exact for ChatML and for a template with different markers."""
+"""The response mask: exact for ChatML, a template with different markers, and templates that
+rewrite history (Qwen3's official template and one written here)."""
 
 from __future__ import annotations
+
+import importlib.resources
 
 import numpy as np
 import pytest
@@ -46,7 +49,8 @@ def make_tokenizer(template: str | None = CHATML) -> PreTrainedTokenizerFast:
 def encode(tok, messages) -> masking.Encoded:
     (result,) = masking.encode_conversations(tok, [messages], masking.special_token_strings(tok))
     assert not isinstance(result, RecordError), result
-    return result
+    (sample,) = result
+    return sample
 
 
 def runs(tok, enc: masking.Encoded, trained: bool) -> list[str]:
@@ -184,3 +188,99 @@ def test_labels_equal_ids_exactly_where_trained():
     trained = labels != IGNORE_INDEX
     assert (labels[trained] == ids[trained]).all()
     assert len(enc.offsets) == len(enc.input_ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# Templates that rewrite history
+# ---------------------------------------------------------------------------------------------
+def qwen3_template() -> str:
+    """The official Qwen3 chat template, as TRL ships it for identity checks (trl is pinned)."""
+    return (importlib.resources.files("trl") / "chat_templates" / "qwen3.jinja").read_text(encoding="utf-8")
+
+
+# Written here: ChatML that, like Qwen3, renders replies before the last user turn without their
+# <think>...</think> part (and adds nothing to the last turn).
+DROPS_PAST_REASONING = (
+    "{% set ns = namespace(last_user=-1) %}{% for m in messages %}{% if m['role'] == 'user' %}"
+    "{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' and loop.index0 < ns.last_user %}{{ m['content'].split('</think>')[-1].lstrip() }}"
+    "{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+REASONING = [
+    {"role": "system", "content": "I am fine."},
+    {"role": "user", "content": "hello there"},
+    {"role": "assistant", "content": "<think>\nsay how\n</think>\n\nhow are you?"},
+    {"role": "user", "content": "reverse: a b c"},
+    {"role": "assistant", "content": "<think>\nc then b then a\n</think>\n\nc b a"},
+    {"role": "user", "content": "say assistant"},
+    {"role": "assistant", "content": "<think>\nthe sky is blue\n</think>\n\nassistant"},
+]
+
+
+def reasoning_tokenizer(template: str) -> PreTrainedTokenizerFast:
+    tok = make_tokenizer(template)
+    tok.add_tokens(["<think>", "</think>"])  # as in Qwen3's tokenizer: added, not special
+    return tok
+
+
+def samples(tok, messages, mode="split") -> list[masking.Encoded]:
+    (result,) = masking.encode_conversations(tok, [messages], masking.special_token_strings(tok), mode)
+    assert not isinstance(result, RecordError), result
+    return result
+
+
+@pytest.mark.parametrize("template", [qwen3_template(), DROPS_PAST_REASONING], ids=["qwen3", "written-here"])
+def test_split_gives_one_exactly_masked_sample_per_reply(template):
+    tok = reasoning_tokenizer(template)
+    replies = [i for i, m in enumerate(REASONING) if m["role"] == "assistant"]
+    out = samples(tok, REASONING)
+    assert [(s.kind, s.turn, s.turns) for s in out] == [("split", 1, 3), ("split", 2, 3), ("split", 3, 3)]
+    for sample, i in zip(out, replies):
+        # The conversation up to this reply, exactly as the template renders it at that point ...
+        assert sample.text == tok.apply_chat_template(REASONING[: i + 1], tokenize=False)
+        assert tok.decode(sample.input_ids) == sample.text
+        # ... where only this reply keeps its reasoning, and only this reply is trained:
+        assert sample.text.count("<think>") == 1 and sample.text.count("</think>") == 1
+        assert runs(tok, sample, trained=True) == [REASONING[i]["content"] + "<|im_end|>"]
+        prompt = tok.apply_chat_template(REASONING[:i], tokenize=False, add_generation_prompt=True)
+        assert runs(tok, sample, trained=False) == [prompt, "\n"]
+        for earlier in REASONING[:i]:
+            if earlier["role"] == "assistant":
+                assert earlier["content"].split("\n\n")[-1] in prompt and earlier["content"] not in prompt
+
+
+def test_last_trains_the_final_reply_and_skip_skips():
+    tok = reasoning_tokenizer(qwen3_template())
+    (last,) = samples(tok, REASONING, "last")
+    assert (last.kind, last.turn, last.turns) == ("last", 3, 3)
+    assert last.text == tok.apply_chat_template(REASONING, tokenize=False)
+    assert runs(tok, last, trained=True) == ["<think>\nthe sky is blue\n</think>\n\nassistant<|im_end|>"]
+    (skipped,) = masking.encode_conversations(tok, [REASONING], masking.special_token_strings(tok), "skip")
+    assert isinstance(skipped, RecordError) and skipped.reason == "history_rewritten"
+    assert "--history_rewrite split" in skipped.detail
+
+
+def test_qwen3_plain_multi_turn_stays_one_sample_and_the_empty_think_block_is_not_trained():
+    tok = reasoning_tokenizer(qwen3_template())
+    plain = [{"role": m["role"], "content": m["content"].split("\n\n")[-1]} for m in REASONING]
+    (one,) = samples(tok, plain)
+    assert (one.kind, one.turn, one.turns) == ("whole", 0, 3)
+    assert one.text == tok.apply_chat_template(plain, tokenize=False)
+    assert one.text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nassistant<|im_end|>\n")
+    assert runs(tok, one, trained=True) == ["how are you?<|im_end|>", "c b a<|im_end|>", "assistant<|im_end|>"]
+    assert runs(tok, one, trained=False)[-2:] == ["\n<|im_start|>user\nsay assistant<|im_end|>\n"
+                                                  "<|im_start|>assistant\n<think>\n\n</think>\n\n", "\n"]  # fmt: skip
+    # Reasoning on the final reply only: nothing is rewritten, still one sample training it all.
+    final_reasoning = plain[:-1] + REASONING[-1:]
+    (one,) = samples(tok, final_reasoning)
+    assert one.kind == "whole" and runs(tok, one, trained=True)[-1] == REASONING[-1]["content"] + "<|im_end|>"
+
+
+def test_content_changed_even_as_the_last_turn_is_not_a_history_rewrite():
+    rewriting = "{% for m in messages %}{{ m['content'] | upper }}<|im_end|>{% endfor %}"
+    tok = make_tokenizer(rewriting)
+    for mode in masking.HISTORY_REWRITE:
+        (err,) = masking.encode_conversations(tok, [MULTI], masking.special_token_strings(tok), mode)
+        assert isinstance(err, RecordError) and err.reason == "content_not_in_render"
