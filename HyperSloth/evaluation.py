@@ -1,0 +1,228 @@
+"""Evaluation during training: the exact held-out loss over all ranks, the best adapter, early stopping.
+
+The eval rows are planned by the training planner (`adaptive_partition_batches`): packed or sorted-pad
+as in training, with the training micro-batch budget, token-balanced, and the same number of
+micro-batches on every rank. Each rank runs forward only (under `torch.no_grad`, model in eval mode),
+summing the token losses of its micro-batches (the training loss with denominator 1, i.e. reduction
+"sum") and counting their target tokens; then ONE all-reduce of (loss sum, token count), and
+
+    eval_loss = total token loss / total target tokens,
+
+the token mean that training minimises (loss_type="response_only" scores assistant tokens only). The
+result is independent of the number of ranks up to float summation order, and identical on every rank,
+so every rank takes the same early-stopping decision. Per-rank means averaged with unequal token
+counts (the usual multi-GPU eval bug) cannot happen: nothing is averaged before the all-reduce.
+
+HF's own loop schedules it: `eval_strategy="steps"` with `eval_steps` (or only at the end), and
+transformers evaluates once more after the last step; `metric_for_best_model="eval_loss"` keeps the best
+value in `TrainerState` (so it survives a resume). Our `Trainer.evaluate` override calls `evaluate_in_trainer`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as torch_dist
+from loguru import logger
+from transformers import EarlyStoppingCallback, TrainerCallback
+
+from HyperSloth.batching import EpochPlan, PlanSpec, adaptive_partition_batches
+from HyperSloth.collate import LossType, collate, count_trainable, sample_labels
+
+BEST_ADAPTER_DIR = "best_adapter"
+BEST_EVAL_FILE = "best_eval.json"  # inside best_adapter/: {"step", "eval_loss", "eval_tokens"}
+EVAL_ROWS_PER_RANK_PER_CHUNK = 256  # eval "steps" hold this many rows per rank: bounds the planner's work
+FINAL_ONLY_EVAL_STEPS = 2**31 - 1  # eval_steps=None: HF's loop then evaluates after the last step only
+
+
+def eval_plan_spec(train_spec: PlanSpec, num_rows: int) -> PlanSpec:
+    """The training spec (mode, micro-batch budget, ranks, cost model) with eval-sized "steps".
+
+    A step is only a unit of balancing here (the loss is a sum over all of them), so it holds many rows:
+    fuller packed micro-batches, better balance. `train_spec` must be the one the workers resolved
+    (e.g. after an "auto" token budget), so eval micro-batches never exceed what training fits.
+    """
+    per_chunk = max(train_spec.samples_per_step, EVAL_ROWS_PER_RANK_PER_CHUNK * train_spec.num_ranks)
+    return replace(train_spec, samples_per_step=max(1, min(num_rows, per_chunk)), group_by_length=False)
+
+
+def plan_eval(lengths: np.ndarray, trainable: np.ndarray, train_spec: PlanSpec) -> EpochPlan:
+    """The eval plan: every eval row once, dealt to ranks like a training epoch (equal micro-batch counts)."""
+    return adaptive_partition_batches(lengths, trainable, eval_plan_spec(train_spec, len(lengths)), epoch=0)
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """One evaluation: token-mean loss over all ranks, the target tokens it averaged, and wall seconds."""
+
+    loss: float
+    tokens: int
+    seconds: float
+
+
+def sum_over_ranks(values: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Sum a tensor over all ranks (in place; the one collective of an evaluation)."""
+    if world_size > 1:
+        torch_dist.all_reduce(values, op=torch_dist.ReduceOp.SUM)
+    return values
+
+
+class Evaluator:
+    """This rank's share of the eval plan, and the exact distributed token-mean loss over it."""
+
+    def __init__(self, dataset, plan: EpochPlan, *, rank: int, loss_type: LossType, pad_token_id: int,
+                 packed_lengths: bool = False):
+        self.dataset = dataset.with_format("numpy", columns=["input_ids", "labels"])
+        self.plan = plan
+        self.rank = rank
+        self.world_size = plan.spec.num_ranks
+        self.loss_type = loss_type
+        self.pad_token_id = pad_token_id
+        self.packed_lengths = packed_lengths
+
+    @property
+    def total_targets(self) -> int:
+        """Target tokens of the whole eval set (all ranks), from the plan."""
+        return sum(int(step.num_trainable) for step in self.plan.steps)
+
+    def micro_batches(self) -> Iterator[dict[str, torch.Tensor]]:
+        """This rank's collated micro-batches (on the host), empty ones skipped."""
+        for step in self.plan.steps:
+            for indices in step.ranks[self.rank]:
+                if indices:
+                    yield self._collate(list(indices))
+
+    def _collate(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        rows = self.dataset[indices]
+        samples = [(np.asarray(ids), sample_labels(np.asarray(ids), np.asarray(lab), self.loss_type))
+                   for ids, lab in zip(rows["input_ids"], rows["labels"])]
+        return collate(samples, self.plan.spec.mode, self.pad_token_id, with_lengths=self.packed_lengths)
+
+    def local_sums(self, loss_sum: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+                   device: torch.device | str) -> torch.Tensor:
+        """float64 [sum of token losses, target tokens] over this rank's micro-batches.
+
+        `loss_sum(micro_batch)` returns the summed token loss of a host micro-batch (it moves it to the device).
+        """
+        totals = torch.zeros(2, dtype=torch.float64, device=device)
+        targets = 0
+        for micro_batch in self.micro_batches():
+            targets += count_trainable(micro_batch["labels"])  # counted on the host: no device sync
+            totals[0] += loss_sum(micro_batch).detach().to(torch.float64).reshape(())
+        totals[1] = targets
+        return totals
+
+    def run(self, loss_sum: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+            device: torch.device | str) -> EvalResult:
+        """Evaluate on every rank (all must call it): one all-reduce, then total loss / total tokens."""
+        start = time.perf_counter()
+        totals = sum_over_ranks(self.local_sums(loss_sum, device), self.world_size)
+        loss, tokens = totals.tolist()
+        return EvalResult(loss=loss / max(tokens, 1.0), tokens=int(tokens), seconds=time.perf_counter() - start)
+
+
+def evaluate_in_trainer(trainer, evaluator: Evaluator, metric_key_prefix: str = "eval") -> dict[str, float]:
+    """The body of `Trainer.evaluate` for plan-driven eval: forward only, log, `on_evaluate`, metrics.
+
+    `trainer.micro_batch_loss(model, micro_batch, 1)` is the training loss with denominator 1, i.e. the
+    sum of token losses, computed exactly as in training (same kernels, same autocast context).
+    """
+    model = trainer.model
+
+    def loss_sum(micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        micro_batch = trainer._prepare_inputs(micro_batch)
+        with trainer.compute_loss_context_manager():
+            return trainer.micro_batch_loss(model, micro_batch, 1)
+
+    was_training = model.training
+    model.eval()  # no dropout; gradients are off below, so no activations are kept
+    try:
+        with torch.no_grad():
+            result = evaluator.run(loss_sum, trainer.args.device)
+    finally:
+        model.train(was_training)
+    metrics = {f"{metric_key_prefix}_loss": result.loss, f"{metric_key_prefix}_tokens": result.tokens,
+               f"{metric_key_prefix}_runtime": result.seconds}
+    logger.info(f"step {trainer.state.global_step}: eval_loss {result.loss:.6f} over {result.tokens:,} target "
+                f"tokens ({result.seconds:.2f} s)")
+    trainer.log(dict(metrics))
+    trainer.control = trainer.callback_handler.on_evaluate(trainer.args, trainer.state, trainer.control, metrics)
+    return metrics
+
+
+def eval_sft_kwargs(eval_steps: int | None) -> dict[str, Any]:
+    """SFTConfig arguments that make HF's loop call `evaluate` every `eval_steps` and after the last step,
+    and track the lowest eval_loss in its state (`best_metric`, kept across a resume)."""
+    return {
+        "eval_strategy": "steps",
+        "eval_steps": eval_steps or FINAL_ONLY_EVAL_STEPS,
+        "metric_for_best_model": "eval_loss",
+        "greater_is_better": False,
+    }
+
+
+def save_adapter_atomically(model, folder: Path, record: Mapping[str, Any]) -> None:
+    """`model.save_pretrained(folder)` plus `record` as BEST_EVAL_FILE, replacing the folder only when complete."""
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(str(partial))
+    (partial / BEST_EVAL_FILE).write_text(json.dumps(dict(record), indent=2))
+    shutil.rmtree(folder, ignore_errors=True)
+    partial.rename(folder)
+
+
+class BestAdapterCallback(TrainerCallback):
+    """Keep the adapter of the lowest eval loss in OUTPUT_DIR/best_adapter/ (rank 0 only).
+
+    Runs in `on_evaluate`, before HF updates `state.best_metric` with this evaluation (the same order
+    HF's EarlyStoppingCallback relies on), so `state.best_metric` is still the best of the earlier ones.
+    """
+
+    def __init__(self, output_dir: str | Path):
+        self.folder = Path(output_dir) / BEST_ADAPTER_DIR
+
+    def on_evaluate(self, args, state, control, metrics=None, model=None, **kwargs):
+        loss = (metrics or {}).get("eval_loss")
+        if loss is None or model is None or (state.best_metric is not None and not loss < state.best_metric):
+            return control
+        record = {"step": state.global_step, "eval_loss": loss, "eval_tokens": int(metrics.get("eval_tokens", 0))}
+        save_adapter_atomically(model, self.folder, record)
+        logger.info(f"best eval_loss so far ({loss:.6f} at step {state.global_step}): saved {self.folder}")
+        return control
+
+
+class EarlyStopping(EarlyStoppingCallback):
+    """HF's early stopping on eval_loss (stop after `patience` evaluations without a new lowest value).
+
+    HF warns when `load_best_model_at_end` is off; here the best adapter is kept in best_adapter/ instead
+    (BestAdapterCallback), so the warning would be wrong. The checks it makes are kept.
+    """
+
+    def __init__(self, patience: int):
+        super().__init__(early_stopping_patience=patience, early_stopping_threshold=0.0)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if args.metric_for_best_model != "eval_loss" or args.eval_strategy == "no":
+            raise ValueError("early stopping needs an eval set: set data.eval_fraction or data.eval_dataset_name")
+        return control
+
+
+def eval_history(log_history: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The run's evaluations from `TrainerState.log_history`: [{"step", "eval_loss", "eval_tokens"}]."""
+    return [{"step": int(h["step"]), "eval_loss": float(h["eval_loss"]), "eval_tokens": int(h.get("eval_tokens", 0))}
+            for h in log_history if "eval_loss" in h and "step" in h]
+
+
+def best_eval(history: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The evaluation with the lowest eval_loss (the earliest on a tie), or None without evaluations."""
+    if not history:
+        return None
+    return dict(min(history, key=lambda h: (h["eval_loss"], h["step"])))
