@@ -1,0 +1,174 @@
+"""budget.py: the automatic micro-batch budget, with fake memory measurements (no GPU needed)."""
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from HyperSloth import budget, dist
+
+GIB = 2**30
+
+
+def test_fit_memory_recovers_the_line_and_refuses_bad_probes():
+    fit = budget.fit_memory([(2048, 10 * GIB + 2048 * 4096), (8192, 10 * GIB + 8192 * 4096)])
+    assert fit.base_bytes == pytest.approx(10 * GIB)
+    assert fit.per_token_bytes == pytest.approx(4096)
+    assert fit.max_tokens(10 * GIB + 4096 * 1000) == 1000
+    assert fit.max_tokens(GIB) == 0
+    with pytest.raises(ValueError, match="two sizes"):
+        budget.fit_memory([(2048, GIB), (2048, 2 * GIB)])
+    with pytest.raises(ValueError, match="do not grow"):
+        budget.fit_memory([(2048, 2 * GIB), (8192, GIB)])
+
+
+def test_allocation_limit_subtracts_safety_outside_memory_and_optimizer():
+    # 100 GiB GPU, 60 free, torch holds 30: 10 GiB belong to others (context, NCCL, other processes).
+    limit = budget.allocation_limit(100 * GIB, 60 * GIB, 30 * GIB, optimizer_bytes=GIB, safety_fraction=0.1)
+    assert limit == 100 * GIB - 10 * GIB - 10 * GIB - GIB
+
+
+def test_choose_tokens_rounds_down_caps_and_has_a_floor():
+    fit = budget.MemoryFit(base_bytes=GIB, per_token_bytes=1000)
+    assert budget.choose_tokens(fit, GIB + 1000 * 5000, cap=10**6) == 4864  # 5000 rounded down to 256s
+    assert budget.choose_tokens(fit, GIB + 1000 * 5000, cap=1000) == 1024  # cap rounded up to 256s
+    assert budget.choose_tokens(fit, GIB // 2, cap=10**6) == budget.MIN_BUDGET
+
+
+def test_useful_cap_is_the_longest_samples_of_one_step():
+    assert budget.useful_cap([5, 100, 7, 50, 1], samples_per_step=2) == 150
+    assert budget.useful_cap([5, 100], samples_per_step=8) == 105
+
+
+def test_measure_with_a_linear_fake_picks_the_largest_fitting_budget():
+    calls = []
+
+    def peak(tokens):
+        calls.append(tokens)
+        return 4 * GIB + 2**20 * tokens  # 1 MiB per token
+
+    out = budget.measure(peak, limit_bytes=4 * GIB + 2**20 * 30000, cap=10**6)
+    assert out["tokens"] == 29952  # 30000 rounded down to a multiple of 256
+    assert calls == [2048, 8192, 29952]  # two probes, then the verification at the chosen size
+    assert out["verified_peak_bytes"] <= 4 * GIB + 2**20 * 30000
+    assert out["fit"].per_token_bytes == pytest.approx(2**20)
+
+
+def test_measure_shrinks_when_the_real_peak_grows_faster_than_the_fit():
+    def peak(tokens):  # superlinear beyond the probes: the line under-predicts large sizes
+        return GIB + 2**20 * tokens + (2**20 * (tokens - 8192) ** 2 // 20000 if tokens > 8192 else 0)
+
+    limit = GIB + 2**20 * 40000
+    out = budget.measure(peak, limit_bytes=limit, cap=10**6)
+    assert peak(out["tokens"]) <= limit
+    assert out["verified_peak_bytes"] == peak(out["tokens"])
+    assert out["tokens"] % budget.ROUND_TO == 0 and out["tokens"] < 40000
+
+
+class FakeOOM(RuntimeError):
+    pass
+
+
+def test_measure_halves_on_out_of_memory_and_reraises_other_errors():
+    def peak(tokens):
+        if tokens > 20000:
+            raise FakeOOM("out of memory")
+        return GIB + 1000 * tokens
+
+    out = budget.measure(peak, limit_bytes=GIB + 1000 * 50000, cap=10**6, is_oom=lambda e: isinstance(e, FakeOOM))
+    assert out["tokens"] <= 20000 and out["verified_peak_bytes"] == GIB + 1000 * out["tokens"]
+    with pytest.raises(FakeOOM):
+        budget.measure(peak, limit_bytes=GIB + 1000 * 50000, cap=10**6)  # not recognised as OOM: raised
+
+
+def test_measure_with_a_small_cap_probes_within_it():
+    seen = []
+    out = budget.measure(lambda t: seen.append(t) or GIB + t, limit_bytes=2 * GIB, cap=1000)
+    assert seen[:2] == [256, 1000] and out["tokens"] == 1024
+
+
+def test_explicit_budget_wins_and_cpu_auto_is_fixed():
+    assert budget.fixed_decision(4096, cuda=True).tokens == 4096
+    assert budget.fixed_decision(4096, cuda=True).source == "explicit"
+    cpu = budget.fixed_decision("auto", cuda=False)
+    assert (cpu.tokens, cpu.source) == (budget.CPU_AUTO_TOKENS, "auto-cpu")
+    assert budget.fixed_decision("auto", cuda=True) is None
+    assert budget.decide(512, model=None, lengths=[3], samples_per_step=1, vocab_size=10,
+                         gradient_checkpointing=False, cuda=True).tokens == 512
+
+
+def test_needs_checkpointing_when_the_longest_sample_exceeds_the_budget():
+    assert budget.needs_checkpointing(budget_tokens=30000, longest_sample=65536)
+    assert not budget.needs_checkpointing(budget_tokens=30000, longest_sample=30000)
+
+
+def test_probe_batch_is_a_packed_row_of_the_requested_tokens():
+    batch = budget.probe_batch(1000, seq_len=300, vocab_size=50)
+    assert batch["input_ids"].shape == (1, 1000)
+    assert batch["packed_seq_lengths"].tolist() == [300, 300, 300, 100]
+    assert batch["position_ids"][0, 300].item() == 0 and batch["position_ids"][0, 299].item() == 299
+    assert int(batch["input_ids"].max()) < 50
+
+
+def test_probe_forward_backward_leaves_the_model_unchanged():
+    torch.manual_seed(0)
+    model = _TinyLM()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batch = budget.probe_batch(64, seq_len=16, vocab_size=11)
+    batch.pop("packed_seq_lengths")
+    budget.forward_backward(model, batch, 64)
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    budget.release_memory(model)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+class _TinyLM(torch.nn.Module):
+    """Embedding + linear head with HF's output shape (`.loss`), enough to run a probe on CPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(11, 8), torch.nn.Linear(8, 11)
+
+    def forward(self, input_ids, labels, position_ids, num_items_in_batch, use_cache):
+        logits = self.head(self.emb(input_ids))[:, :-1]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 11), labels[:, 1:].reshape(-1),
+                                                 ignore_index=-100, reduction="sum") / num_items_in_batch
+        return type("Out", (), {"loss": loss})()
+
+
+def _agree_worker(rank: int, port: int, values: list[int], queue) -> None:
+    info = dist.DistInfo(rank=rank, world_size=2, master_port=port, launched_by="hypersloth")
+    dist.setup(info, backend="gloo", timeout_s=60)
+    try:
+        queue.put((rank, budget.agree_min(values[rank])))
+    finally:
+        dist.teardown()
+
+
+def test_agree_min_gives_every_rank_the_smallest_measurement():
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    values = [48128, 31744]
+    store = dist.host_store()  # as the launcher does: held here, both ranks join as clients
+    port = store.port
+    procs = [ctx.Process(target=_agree_worker, args=(r, port, values, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    assert results == {0: 31744, 1: 31744}
+    assert budget.agree_min(7) == 7  # no process group: the value itself
+
+
+def test_decision_summary_names_value_and_inputs():
+    d = budget.BudgetDecision(tokens=30720, source="auto", local_tokens=31744, points=[(2048, 10 * GIB)],
+                              fit={"base_bytes": 6 * GIB, "per_token_bytes": 4 * 2**20}, limit_bytes=120 * GIB,
+                              total_bytes=140 * GIB, safety_fraction=0.08, optimizer_bytes=GIB, cap_tokens=10**5,
+                              verified_peak_bytes=118 * GIB, longest_sample=4096, gradient_checkpointing=False,
+                              probe_seconds=3.0)
+    line = d.summary()
+    assert "auto -> 30,720" in line and "this rank 31,744" in line and "4.000 MiB x tokens" in line
+    assert d.as_record()["points"] == [(2048, 10 * GIB)]
+    assert np.isfinite(d.as_record()["fit"]["base_bytes"])
