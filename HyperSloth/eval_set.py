@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
 from HyperSloth.config import ConfigError
 
@@ -28,33 +28,33 @@ MAX_EVAL_FRACTION = 0.5  # beyond this the "hold-out" would be larger than what 
 EvalSource = Literal["holdout", "dataset"]
 
 
-@dataclass(frozen=True)
-class EvalSet:
-    """The evaluation rows of a run, as recorded in its resolved settings.
+class EvalSet(BaseModel):
+    """The evaluation rows of a run, as recorded in its resolved settings (run.json).
 
     `source="holdout"`: `num_rows` rows of the training dataset `dataset_name` (at `dataset_path`) held
     out with `fraction` and `seed`; `source="dataset"`: every row of the registered dataset `dataset_name`.
-    `target_tokens` is what the eval loss averages over (under the run's loss_type).
     """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     source: EvalSource
     dataset_name: str
     dataset_path: str
-    num_rows: int
-    tokens: int
-    target_tokens: int
-    fingerprint: str
-    fraction: float | None = None
-    seed: int | None = None
+    num_rows: int = Field(gt=0, description="Conversations evaluated.")
+    tokens: int = Field(description="Tokens of those conversations.")
+    target_tokens: int = Field(gt=0, description="Tokens the eval loss averages over (under the run's loss_type).")
+    fingerprint: str = Field(description="SHA-256 over the evaluated rows' indices and token ids.")
+    fraction: float | None = Field(None, description="eval_fraction of a hold-out.")
+    seed: int | None = Field(None, description="Seed of the hold-out permutation.")
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-safe form, for the run's resolved settings."""
-        return asdict(self)
+        """JSON-safe form."""
+        return self.model_dump()
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EvalSet:
         """Inverse of `to_dict`."""
-        return cls(**data)
+        return cls.model_validate(data)
 
     def describe(self) -> str:
         """One line for logs and the plan preview."""
