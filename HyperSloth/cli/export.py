@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import sys
 
-import fire
-
+from HyperSloth.cli.command import Command, Flag, Positional
 from HyperSloth.export import DTYPES, ExportError, ExportResult, export_run
 
 PROG = "hypersloth-export"
@@ -68,9 +67,36 @@ def _fail(message: str) -> None:
     raise SystemExit(2)
 
 
-def main() -> None:
-    """Entry point of `hypersloth-export`."""
-    fire.Fire(export, name=PROG)
+COMMAND = Command(
+    prog=PROG,
+    summary="""Export a finished run (or one of its checkpoint-N folders) for inference: OUT/adapter is a
+stock PEFT adapter folder with the tokenizer; with --merge, OUT/merged is the base model with the
+adapter folded in (safetensors + tokenizer). A 4-bit base is loaded unquantised from its original
+weights for the merge.""",
+    positionals=(Positional("run_dir", "RUN_DIR", "the run's output_dir, or one of its checkpoint-N folders"),),
+    flags=(
+        Flag("out", "output folder (default RUN_DIR/export); it gets adapter/ and, with --merge, merged/",
+             value="OUT"),
+        Flag("merge", "also merge the adapter into the base model and save a full model in --dtype"),
+        Flag("dtype", f"dtype of the merged weights: {', '.join(DTYPES)} (default bfloat16)", value="DTYPE"),
+        Flag("base", "base model folder or hub id (default: fast_model_args.model_name of the run's config)",
+             value="MODEL"),
+        Flag("force", "replace OUT/adapter and OUT/merged if OUT already exists"),
+        Flag("verify", "skip loading the exported adapter with PEFT onto a weightless base (the check "
+             "that it fits, done by default)", label="--noverify"),
+    ),
+    examples=(
+        "hypersloth-export outputs/run                      # outputs/run/export/adapter",
+        "hypersloth-export outputs/run --merge --dtype float16 --out exported",
+        "hypersloth-export outputs/run/checkpoint-100 --noverify",
+    ),
+    notes="exit codes: 0 exported, 2 nothing exported (a wrong flag or run folder, OUT exists without --force)",
+)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of `hypersloth-export` (console script via HyperSloth.cli.command)."""
+    COMMAND.run(export, argv)
 
 
 if __name__ == "__main__":

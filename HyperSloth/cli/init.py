@@ -6,7 +6,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-import fire
+from HyperSloth.cli.command import Command, Flag, Positional
 
 # Template name on the command line -> file under HyperSloth/templates/.
 TEMPLATES: dict[str, str] = {
@@ -72,9 +72,31 @@ def init(path: str = "hypersloth_config.py", template: str = "tiny-cpu", force: 
     print(f"  hypersloth-train {target}    # train")
 
 
-def main() -> None:
-    """Console entry point."""
-    fire.Fire(init)
+COMMAND = Command(
+    prog="hypersloth-init",
+    summary="""Write a commented HyperSloth config file (a Python file) from a template, and print the
+commands that prepare its model and dataset. Nothing is written when a flag is wrong.
+
+templates:
+  tiny-cpu          tiny random Qwen3 on 2 CPU worker processes (no GPU, no download); the default
+  lora-2gpu         16-bit LoRA of unsloth/Qwen3-0.6B on GPUs [0, 1]
+  qlora-2gpu        4-bit QLoRA of unsloth/Qwen3-8B-bnb-4bit on GPUs [0, 1]""",
+    positionals=(Positional("path", "PATH", "where to write the config (default hypersloth_config.py)", required=False),),
+    flags=(
+        Flag("template", "one of the templates above (underscores work too: tiny_cpu)", value="NAME"),
+        Flag("force", "overwrite PATH if it already exists"),
+    ),
+    examples=(
+        "hypersloth-init                                   # hypersloth_config.py, tiny-cpu",
+        "hypersloth-init my_config.py --template lora-2gpu",
+    ),
+    notes="exit codes: 0 written, 2 nothing written (a wrong flag, an unknown template, PATH exists)",
+)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of `hypersloth-init` (console script via HyperSloth.cli.command)."""
+    COMMAND.run(init, argv)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,7 @@ import struct
 import sys
 from pathlib import Path
 
-import fire
-
+from HyperSloth.cli.command import Command, Flag, Positional
 from HyperSloth.tiny_model import build_tiny_model
 
 DEFAULT_OUT_DIR = "build/tiny-qwen3"
@@ -63,9 +62,26 @@ def count_parameters(safetensors_file: Path) -> int:
     return sum(math.prod(entry["shape"]) for name, entry in header.items() if name != "__metadata__")
 
 
-def main() -> None:
-    """Console-script entry point."""
-    fire.Fire(tiny_model)
+COMMAND = Command(
+    prog="hypersloth-tiny-model",
+    summary="""Build (or reuse, when it is already there) the embedded tiny random-weight Qwen3 and its
+ChatML tokenizer in OUT_DIR, for offline runs and tests, and print what is there.""",
+    positionals=(Positional("out_dir", "OUT_DIR", f"folder for the model + tokenizer (default {DEFAULT_OUT_DIR})",
+                            required=False),),
+    flags=(
+        Flag("data_path", "OpenAI-messages JSONL to train the tokenizer on (default data/sample_chat.jsonl)",
+             value="FILE"),
+        Flag("force", "replace a non-empty OUT_DIR that holds something else"),
+    ),
+    examples=("hypersloth-tiny-model                             # build/tiny-qwen3",
+              "hypersloth-tiny-model models/tiny --data_path my_chats.jsonl"),
+    notes="exit codes: 0 built or reused, 2 nothing built (a wrong flag, OUT_DIR holds something else)",
+)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of `hypersloth-tiny-model` (console script via HyperSloth.cli.command)."""
+    COMMAND.run(tiny_model, argv)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,276 @@
+"""What every HyperSloth CLI shares: its flag table, the check of argv before anything runs, the help
+text, and a Ctrl-C that ends with one line.
+
+Fire parses a command line only while it calls the function, so an unknown or misspelt flag was
+reported *after* the function had run: `hypersloth-init x.py --templat lora-2gpu` wrote x.py from the
+default template, then complained. Here each CLI declares its arguments once (`Command`); `run`
+checks argv against that table first (unknown flags exit 2 naming the closest valid one, nothing
+written), prints our own plain help (no pager, no type noise), normalises argv to `--name=value`
+form and only then lets fire make the call.
+
+Standard library only: the console scripts (`train`, `init`, ... below) take over Ctrl-C before the
+CLI modules, and their heavier imports, are loaded.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import signal
+import sys
+import textwrap
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+HELP_FLAGS = ("-h", "--help")
+_TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")
+_WIDTH, _COLUMN = 100, 20  # help text width; where flag descriptions start
+
+
+class UsageError(Exception):
+    """A command line that does not fit the CLI's table; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One option. `value` is the metavar of a flag that takes a value; None makes it a switch
+    (`--force`, `--noforce`, `--force=false`). `optional_value`: the value may be left out
+    (`--print_samples` or `--print_samples 5`; only a whole number is taken as its value)."""
+
+    name: str  # the function's parameter name, e.g. dry_run
+    help: str
+    value: str | None = None
+    optional_value: bool = False
+    short: str | None = None  # e.g. "-n"
+    label: str | None = None  # how help spells it, e.g. --dry-run or --noverify (default --name)
+
+    @property
+    def shown(self) -> str:
+        return self.label or f"--{self.name}"
+
+
+@dataclass(frozen=True)
+class Positional:
+    """A positional argument; it may also be given by name (`--config FILE`), as fire allows."""
+
+    name: str
+    metavar: str
+    help: str
+    required: bool = True
+
+
+@dataclass(frozen=True)
+class Command:
+    """The arguments, help and examples of one CLI."""
+
+    prog: str
+    summary: str
+    positionals: tuple[Positional, ...] = ()
+    flags: tuple[Flag, ...] = ()
+    examples: tuple[str, ...] = ()
+    notes: str = ""
+
+    def help_text(self) -> str:
+        """The text `--help` prints."""
+        parts = [f"usage: {self.usage()}", self.summary.strip()]
+        if self.positionals:
+            parts.append("arguments:\n" + "\n".join(_entry(p.metavar, p.help) for p in self.positionals))
+        options = [_entry(_flag_label(f), f.help) for f in self.flags] + [_entry("-h, --help", "show this help")]
+        parts.append("options:\n" + "\n".join(options))
+        if self.examples:
+            parts.append("examples:\n" + "\n".join("  " + line for line in self.examples))
+        if self.notes:
+            parts.append(self.notes.strip())
+        return "\n\n".join(parts) + "\n"
+
+    def usage(self) -> str:
+        """One line: the program, its positionals and its flags."""
+        words = [self.prog]
+        words += [p.metavar if p.required else f"[{p.metavar}]" for p in self.positionals]
+        words += [f"[{_flag_label(f, short=False)}]" for f in self.flags]
+        return " ".join(words)
+
+    def check(self, argv: Sequence[str]) -> list[str]:
+        """argv checked against the table and rewritten for fire (flags as `--name=value`, positionals
+        in order); UsageError for anything that does not fit, before anything has run."""
+        by_name = self._lookup()
+        flags_out: list[str] = []
+        positionals: list[str] = []
+        named: set[str] = set()
+        args = list(argv)
+        while args:
+            arg = args.pop(0)
+            if arg == "--" or not arg.startswith("-") or _is_number(arg):
+                if arg == "--":
+                    raise UsageError(f"unexpected '--'; see `{self.prog} --help`")
+                positionals.append(arg)
+                continue
+            key, _, inline = arg.lstrip("-").partition("=")
+            name, value = self._resolve(arg, key.replace("-", "_"), "=" in arg, inline, args, by_name)
+            named.add(name)
+            flags_out.append(f"--{name}={value}")
+        self._check_positionals(positionals, named)
+        return positionals + flags_out
+
+    def run(self, function: Callable, argv: Sequence[str] | None = None) -> None:
+        """Print help, or check argv and let fire call `function` with it; usage errors exit 2."""
+        argv = list(sys.argv[1:] if argv is None else argv)
+        if any(arg in HELP_FLAGS for arg in argv) or (not argv and self._required()):
+            print(self.help_text(), end="")
+            raise SystemExit(0 if argv else 2)
+        try:
+            command = self.check(argv)
+        except UsageError as err:
+            print(f"{self.prog}: error: {err}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+        import fire  # only once the command line is known to be valid
+
+        with interrupts_end_quietly(self.prog):
+            fire.Fire(function, command=command, name=self.prog)
+
+    # ------------------------------------------------------------------ internals
+
+    def _required(self) -> list[Positional]:
+        return [p for p in self.positionals if p.required]
+
+    def _lookup(self) -> dict[str, Flag | Positional]:
+        table: dict[str, Flag | Positional] = {p.name: p for p in self.positionals}
+        table.update({f.name: f for f in self.flags})
+        return table
+
+    def _resolve(self, arg: str, key: str, has_inline: bool, inline: str, rest: list[str],
+                 by_name: dict[str, Flag | Positional]) -> tuple[str, str]:
+        """(parameter name, value) of one flag token, consuming its value from `rest` if needed."""
+        short = next((f for f in self.flags if f.short == arg.split("=")[0]), None)
+        entry = short or by_name.get(key)
+        if entry is None and key.startswith("no") and isinstance(by_name.get(key[2:]), Flag):
+            negated = by_name[key[2:]]
+            if negated.value is None and not has_inline:
+                return negated.name, "False"
+        if entry is None or (arg.startswith("-") and not arg.startswith("--") and short is None):
+            raise UsageError(self._unknown(arg.split("=")[0]))
+        label = entry.shown if isinstance(entry, Flag) else f"--{entry.name}"
+        if isinstance(entry, Flag) and entry.value is None:
+            return entry.name, _switch_value(label, inline if has_inline else None)
+        if has_inline:
+            return entry.name, inline
+        optional = isinstance(entry, Flag) and entry.optional_value
+        if rest and (not optional or rest[0].isdigit()) and (optional or not _looks_like_flag(rest[0])):
+            return entry.name, rest.pop(0)
+        if optional:
+            return entry.name, "True"
+        metavar = entry.value if isinstance(entry, Flag) else entry.metavar
+        raise UsageError(f"{label} needs a value ({label} {metavar}); see `{self.prog} --help`")
+
+    def _check_positionals(self, given: list[str], named: set[str]) -> None:
+        open_slots = [p for p in self.positionals if p.name not in named]
+        if len(given) > len(open_slots):
+            extra = " ".join(given[len(open_slots):])
+            raise UsageError(f"unexpected argument(s): {extra}; see `{self.prog} --help`")
+        missing = [p.metavar for p in open_slots[len(given):] if p.required]
+        if missing:
+            raise UsageError(f"missing {' '.join(missing)}; see `{self.prog} --help`")
+
+    def _unknown(self, flag: str) -> str:
+        spellings = {f.shown: f.shown for f in self.flags}
+        spellings.update({f"--{f.name}": f.shown for f in self.flags})
+        spellings.update({f.short: f.short for f in self.flags if f.short})
+        close = difflib.get_close_matches(flag.replace("_", "-"), [s.replace("_", "-") for s in spellings], n=1)
+        hint = ""
+        if close:
+            original = next(s for s in spellings if s.replace("_", "-") == close[0])
+            hint = f"; did you mean {spellings[original]}?"
+        return f"unknown option {flag}{hint} (see `{self.prog} --help`)"
+
+
+def _flag_label(flag: Flag, short: bool = True) -> str:
+    value = "" if flag.value is None else (f" [{flag.value}]" if flag.optional_value else f" {flag.value}")
+    prefix = f"{flag.short}, " if (short and flag.short) else ""
+    return f"{prefix}{flag.shown}{value}"
+
+
+def _entry(label: str, text: str) -> str:
+    """`  LABEL   text`, the text wrapped and indented to the description column."""
+    head = f"  {label}"
+    indent = " " * _COLUMN
+    lines = []
+    for i, paragraph in enumerate(text.strip().split("\n")):
+        first = head.ljust(_COLUMN) if i == 0 and len(head) < _COLUMN - 1 else indent
+        if i == 0 and len(head) >= _COLUMN - 1:
+            lines.append(head)
+        lines.append(textwrap.fill(paragraph.strip(), _WIDTH, initial_indent=first, subsequent_indent=indent))
+    return "\n".join(lines)
+
+
+def _switch_value(label: str, inline: str | None) -> str:
+    if inline is None or inline.lower() in _TRUE:
+        return "True"
+    if inline.lower() in _FALSE:
+        return "False"
+    raise UsageError(f"{label} is a switch: give it alone, or as {label}=true / {label}=false")
+
+
+def _is_number(arg: str) -> bool:
+    try:
+        float(arg)
+    except ValueError:
+        return False
+    return True
+
+
+def _looks_like_flag(arg: str) -> bool:
+    return arg.startswith("-") and not _is_number(arg)
+
+
+# ---------------------------------------------------------------------- Ctrl-C and the console scripts
+
+
+@contextmanager
+def interrupts_end_quietly(prog: str) -> Iterator[None]:
+    """Turn a KeyboardInterrupt into one line on stderr and exit code 130 (128 + SIGINT)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C while exiting: no traceback either
+        try:
+            print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+        except (OSError, ValueError):
+            pass
+        raise SystemExit(128 + signal.SIGINT) from None
+
+
+def _console(module: str, prog: str) -> None:
+    # The CLI module is imported inside the guard: its imports take long enough to be interrupted.
+    with interrupts_end_quietly(prog):
+        importlib.import_module(module).main()
+
+
+def train() -> None:
+    """Console script `hypersloth-train`."""
+    _console("HyperSloth.cli.train", "hypersloth-train")
+
+
+def init() -> None:
+    """Console script `hypersloth-init`."""
+    _console("HyperSloth.cli.init", "hypersloth-init")
+
+
+def build_dataset() -> None:
+    """Console script `hypersloth-build-dataset`."""
+    _console("HyperSloth.cli.build_dataset", "hypersloth-build-dataset")
+
+
+def plan() -> None:
+    """Console script `hypersloth-plan`."""
+    _console("HyperSloth.cli.plan", "hypersloth-plan")
+
+
+def export() -> None:
+    """Console script `hypersloth-export`."""
+    _console("HyperSloth.cli.export", "hypersloth-export")
+
+
+def tiny_model() -> None:
+    """Console script `hypersloth-tiny-model`."""
+    _console("HyperSloth.cli.tiny_model", "hypersloth-tiny-model")
