@@ -66,3 +66,49 @@ def test_sorted_pad_matches_packed(tiny_model):
     packed_sum, packed_targets = _sum_loss(tiny_model, collate_packed(samples))
     assert padded_targets == packed_targets
     assert padded_sum == pytest.approx(packed_sum, rel=1e-5)
+
+
+def test_bucket_tokens_are_few_and_waste_little():
+    from HyperSloth.collate import bucket_tokens
+
+    assert [bucket_tokens(n) for n in (1, 64, 65, 11000, 16384, 16385)] == [64, 64, 128, 11264, 16384, 18432]
+    lengths = np.arange(4096, 65536)
+    buckets = np.array([bucket_tokens(int(n)) for n in lengths])
+    assert (buckets >= lengths).all() and ((buckets - lengths) / lengths).max() <= 1 / 8
+    assert len(set(buckets.tolist())) <= 8 * 4 + 1  # about 8 lengths per doubling
+    with pytest.raises(ValueError, match="positive"):
+        bucket_tokens(0)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_bucketed_row_gives_the_same_loss_and_gradients(attn):
+    """A padding segment changes nothing: same loss, same targets, same LoRA-free gradients (fp32, 1e-7)."""
+    from HyperSloth.collate import collate
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=True,
+    )
+    model = Qwen3ForCausalLM(config).train()
+    model.config._attn_implementation = attn
+    samples = _samples(lengths=(5, 17, 9, 30))
+
+    def loss_and_grads(batch):
+        model.zero_grad(set_to_none=True)
+        loss = model(**batch, num_items_in_batch=count_trainable(batch["labels"]), use_cache=False).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    plain = collate(samples, "packed", pad_token_id=0)
+    bucketed = collate(samples, "packed", pad_token_id=0, bucket=True, with_lengths=True)
+    assert bucketed["input_ids"].shape[1] == 64 and plain["input_ids"].shape[1] == 61
+    assert bucketed["packed_seq_lengths"].tolist() == [5, 17, 9, 30, 3]
+    assert bucketed["position_ids"][0, 61:].tolist() == [0, 1, 2]
+    assert count_trainable(bucketed["labels"]) == count_trainable(plain["labels"])
+    bucketed.pop("packed_seq_lengths")
+    loss_a, grads_a = loss_and_grads(plain)
+    loss_b, grads_b = loss_and_grads(bucketed)
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-7, atol=1e-7)
+    for a, b in zip(grads_a, grads_b):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
