@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from HyperSloth.batching import EpochPlan, PlanSpec, adaptive_partition_batches
 from HyperSloth.config import ConfigError
 
 MAX_EVAL_FRACTION = 0.5  # beyond this the "hold-out" would be larger than what is trained on
+EVAL_ROWS_PER_RANK_PER_CHUNK = 256  # eval "steps" hold this many rows per rank: bounds the planner's work
 EvalSource = Literal["holdout", "dataset"]
 
 
@@ -198,3 +201,43 @@ def split_for_run(train_dataset, eval_set: EvalSet | None):
                           "rows differ): start the run again")
     eval_rows = evaluated.select(indices) if eval_set.source == "holdout" else evaluated
     return (train_dataset if train is None else train_dataset.select(train)), eval_rows
+
+
+def eval_plan_spec(train_spec: PlanSpec, num_rows: int) -> PlanSpec:
+    """The training spec (mode, micro-batch budget, ranks, cost model) with eval-sized "steps".
+
+    A step is only a unit of balancing here (the loss is a sum over all of them), so it holds many rows:
+    fuller packed micro-batches, better balance. `train_spec` must be the one the workers resolved
+    (e.g. after an "auto" token budget), so eval micro-batches never exceed what training fits.
+    """
+    per_chunk = max(train_spec.samples_per_step, EVAL_ROWS_PER_RANK_PER_CHUNK * train_spec.num_ranks)
+    return replace(train_spec, samples_per_step=max(1, min(num_rows, per_chunk)), group_by_length=False)
+
+
+def plan_eval(lengths: np.ndarray, trainable: np.ndarray, train_spec: PlanSpec) -> EpochPlan:
+    """The eval plan: every eval row once, dealt to ranks like a training epoch (equal micro-batch counts)."""
+    return adaptive_partition_batches(lengths, trainable, eval_plan_spec(train_spec, len(lengths)), epoch=0)
+
+
+def eval_row_lengths(eval_set: EvalSet, loss_type: str) -> tuple[np.ndarray, np.ndarray]:
+    """(lengths, scored tokens) of the evaluated rows, in the order `split_for_run` gives them."""
+    dataset = _load(Path(eval_set.dataset_path), eval_set.dataset_name)
+    if eval_set.source == "holdout":
+        rows = split_holdout(len(dataset), eval_set.fraction, eval_set.seed)[1]
+    else:
+        rows = np.arange(len(dataset), dtype=np.int64)
+    lengths = np.asarray(dataset["length"], dtype=np.int64)[rows]
+    if loss_type == "all":
+        return lengths, np.maximum(lengths - 1, 0)
+    return lengths, np.asarray(dataset["num_trainable"], dtype=np.int64)[rows]
+
+
+def describe_eval_plan(eval_set: EvalSet, plan: EpochPlan) -> list[str]:
+    """Lines for `hypersloth-plan`: the eval rows, and how one evaluation is dealt to the ranks."""
+    st = plan.stats
+    ranks = "  ".join(f"rank{r} {tokens:,}" for r, tokens in enumerate(st.rank_real_tokens))
+    return [
+        f"  eval set       {eval_set.describe()}",
+        f"  eval plan      {st.micro_batches_per_rank} micro-batches per rank per evaluation (forward only, "
+        f"the training budget); {st.empty_micro_batches} empty; tokens/rank {ranks}",
+    ]

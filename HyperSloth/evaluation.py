@@ -24,7 +24,7 @@ import json
 import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,29 +34,13 @@ import torch.distributed as torch_dist
 from loguru import logger
 from transformers import EarlyStoppingCallback, TrainerCallback
 
-from HyperSloth.batching import EpochPlan, PlanSpec, adaptive_partition_batches
+from HyperSloth.batching import EpochPlan, PlanSpec
 from HyperSloth.collate import LossType, collate, count_trainable, sample_labels
+from HyperSloth.eval_set import plan_eval
 
 BEST_ADAPTER_DIR = "best_adapter"
 BEST_EVAL_FILE = "best_eval.json"  # inside best_adapter/: {"step", "eval_loss", "eval_tokens"}
-EVAL_ROWS_PER_RANK_PER_CHUNK = 256  # eval "steps" hold this many rows per rank: bounds the planner's work
 FINAL_ONLY_EVAL_STEPS = 2**31 - 1  # eval_steps=None: HF's loop then evaluates after the last step only
-
-
-def eval_plan_spec(train_spec: PlanSpec, num_rows: int) -> PlanSpec:
-    """The training spec (mode, micro-batch budget, ranks, cost model) with eval-sized "steps".
-
-    A step is only a unit of balancing here (the loss is a sum over all of them), so it holds many rows:
-    fuller packed micro-batches, better balance. `train_spec` must be the one the workers resolved
-    (e.g. after an "auto" token budget), so eval micro-batches never exceed what training fits.
-    """
-    per_chunk = max(train_spec.samples_per_step, EVAL_ROWS_PER_RANK_PER_CHUNK * train_spec.num_ranks)
-    return replace(train_spec, samples_per_step=max(1, min(num_rows, per_chunk)), group_by_length=False)
-
-
-def plan_eval(lengths: np.ndarray, trainable: np.ndarray, train_spec: PlanSpec) -> EpochPlan:
-    """The eval plan: every eval row once, dealt to ranks like a training epoch (equal micro-batch counts)."""
-    return adaptive_partition_batches(lengths, trainable, eval_plan_spec(train_spec, len(lengths)), epoch=0)
 
 
 @dataclass(frozen=True)
@@ -127,6 +111,18 @@ class Evaluator:
         totals = sum_over_ranks(self.local_sums(loss_sum, device), self.world_size)
         loss, tokens = totals.tolist()
         return EvalResult(loss=loss / max(tokens, 1.0), tokens=int(tokens), seconds=time.perf_counter() - start)
+
+
+def build_evaluator(eval_dataset, train_spec: PlanSpec, *, rank: int, loss_type: LossType, pad_token_id: int,
+                    packed_lengths: bool = False) -> Evaluator:
+    """This rank's evaluator for the eval rows, planned with the training spec the worker resolved."""
+    lengths = np.asarray(eval_dataset["length"], dtype=np.int64)
+    if loss_type == "all":
+        trainable = np.maximum(lengths - 1, 0)
+    else:
+        trainable = np.asarray(eval_dataset["num_trainable"], dtype=np.int64)
+    return Evaluator(eval_dataset, plan_eval(lengths, trainable, train_spec), rank=rank, loss_type=loss_type,
+                     pad_token_id=pad_token_id, packed_lengths=packed_lengths)
 
 
 def evaluate_in_trainer(trainer, evaluator: Evaluator, metric_key_prefix: str = "eval") -> dict[str, float]:
@@ -215,6 +211,18 @@ class EarlyStopping(EarlyStoppingCallback):
         return control
 
 
+def eval_callbacks(output_dir: str | Path, *, is_main: bool, save_best_adapter: bool,
+                   early_stopping_patience: int | None) -> list[TrainerCallback]:
+    """The callbacks of a run with an eval set: best adapter (rank 0), early stopping (every rank, on the
+    same all-reduced loss, so all ranks stop at the same step)."""
+    callbacks: list[TrainerCallback] = []
+    if save_best_adapter and is_main:
+        callbacks.append(BestAdapterCallback(output_dir))
+    if early_stopping_patience:
+        callbacks.append(EarlyStopping(early_stopping_patience))
+    return callbacks
+
+
 def eval_history(log_history: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """The run's evaluations from `TrainerState.log_history`: [{"step", "eval_loss", "eval_tokens"}]."""
     return [{"step": int(h["step"]), "eval_loss": float(h["eval_loss"]), "eval_tokens": int(h.get("eval_tokens", 0))}
@@ -226,3 +234,15 @@ def best_eval(history: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
     if not history:
         return None
     return dict(min(history, key=lambda h: (h["eval_loss"], h["step"])))
+
+
+def eval_summary(log_history: Sequence[Mapping[str, Any]], eval_set: Any | None) -> dict[str, Any]:
+    """The train_summary.json entries of evaluation: "eval" (the issue's format), its wall seconds, the
+    best evaluation and the resolved eval set (an `EvalSet`, or None without one)."""
+    history = eval_history(log_history)
+    return {
+        "eval": history,
+        "eval_seconds": [float(h["eval_runtime"]) for h in log_history if "eval_runtime" in h],
+        "best_eval": best_eval(history),
+        "eval_set": None if eval_set is None else eval_set.to_dict(),
+    }

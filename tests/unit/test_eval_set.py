@@ -154,3 +154,20 @@ def test_eval_dataset_built_with_another_tokenizer_is_refused(saved, tmp_path):
         resolve_eval_dataset("chat", saved, entry, model_name=str(tmp_path / "model"), loss_type="all")
     same = {"tokenizer": str(tmp_path / "model")}
     assert resolve_eval_dataset("chat", saved, same, model_name=str(tmp_path / "model"), loss_type="all").num_rows == 40
+
+
+def test_eval_row_lengths_and_plan_lines_follow_the_resolved_rows(saved):
+    from HyperSloth.batching import PlanSpec
+    from HyperSloth.eval_set import describe_eval_plan, eval_row_lengths, plan_eval
+
+    eval_set = resolve_holdout("chat", saved, fraction=0.25, seed=3, loss_type="response_only")
+    _, held = split_holdout(40, 0.25, 3)
+    columns = _rows(40)
+    lengths, scored = eval_row_lengths(eval_set, "response_only")
+    assert lengths.tolist() == [columns["length"][i] for i in held]
+    assert scored.tolist() == [columns["num_trainable"][i] for i in held] and scored.sum() == eval_set.target_tokens
+    assert eval_row_lengths(eval_set, "all")[1].tolist() == (lengths - 1).tolist()
+    plan = plan_eval(lengths, scored, PlanSpec(num_ranks=2, samples_per_step=4, token_budget=64))
+    lines = describe_eval_plan(eval_set, plan)
+    assert lines[0].startswith("  eval set       10 conversations held out of 'chat'")
+    assert f"{plan.stats.micro_batches_per_rank} micro-batches per rank per evaluation" in lines[1]

@@ -22,10 +22,9 @@ from HyperSloth.evaluation import (
     Evaluator,
     best_eval,
     eval_history,
-    eval_plan_spec,
     eval_sft_kwargs,
-    plan_eval,
 )
+from HyperSloth.eval_set import eval_plan_spec, plan_eval
 
 VOCAB = 97
 
@@ -274,3 +273,14 @@ def test_sft_arguments_evaluate_every_n_steps_and_track_the_lowest_loss(tmp_path
     args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **eval_sft_kwargs(eval_steps))
     assert args.eval_strategy == "steps" and args.eval_steps == expected
     assert args.metric_for_best_model == "eval_loss" and args.greater_is_better is False
+
+
+def test_eval_summary_holds_the_issue_format_seconds_and_best():
+    from HyperSloth.evaluation import eval_summary
+
+    log = [{"loss": 3.0, "step": 1}, {"eval_loss": 2.0, "eval_tokens": 9, "eval_runtime": 0.25, "step": 2},
+           {"eval_loss": 1.5, "eval_tokens": 9, "eval_runtime": 0.5, "step": 4}]
+    summary = eval_summary(log, None)
+    assert summary == {"eval": [{"step": 2, "eval_loss": 2.0, "eval_tokens": 9}, {"step": 4, "eval_loss": 1.5, "eval_tokens": 9}],
+                       "eval_seconds": [0.25, 0.5], "best_eval": {"step": 4, "eval_loss": 1.5, "eval_tokens": 9},
+                       "eval_set": None}
