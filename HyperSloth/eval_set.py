@@ -158,7 +158,7 @@ def resolve_holdout(dataset_name: str, dataset_path: Path, *, fraction: float, s
 
 
 def resolve_eval_dataset(name: str, path: Path, registry_entry: dict[str, Any], *, model_name: str,
-                         loss_type: str) -> EvalSet:
+                         loss_type: str, max_seq_length: int | None = None) -> EvalSet:
     """A separately built eval dataset; ConfigError when it was tokenised for another model or is empty."""
     from HyperSloth.data.tokenizer_check import tokenizer_mismatch
 
@@ -171,10 +171,33 @@ def resolve_eval_dataset(name: str, path: Path, registry_entry: dict[str, Any], 
         raise ConfigError(f"eval dataset '{name}' is empty: rebuild it from a file with conversations, or use "
                           "data.eval_fraction to hold out part of the training dataset")
     rows = np.arange(len(dataset), dtype=np.int64)
+    longest = int(np.max(dataset["length"]))
+    if max_seq_length is not None and longest > max_seq_length:
+        raise ConfigError(f"eval dataset '{name}' holds samples of up to {longest} tokens but "
+                          f"fast_model_args.max_seq_length is {max_seq_length}: raise max_seq_length or rebuild it "
+                          f"with `hypersloth-build-dataset ... --name {name} --max_seq_length {max_seq_length} --overwrite`")
     tokens, targets = _token_counts(dataset, rows, loss_type)
     _check_targets(targets, f"eval dataset '{name}'", loss_type)
     return EvalSet(source="dataset", dataset_name=name, dataset_path=str(path), num_rows=len(dataset),
                    tokens=tokens, target_tokens=targets, fingerprint=rows_fingerprint(dataset, rows))
+
+
+def resolve_eval_set(hyper, *, seed: int, train_path: Path) -> EvalSet | None:
+    """The eval set a config asks for (`data.eval_dataset_name` or `data.eval_fraction`), None without one.
+
+    `hyper` is a HyperConfig; `seed` the run's data seed (it seeds the hold-out); `train_path` the training
+    dataset's folder. ConfigError, saying what to change, when it cannot be evaluated.
+    """
+    data, loss_type = hyper.data, hyper.training.loss_type
+    if data.eval_dataset_name:
+        eval_data = data.model_copy(update={"dataset_name": data.eval_dataset_name})
+        return resolve_eval_dataset(data.eval_dataset_name, eval_data.dataset_path().resolve(),
+                                    eval_data.registry_entry(), model_name=hyper.fast_model_args.model_name,
+                                    loss_type=loss_type, max_seq_length=hyper.fast_model_args.max_seq_length)
+    if data.eval_fraction > 0:
+        return resolve_holdout(data.dataset_name, Path(train_path), fraction=data.eval_fraction, seed=seed,
+                               loss_type=loss_type)
+    return None
 
 
 def _check_targets(targets: int, what: str, loss_type: str) -> None:

@@ -171,3 +171,10 @@ def test_eval_row_lengths_and_plan_lines_follow_the_resolved_rows(saved):
     lines = describe_eval_plan(eval_set, plan)
     assert lines[0].startswith("  eval set       10 conversations held out of 'chat'")
     assert f"{plan.stats.micro_batches_per_rank} micro-batches per rank per evaluation" in lines[1]
+
+
+def test_eval_dataset_longer_than_max_seq_length_is_refused(saved):
+    longest = max(_rows(40)["length"])
+    with pytest.raises(ConfigError, match=f"up to {longest} tokens but fast_model_args.max_seq_length is 8"):
+        resolve_eval_dataset("chat", saved, {}, model_name="m", loss_type="all", max_seq_length=8)
+    assert resolve_eval_dataset("chat", saved, {}, model_name="m", loss_type="all", max_seq_length=longest).num_rows == 40
