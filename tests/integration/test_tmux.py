@@ -20,11 +20,17 @@ pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="the tmux b
 libtmux = pytest.importorskip("libtmux")
 
 FAKE_WORKER = textwrap.dedent('''
-    import json, os, sys, time
+    import json, os, socket, sys, time
     out, mode = sys.argv[1], sys.argv[2]
     rank = int(os.environ["HYPERSLOTH_RANK"])
+    addr, port = os.environ["HYPERSLOTH_MASTER_ADDR"], int(os.environ["HYPERSLOTH_MASTER_PORT"])
+    try:  # the monitor in window `main` must already own the rendezvous port
+        socket.socket().bind((addr, port))
+        port_owned = False
+    except OSError:
+        port_owned = True
     with open(os.path.join(out, f"rank{rank}.json.tmp"), "w") as f:
-        json.dump({"pid": os.getpid(), "env": dict(os.environ)}, f)
+        json.dump({"pid": os.getpid(), "env": dict(os.environ), "port_owned": port_owned}, f)
     os.replace(os.path.join(out, f"rank{rank}.json.tmp"), os.path.join(out, f"rank{rank}.json"))
     print(f"rank {rank} is training", flush=True)
     if mode == "fail" and rank == 1:
@@ -93,7 +99,10 @@ def test_session_has_main_and_one_window_per_rank_running_the_workers(tmux_run):
     assert attach == f"tmux -L {tmux_run.socket} attach -t {tmux_run.session}"
     session = tmux_run.server.sessions.get(session_name=tmux_run.session)
     assert [w.window_name for w in session.windows] == ["main", "rank0", "rank1"]
-    rank0, rank1 = (record["env"] for record in tmux_run.records(2))
+    records = tmux_run.records(2)
+    assert all(record["port_owned"] for record in records)  # bound by the monitor, published here:
+    assert (tmux_run.out / "logs" / "rendezvous.port").read_text().strip() == records[0]["env"]["HYPERSLOTH_MASTER_PORT"]
+    rank0, rank1 = (record["env"] for record in records)
     assert (rank0["HYPERSLOTH_RANK"], rank1["HYPERSLOTH_RANK"]) == ("0", "1")
     assert rank0["HYPERSLOTH_MASTER_PORT"] == rank1["HYPERSLOTH_MASTER_PORT"]
     assert rank0["CUDA_VISIBLE_DEVICES"] == "" and rank0["HYPERSLOTH_WORLD_SIZE"] == "2"
