@@ -63,7 +63,7 @@ class Evaluator:
     """This rank's share of the eval plan, and the exact distributed token-mean loss over it."""
 
     def __init__(self, dataset, plan: EpochPlan, *, rank: int, loss_type: LossType, pad_token_id: int,
-                 packed_lengths: bool = False):
+                 packed_lengths: bool = False, bucket: bool = False):
         self.dataset = dataset.with_format("numpy", columns=["input_ids", "labels"])
         self.plan = plan
         self.rank = rank
@@ -71,6 +71,7 @@ class Evaluator:
         self.loss_type = loss_type
         self.pad_token_id = pad_token_id
         self.packed_lengths = packed_lengths
+        self.bucket = bucket  # pad packed rows to a few lengths, as training does (fewer kernel shapes)
 
     @property
     def total_targets(self) -> int:
@@ -88,7 +89,8 @@ class Evaluator:
         rows = self.dataset[indices]
         samples = [(np.asarray(ids), sample_labels(np.asarray(ids), np.asarray(lab), self.loss_type))
                    for ids, lab in zip(rows["input_ids"], rows["labels"])]
-        return collate(samples, self.plan.spec.mode, self.pad_token_id, with_lengths=self.packed_lengths)
+        return collate(samples, self.plan.spec.mode, self.pad_token_id, with_lengths=self.packed_lengths,
+                       bucket=self.bucket)
 
     def local_sums(self, loss_sum: Callable[[dict[str, torch.Tensor]], torch.Tensor],
                    device: torch.device | str) -> torch.Tensor:
@@ -114,7 +116,7 @@ class Evaluator:
 
 
 def build_evaluator(eval_dataset, train_spec: PlanSpec, *, rank: int, loss_type: LossType, pad_token_id: int,
-                    packed_lengths: bool = False) -> Evaluator:
+                    packed_lengths: bool = False, bucket: bool = False) -> Evaluator:
     """This rank's evaluator for the eval rows, planned with the training spec the worker resolved."""
     lengths = np.asarray(eval_dataset["length"], dtype=np.int64)
     if loss_type == "all":
@@ -122,7 +124,7 @@ def build_evaluator(eval_dataset, train_spec: PlanSpec, *, rank: int, loss_type:
     else:
         trainable = np.asarray(eval_dataset["num_trainable"], dtype=np.int64)
     return Evaluator(eval_dataset, plan_eval(lengths, trainable, train_spec), rank=rank, loss_type=loss_type,
-                     pad_token_id=pad_token_id, packed_lengths=packed_lengths)
+                     pad_token_id=pad_token_id, packed_lengths=packed_lengths, bucket=bucket)
 
 
 def evaluate_in_trainer(trainer, evaluator: Evaluator, metric_key_prefix: str = "eval") -> dict[str, float]:

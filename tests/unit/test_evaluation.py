@@ -284,3 +284,13 @@ def test_eval_summary_holds_the_issue_format_seconds_and_best():
     assert summary == {"eval": [{"step": 2, "eval_loss": 2.0, "eval_tokens": 9}, {"step": 4, "eval_loss": 1.5, "eval_tokens": 9}],
                        "eval_seconds": [0.25, 0.5], "best_eval": {"step": 4, "eval_loss": 1.5, "eval_tokens": 9},
                        "eval_set": None}
+
+
+def test_bucketed_packed_rows_give_the_same_loss(tiny_model):
+    dataset = _rows(37)
+    plan = plan_eval(*_inputs(dataset, "response_only"), _spec(1))
+    plain = Evaluator(dataset, plan, rank=0, loss_type="response_only", pad_token_id=0)
+    bucketed = Evaluator(dataset, plan, rank=0, loss_type="response_only", pad_token_id=0, bucket=True)
+    assert any(a["input_ids"].shape != b["input_ids"].shape for a, b in zip(plain.micro_batches(), bucketed.micro_batches()))
+    a, b = (ev.run(_model_loss_sum(tiny_model), "cpu") for ev in (plain, bucketed))
+    assert a.tokens == b.tokens and abs(a.loss - b.loss) / a.loss <= 1e-6
