@@ -242,6 +242,13 @@ def plan_eval(lengths: np.ndarray, trainable: np.ndarray, train_spec: PlanSpec) 
     return adaptive_partition_batches(lengths, trainable, eval_plan_spec(train_spec, len(lengths)), epoch=0)
 
 
+def training_rows(eval_set: EvalSet | None, num_rows: int) -> np.ndarray:
+    """Indices of the training dataset's rows that are trained on: all but a hold-out's (sorted)."""
+    if eval_set is None or eval_set.source != "holdout":
+        return np.arange(num_rows, dtype=np.int64)
+    return split_holdout(num_rows, eval_set.fraction, eval_set.seed)[0]
+
+
 def eval_row_lengths(eval_set: EvalSet, loss_type: str) -> tuple[np.ndarray, np.ndarray]:
     """(lengths, scored tokens) of the evaluated rows, in the order `split_for_run` gives them."""
     dataset = _load(Path(eval_set.dataset_path), eval_set.dataset_name)

@@ -178,3 +178,16 @@ def test_eval_dataset_longer_than_max_seq_length_is_refused(saved):
     with pytest.raises(ConfigError, match=f"up to {longest} tokens but fast_model_args.max_seq_length is 8"):
         resolve_eval_dataset("chat", saved, {}, model_name="m", loss_type="all", max_seq_length=8)
     assert resolve_eval_dataset("chat", saved, {}, model_name="m", loss_type="all", max_seq_length=longest).num_rows == 40
+
+
+def test_training_rows_leave_out_exactly_the_holdout(saved, tmp_path):
+    from HyperSloth.eval_set import training_rows
+
+    eval_set = resolve_holdout("chat", saved, fraction=0.25, seed=3, loss_type="response_only")
+    train_idx, held = split_holdout(40, 0.25, 3)
+    assert np.array_equal(training_rows(eval_set, 40), train_idx)
+    assert np.array_equal(training_rows(None, 40), np.arange(40))
+    other = tmp_path / "other"
+    Dataset.from_dict(_rows(7, seed=5)).save_to_disk(str(other))
+    separate = resolve_eval_dataset("other", other, {}, model_name="m", loss_type="all")
+    assert np.array_equal(training_rows(separate, 40), np.arange(40))
