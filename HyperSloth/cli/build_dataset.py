@@ -1,47 +1,14 @@
-"""hypersloth-build-dataset: turn a chat dataset into a tokenised, response-masked, registered dataset.
+"""`hypersloth-build-dataset`: turn a chat dataset into a tokenised, response-masked, registered dataset.
 
-Usage:
-  hypersloth-build-dataset --hf_dataset mlabonne/FineTome-100k -n 1000 --split train \\
-      --name finetom-1k --tokenizer Qwen/Qwen3-8B --print_samples
-  hypersloth-build-dataset --local_path FILE_OR_DIR --name NAME --tokenizer TOKENIZER_NAME_OR_PATH
-
-Source (exactly one):
-  --hf_dataset ID         a Hugging Face Hub dataset id (needs the Hub; offline, use --local_path)
-  --local_path PATH       a .jsonl, .json or .parquet file, or a folder written by save_to_disk
-
-Required:
-  --name NAME             registry name; output goes to DATA_DIR/built_dataset/NAME
-  --tokenizer NAME_OR_DIR tokenizer folder or hub id; its chat template renders the conversations
-
-Options:
-  -n N                    take a seeded random sample of N usable conversations (default: all, in order)
-  --seed SEED             seed of that sample (default 42)
-  --split SPLIT           split of a hub dataset or saved DatasetDict (default train)
-  --max_seq_length L      longest sample in tokens (default 2048)
-  --overlength POLICY     truncate (default: keep the first L tokens) or drop samples longer than L
-  --format FMT            auto (default, detected per record), sharegpt, openai or alpaca
-  --chat_template FILE    a Jinja file that replaces the tokenizer's chat template
-  --data_dir DIR          folder holding data_config.json and built_dataset/ (default data)
-  --num_proc P            tokenising processes (default: all cores)
-  --overwrite             replace an existing dataset of the same name
-  --strict                any bad record (malformed JSON, missing fields, unknown role, ...) is fatal;
-                          by default bad records are counted per reason, skipped and summarised
-  --print_samples [N]     print N rendered samples (default 3) with the trained tokens marked:
-                          coloured on a terminal, inside [[...]] otherwise
-  --history_rewrite MODE  when the template renders earlier replies differently once later turns
-                          follow (Qwen3 drops their <think> reasoning): split (default: one sample per
-                          reply, trained on that reply), last (the final reply only) or skip
-
-Labels train the assistant messages' content and the template's end-of-turn token after each of
-them; everything else is -100. User errors print one line and exit with code 2.
+Flags and help: `COMMAND` below (`hypersloth-build-dataset --help`), checked before anything runs.
+User errors print one line and exit with code 2.
 """
 
 from __future__ import annotations
 
 import sys
 
-import fire
-
+from HyperSloth.cli.command import Command, Flag
 from HyperSloth.data.formats import DataInputError
 
 PROG = "hypersloth-build-dataset"
@@ -98,14 +65,55 @@ def build_dataset_cli(
     )
 
 
+COMMAND = Command(
+    prog=PROG,
+    summary="""Turn a chat dataset into a tokenised, response-masked dataset under DATA_DIR/built_dataset/NAME
+and register it in DATA_DIR/data_config.json. Give exactly one source (--hf_dataset or --local_path),
+and --name and --tokenizer.
+
+Labels train the assistant messages' content and the template's end-of-turn token after each of
+them; everything else is -100.""",
+    flags=(
+        Flag("hf_dataset", "source: a Hugging Face Hub dataset id (needs the Hub; offline, use --local_path)",
+             value="ID"),
+        Flag("local_path", "source: a .jsonl, .json or .parquet file, or a folder written by save_to_disk",
+             value="PATH"),
+        Flag("name", "required: registry name; output goes to DATA_DIR/built_dataset/NAME", value="NAME"),
+        Flag("tokenizer", "required: tokenizer folder or hub id; its chat template renders the conversations",
+             value="NAME_OR_DIR"),
+        Flag("n", "take a seeded random sample of N usable conversations (default: all, in order)", value="N",
+             short="-n", label="-n"),
+        Flag("seed", "seed of that sample (default 42)", value="SEED"),
+        Flag("split", "split of a hub dataset or saved DatasetDict (default train)", value="SPLIT"),
+        Flag("max_seq_length", "longest sample in tokens (default 2048)", value="L"),
+        Flag("overlength", "truncate (default: keep the first L tokens) or drop samples longer than L",
+             value="POLICY"),
+        Flag("format", "auto (default, detected per record), sharegpt, openai or alpaca", value="FMT"),
+        Flag("chat_template", "a Jinja file that replaces the tokenizer's chat template", value="FILE"),
+        Flag("data_dir", "folder holding data_config.json and built_dataset/ (default data)", value="DIR"),
+        Flag("num_proc", "tokenising processes (default: all cores)", value="P"),
+        Flag("overwrite", "replace an existing dataset of the same name"),
+        Flag("strict", "any bad record (malformed JSON, missing fields, unknown role, ...) is fatal; by default "
+             "bad records are counted per reason, skipped and summarised"),
+        Flag("print_samples", f"print N rendered samples (default {DEFAULT_PRINTED_SAMPLES}) with the trained "
+             "tokens marked: coloured on a terminal, inside [[...]] otherwise", value="N", optional_value=True),
+        Flag("history_rewrite", "when the template renders earlier replies differently once later turns follow "
+             "(Qwen3 drops their <think> reasoning): split (default: one sample per reply, trained on that "
+             "reply), last (the final reply only) or skip", value="MODE"),
+    ),
+    examples=(
+        "hypersloth-build-dataset --hf_dataset mlabonne/FineTome-100k -n 1000 --split train \\",
+        "    --name finetom-1k --tokenizer Qwen/Qwen3-8B --print_samples",
+        "hypersloth-build-dataset --local_path FILE_OR_DIR --name NAME --tokenizer TOKENIZER_NAME_OR_PATH",
+    ),
+    notes="exit codes: 0 built and registered, 2 a user error (reported in one line)",
+)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point: fire parses the flags; user errors exit 2 with one line."""
-    argv = sys.argv[1:] if argv is None else argv
-    if any(arg in ("-h", "--help", "help") for arg in argv):
-        print(__doc__)
-        return
+    """Entry point of `hypersloth-build-dataset` (console script via HyperSloth.cli.command)."""
     try:
-        fire.Fire(build_dataset_cli, command=argv, name=PROG)
+        COMMAND.run(build_dataset_cli, argv)
     except DataInputError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         sys.exit(2)

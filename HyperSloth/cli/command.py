@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 HELP_FLAGS = ("-h", "--help")
 _TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")
-_WIDTH, _COLUMN = 100, 20  # help text width; where flag descriptions start
+_WIDTH = 100  # help text width
+_COLUMNS = (20, 28)  # where flag descriptions start: after the longest label, within these bounds
 
 
 class UsageError(Exception):
@@ -73,11 +74,17 @@ class Command:
 
     def help_text(self) -> str:
         """The text `--help` prints."""
-        parts = [f"usage: {self.usage()}", self.summary.strip()]
-        if self.positionals:
-            parts.append("arguments:\n" + "\n".join(_entry(p.metavar, p.help) for p in self.positionals))
-        options = [_entry(_flag_label(f), f.help) for f in self.flags] + [_entry("-h, --help", "show this help")]
-        parts.append("options:\n" + "\n".join(options))
+        # Wrapped between items only: spaces inside an item are NULs while textwrap runs.
+        items = [item.replace(" ", "\0") for item in self._usage_items()]
+        usage = textwrap.fill(" ".join(items), _WIDTH, initial_indent="usage: ", break_on_hyphens=False,
+                              subsequent_indent=" " * len(f"usage: {self.prog} ")).replace("\0", " ")
+        parts = [usage, self.summary.strip()]
+        rows = [(p.metavar, p.help) for p in self.positionals]
+        options = [(_flag_label(f), f.help) for f in self.flags] + [("-h, --help", "show this help")]
+        column = min(max(_COLUMNS[0], *(len(label) + 4 for label, _ in rows + options)), _COLUMNS[1])
+        if rows:
+            parts.append("arguments:\n" + "\n".join(_entry(label, text, column) for label, text in rows))
+        parts.append("options:\n" + "\n".join(_entry(label, text, column) for label, text in options))
         if self.examples:
             parts.append("examples:\n" + "\n".join("  " + line for line in self.examples))
         if self.notes:
@@ -86,10 +93,12 @@ class Command:
 
     def usage(self) -> str:
         """One line: the program, its positionals and its flags."""
+        return " ".join(self._usage_items())
+
+    def _usage_items(self) -> list[str]:
         words = [self.prog]
         words += [p.metavar if p.required else f"[{p.metavar}]" for p in self.positionals]
-        words += [f"[{_flag_label(f, short=False)}]" for f in self.flags]
-        return " ".join(words)
+        return words + [f"[{_flag_label(f, short=False)}]" for f in self.flags]
 
     def check(self, argv: Sequence[str]) -> list[str]:
         """argv checked against the table and rewritten for fire (flags as `--name=value`, positionals
@@ -186,18 +195,18 @@ class Command:
 
 def _flag_label(flag: Flag, short: bool = True) -> str:
     value = "" if flag.value is None else (f" [{flag.value}]" if flag.optional_value else f" {flag.value}")
-    prefix = f"{flag.short}, " if (short and flag.short) else ""
+    prefix = f"{flag.short}, " if (short and flag.short and flag.short != flag.shown) else ""
     return f"{prefix}{flag.shown}{value}"
 
 
-def _entry(label: str, text: str) -> str:
-    """`  LABEL   text`, the text wrapped and indented to the description column."""
+def _entry(label: str, text: str, column: int) -> str:
+    """`  LABEL   text`, the text wrapped and indented to `column` (a longer label gets its own line)."""
     head = f"  {label}"
-    indent = " " * _COLUMN
+    indent = " " * column
     lines = []
     for i, paragraph in enumerate(text.strip().split("\n")):
-        first = head.ljust(_COLUMN) if i == 0 and len(head) < _COLUMN - 1 else indent
-        if i == 0 and len(head) >= _COLUMN - 1:
+        first = head.ljust(column) if i == 0 and len(head) < column - 1 else indent
+        if i == 0 and len(head) >= column - 1:
             lines.append(head)
         lines.append(textwrap.fill(paragraph.strip(), _WIDTH, initial_indent=first, subsequent_indent=indent))
     return "\n".join(lines)

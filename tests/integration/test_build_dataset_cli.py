@@ -308,7 +308,9 @@ def test_tokenizer_and_path_errors_exit_2(tmp_path, tok_dirs, capsys):
 
 
 def test_help_lists_flags_and_examples(capsys):
-    main(["--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
     out = capsys.readouterr().out
     for text in ("--hf_dataset mlabonne/FineTome-100k -n 1000", "--local_path FILE_OR_DIR --name NAME",
                  "--overlength", "--strict", "--print_samples", "--chat_template", "--data_dir", "--num_proc"):  # fmt: skip

@@ -15,7 +15,8 @@ import pytest
 # Set by a surrounding torchrun they would turn hypersloth-train into a worker.
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 BIN = Path(sys.executable).parent
-SCRIPTS = ["hypersloth-train", "hypersloth-init", "hypersloth-export", "hypersloth-tiny-model"]
+SCRIPTS = ["hypersloth-train", "hypersloth-init", "hypersloth-build-dataset", "hypersloth-export",
+           "hypersloth-tiny-model"]
 
 
 def run(argv: list[str], cwd: Path, **kwargs) -> subprocess.CompletedProcess:

@@ -75,11 +75,16 @@ def test_check_refuses_with_a_message_that_says_what_to_change(argv, message):
 
 def test_help_is_plain_text_with_arguments_options_and_examples():
     text = DEMO.help_text()
-    assert text.startswith("usage: demo PATH [EXTRA] [--template NAME] [--force] [--dry-run] [--n N]")
-    assert "[--print_samples [N]]" in text.splitlines()[0]
-    for part in ("arguments:\n  PATH              the file", "  --template NAME   a template", "  -n, --n N ",
-                 "  -h, --help        show this help", "examples:\n  demo x.py --force", "exit codes: 0 ok"):
-        assert part in text
+    lines = text.splitlines()
+    # The usage wraps between items, never inside one; descriptions start in one column.
+    assert lines[0] == "usage: demo PATH [EXTRA] [--template NAME] [--force] [--dry-run] [--n N] [--print_samples [N]]"
+    assert lines[1] == "            [--seed SEED]"
+    column = len("  --print_samples [N]  ")  # the longest label + 2 spaces
+    for label, description in [("PATH", "the file"), ("--template NAME", "a template"), ("-n, --n N", "how many"),
+                                ("-h, --help", "show this help")]:
+        assert f"  {label}".ljust(column) + description in lines
+    assert "arguments:" in lines and "options:" in lines
+    assert "examples:\n  demo x.py --force" in text and text.endswith("\n\nexit codes: 0 ok\n")
     assert "Type:" not in text and "Optional" not in text
 
 
@@ -106,7 +111,7 @@ def test_help_and_no_arguments_print_the_help(capsys, argv, code):
 
 
 # CLI module -> the function its main() hands to fire.
-CLIS = {"init": "init", "export": "export", "tiny_model": "tiny_model"}
+CLIS = {"init": "init", "build_dataset": "build_dataset_cli", "export": "export", "tiny_model": "tiny_model"}
 
 
 @pytest.mark.parametrize("name", sorted(CLIS))
