@@ -135,17 +135,21 @@ def launch_tmux(
     tmux_session = server.new_session(
         session_name=session, window_name="main", start_directory=os.getcwd(), window_command=main, attach=False
     )
-    port = _wait_for_port(port_file, tmux_session)
-    specs = build_worker_specs(config_path, gpus, output_dir, port=port, cuda=cuda, worker_argv=worker_argv)
-    for spec in specs:
-        tmux_session.new_window(window_name=f"rank{spec.rank}", start_directory=os.getcwd(),
-                                window_shell=_window_command(_rank_script(spec, logs_dir)), attach=False)
+    try:  # a half-made session (Ctrl-C, a monitor that never binds) must not stay behind
+        port = _wait_for_port(port_file, tmux_session)
+        specs = build_worker_specs(config_path, gpus, output_dir, port=port, cuda=cuda, worker_argv=worker_argv)
+        for spec in specs:
+            tmux_session.new_window(window_name=f"rank{spec.rank}", start_directory=os.getcwd(),
+                                    window_shell=_window_command(_rank_script(spec, logs_dir)), attach=False)
+    except BaseException:
+        tmux_session.kill()
+        raise
     socket = f"-L {shlex.quote(socket_name)} " if socket_name else ""
     return f"tmux {socket}attach -t {shlex.quote(session)}"
 
 
 def _wait_for_port(port_file: Path, tmux_session, timeout_s: float = PORT_WAIT_S) -> int:
-    """The port the `main` window's monitor bound; if it never comes, the session is removed."""
+    """The port the `main` window's monitor bound; LaunchError with its window's text if it never comes."""
     def main_pane() -> list[str]:
         return tmux_session.windows.get(window_name="main").active_pane.capture_pane()
 
@@ -157,9 +161,8 @@ def _wait_for_port(port_file: Path, tmux_session, timeout_s: float = PORT_WAIT_S
             break
         time.sleep(0.1)
     output = "\n".join("    " + line for line in main_pane() if line.strip())
-    tmux_session.kill()
-    raise LaunchError(f"the tmux monitor did not bind the rendezvous port within {timeout_s:.0f} s; "
-                      f"nothing started. Its window showed:\n{output}")
+    raise LaunchError("the monitor in tmux window `main` did not publish the rendezvous port (it ended, or "
+                      f"{timeout_s:.0f} s passed); nothing started. The window showed:\n{output}")
 
 
 def _hold_rendezvous(port_file: Path):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from HyperSloth.launch import TORCHRUN_VARS, TmuxSessionExists
+from HyperSloth.launch import TORCHRUN_VARS, LaunchError, TmuxSessionExists
 from HyperSloth.launch_tmux import launch_tmux
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="the tmux binary is not installed")
@@ -136,3 +136,14 @@ def test_failed_rank_makes_main_window_stop_the_others(tmux_run):
     wait_for(lambda: exit_codes(tmux_run.out, 2) == {0: "143", 1: "1"}, timeout=12)
     wait_for(lambda: "rank 1 (gpu 1) failed with exit code 1; stopping the others" in tmux_run.pane("main"))
     assert "RuntimeError: boom from rank 1" in tmux_run.pane("rank1")
+
+
+def test_a_monitor_that_cannot_start_leaves_no_session(tmux_run, monkeypatch):
+    # The monitor holds the rendezvous store; without it no rank window may start, and the
+    # half-made session goes away with a message that shows what the monitor printed.
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+    with pytest.raises(LaunchError, match="did not publish the rendezvous port") as err:
+        tmux_run.start("ok")
+    assert "/nonexistent/python" in str(err.value)
+    assert not tmux_run.server.has_session(tmux_run.session)
+    assert not (tmux_run.records_dir / "rank0.json").exists()
