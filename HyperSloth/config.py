@@ -24,6 +24,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 REGISTRY_FILE = "data_config.json"
+REGISTRY_VERSION = 1
 _MODULE_COUNTER = itertools.count()
 
 
@@ -52,6 +53,10 @@ class FastModelArgs(BaseModel):
     )
     attn_implementation: str | None = Field(
         None, description="Attention kernel for the transformers backend only; None = 'sdpa'."
+    )
+    trust_remote_code: bool = Field(
+        False, description="Run Python code that comes with the model on the Hub (custom architectures). Only "
+        "for models whose code you trust: it runs with your rights.",
     )
     use_gradient_checkpointing: bool | Literal["unsloth"] = Field(
         False, description="Recompute activations in backward to save memory; 'unsloth' = Unsloth's offloaded variant."
@@ -106,22 +111,20 @@ class LoraArgs(BaseModel):
     )
 
 
-def read_registry(data_dir: str | os.PathLike) -> dict[str, dict[str, Any]]:
-    """Return the `datasets` mapping of `{data_dir}/data_config.json` (pure read; the data team writes it)."""
-    registry = Path(data_dir) / REGISTRY_FILE
-    if not registry.is_file():
-        raise ConfigError(
-            f"no dataset registry at {registry}: build a dataset first with "
-            "`hypersloth-build-dataset --local_path FILE_OR_DIR --tokenizer MODEL --name NAME`, or set data_dir to the folder that holds data_config.json"
-        )
+def read_registry(data_dir: str | os.PathLike) -> dict[str, Any]:
+    """The whole registry `{data_dir}/data_config.json` (`{"version": 1, "datasets": {...}}`), or an empty
+    one when there is no file; ConfigError when the file is not a registry. The one reader: the data
+    package's `registry.read_registry` wraps it."""
+    path = Path(data_dir) / REGISTRY_FILE
+    if not path.exists():
+        return {"version": REGISTRY_VERSION, "datasets": {}}
     try:
-        content = json.loads(registry.read_text())
+        content = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as err:
-        raise ConfigError(f"{registry}: cannot read the dataset registry: {err}") from None
-    datasets = content.get("datasets") if isinstance(content, dict) else None
-    if not isinstance(datasets, dict):
-        raise ConfigError(f"{registry}: no 'datasets' mapping; rebuild it with `hypersloth-build-dataset`")
-    return datasets
+        raise ConfigError(f"{path} is not readable JSON ({err}); fix or delete it") from None
+    if not isinstance(content, dict) or not isinstance(content.get("datasets"), dict):
+        raise ConfigError(f"{path} has no 'datasets' mapping; fix or delete it")
+    return content
 
 
 class DataConfig(BaseModel):
@@ -150,7 +153,14 @@ class DataConfig(BaseModel):
 
     def registry_entry(self) -> dict[str, Any]:
         """The registry record of this dataset; ConfigError listing the known names if absent."""
-        datasets = read_registry(self.data_dir)
+        registry = Path(self.data_dir) / REGISTRY_FILE
+        if not registry.is_file():
+            raise ConfigError(
+                f"no dataset registry at {registry}: build a dataset first with `hypersloth-build-dataset "
+                "--local_path FILE_OR_DIR --tokenizer MODEL --name NAME`, or set data_dir to the folder that holds "
+                "data_config.json"
+            )
+        datasets = read_registry(self.data_dir)["datasets"]
         if self.dataset_name not in datasets:
             known = ", ".join(sorted(datasets)) or "(none)"
             raise ConfigError(
@@ -214,7 +224,12 @@ class TrainingArgsConfig(BaseModel):
 
     output_dir: str = Field("outputs/hypersloth", description="Checkpoints, logs and the resolved config go here.")
     per_device_train_batch_size: int = Field(8, gt=0, description="Samples per micro-batch on each process.")
-    gradient_accumulation_steps: int = Field(16, gt=0, description="Micro-batches per optimizer step on each process.")
+    gradient_accumulation_steps: int = Field(
+        16, gt=0,
+        description="Sets the step size: samples per optimizer step = per_device_train_batch_size x this x "
+        "len(gpus). sorted-pad runs this many micro-batches per process and step; packed packs the same samples "
+        "into as many micro-batches of tokens_per_micro_batch tokens as they need.",
+    )
     learning_rate: float = Field(2e-4, gt=0, description="Peak learning rate.")
     num_train_epochs: int | None = Field(1, gt=0, description="Passes over the data (ignored when max_steps is set).")
     max_steps: int | None = Field(None, gt=0, description="Optimizer steps to run; overrides num_train_epochs.")
@@ -248,7 +263,9 @@ class TrainingArgsConfig(BaseModel):
 
     def to_sft_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `trl.SFTConfig` (resume_from_checkpoint goes to `train()` instead)."""
-        kwargs = self.model_dump(exclude={"extra_args", "resume_from_checkpoint"})
+        # gradient_accumulation_steps only sizes the step (HyperSloth accumulates inside its own
+        # training_step), so TRL keeps its default of 1 instead of being told and overruled.
+        kwargs = self.model_dump(exclude={"extra_args", "resume_from_checkpoint", "gradient_accumulation_steps"})
         kwargs["max_steps"] = -1 if self.max_steps is None else self.max_steps
         kwargs["num_train_epochs"] = 1 if self.num_train_epochs is None else self.num_train_epochs
         kwargs.update(self.extra_args)
@@ -286,14 +303,6 @@ class HyperConfig(BaseModel):
             # A copy, so that a FastModelArgs object the user shares between configs is not changed.
             self.fast_model_args = model.model_copy(update={"full_finetuning": True})
         return self
-
-    def global_batch_size(self, training_args: TrainingArgsConfig) -> int:
-        """Samples per optimizer step over all processes: per-device x accumulation x len(gpus)."""
-        return (
-            training_args.per_device_train_batch_size
-            * training_args.gradient_accumulation_steps
-            * len(self.training.gpus)
-        )
 
 
 @dataclass(frozen=True)
@@ -456,18 +465,10 @@ def config_to_dict(loaded: LoadedConfig) -> dict[str, Any]:
     return json.loads(json.dumps(resolved, default=str))
 
 
-def dump_config(loaded: LoadedConfig, path: str | os.PathLike) -> Path:
-    """Write the resolved config as JSON (e.g. next to a checkpoint); returns the path written."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(config_to_dict(loaded), indent=2) + "\n")
-    return target
-
-
-def check_runtime(
+def runtime_problems(
     hyper: HyperConfig, training_args: TrainingArgsConfig, *, cuda_device_count: int, unsloth_available: bool
-) -> None:
-    """Pre-launch checks against the machine's facts; ConfigError listing every problem found."""
+) -> list[str]:
+    """What stops this config from running on a machine with these facts (empty when nothing does)."""
     model, cuda = hyper.fast_model_args, cuda_device_count > 0
     problems = []
     for flag in ("load_in_4bit", "load_in_8bit"):
@@ -486,5 +487,14 @@ def check_runtime(
                         "or set backend='transformers'")
     if "8bit" in training_args.optim and not cuda:
         problems.append(f"optim='{training_args.optim}' needs CUDA (bitsandbytes); use optim='adamw_torch' on CPU")
+    return problems
+
+
+def check_runtime(
+    hyper: HyperConfig, training_args: TrainingArgsConfig, *, cuda_device_count: int, unsloth_available: bool
+) -> None:
+    """Pre-launch checks against the machine's facts; ConfigError listing every problem found."""
+    problems = runtime_problems(hyper, training_args, cuda_device_count=cuda_device_count,
+                                unsloth_available=unsloth_available)
     if problems:
         raise ConfigError("config cannot run on this machine:\n" + "\n".join(f"  - {p}" for p in problems))

@@ -14,11 +14,13 @@ from pathlib import Path
 
 from loguru import logger
 
+from HyperSloth import run_files
+
 FORMAT = "<green>{time:HH:mm:ss}</green> <cyan>[rank {extra[rank]}]</cyan> <level>{level: <7}</level> {message}"
 
 
 def log_path(output_dir: str | Path, rank: int) -> Path:
-    return Path(output_dir) / "logs" / f"rank{rank}.log"
+    return run_files.rank_file(output_dir, rank, "log")
 
 
 class _OwnProcessGroupFilter(logging.Filter):
@@ -30,16 +32,19 @@ class _OwnProcessGroupFilter(logging.Filter):
 
 
 def configure(rank: int, output_dir: str | Path, *, console_all_ranks: bool = False) -> Path:
-    """Send loguru output to `{output_dir}/logs/rank{rank}.log`, and to stderr on rank 0.
+    """Send loguru output to `{output_dir}/logs/rank{rank}.log` (a fresh file), and to stderr on rank 0.
 
     On ranks other than 0, warnings and transformers' info/warning messages are silenced: they repeat
     the rank-0 ones word for word (errors still show).
     """
     path = log_path(output_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
+    for kind in ("failure.json", "final.json"):  # an earlier run's records must not pass for this run's
+        run_files.rank_file(output_dir, rank, kind).unlink(missing_ok=True)
     logger.remove()
     logger.configure(extra={"rank": rank})
-    logger.add(path, format=FORMAT, level="DEBUG", enqueue=False, colorize=False)
+    # mode="w": a log holds one run, never an earlier run's lines before it.
+    logger.add(path, format=FORMAT, level="DEBUG", enqueue=False, colorize=False, mode="w")
     logging.getLogger("transformers.training_args").addFilter(_OwnProcessGroupFilter())
     if rank == 0 or console_all_ranks:
         logger.add(sys.stderr, format=FORMAT, level="INFO", colorize=sys.stderr.isatty())

@@ -67,6 +67,7 @@ def _load_unsloth(fast: FastModelArgs, lora: LoraArgs | None, dtype: torch.dtype
         load_in_4bit=fast.load_in_4bit,
         load_in_8bit=fast.load_in_8bit,
         full_finetuning=fast.full_finetuning,
+        trust_remote_code=fast.trust_remote_code,
     )
     if lora is not None and lora.init_adapter_path:
         from peft import PeftModel
@@ -103,7 +104,9 @@ def _unsloth_lora(FastLanguageModel, model, fast: FastModelArgs, lora: LoraArgs)
 def _load_transformers(fast: FastModelArgs, lora: LoraArgs | None, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": fast.attn_implementation or "sdpa"}
+    # Remote model code runs only when the config asks for it (trust_remote_code, default False).
+    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": fast.attn_implementation or "sdpa",
+                              "trust_remote_code": fast.trust_remote_code}
     if fast.load_in_4bit or fast.load_in_8bit:
         from transformers import BitsAndBytesConfig
 
@@ -116,7 +119,7 @@ def _load_transformers(fast: FastModelArgs, lora: LoraArgs | None, dtype: torch.
     if torch.cuda.is_available():
         kwargs["device_map"] = {"": 0}
     model = AutoModelForCausalLM.from_pretrained(fast.model_name, **kwargs)
-    tokenizer = AutoTokenizer.from_pretrained(fast.model_name)
+    tokenizer = AutoTokenizer.from_pretrained(fast.model_name, trust_remote_code=fast.trust_remote_code)
     if fast.use_gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()

@@ -1,4 +1,4 @@
-"""From a config and a built dataset to the planner's inputs; shared by the trainer and `hypersloth-plan`.
+"""From a resolved run and a built dataset to the planner's inputs; shared by the trainer and `hypersloth-plan`.
 
 Torch-free, so the plan preview stays fast and GPU-free, and the preview plans exactly what training will.
 """
@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from HyperSloth.batching import PlanSpec
-from HyperSloth.config import HyperConfig, TrainingArgsConfig
+
+if TYPE_CHECKING:  # run.py imports this module (attention_coef)
+    from HyperSloth.run import RunDescription
 
 
 def attention_coef(model_name: str) -> float | None:
@@ -34,20 +37,19 @@ def attention_coef(model_name: str) -> float | None:
     return attn / (d * (attn + 2 * kv) + attn * d + 3 * d * ff)
 
 
-def plan_spec_for(hyper: HyperConfig, training_args: TrainingArgsConfig, num_ranks: int) -> PlanSpec:
-    """The planner's parameters for a config on `num_ranks` ranks (the global batch grows with them)."""
-    training, per_device = hyper.training, training_args.per_device_train_batch_size
-    coef = attention_coef(hyper.fast_model_args.model_name)
+def plan_spec_for(run: RunDescription) -> PlanSpec:
+    """The planner's parameters of a resolved run (`HyperSloth.run.resolve_run`)."""
+    training = run.hyper_config["training"]
     return PlanSpec(
-        num_ranks=num_ranks,
-        samples_per_step=per_device * training_args.gradient_accumulation_steps * num_ranks,
-        mode=training.batching,
-        micro_batch_size=per_device,
-        token_budget=training.tokens_per_micro_batch or per_device * hyper.fast_model_args.max_seq_length,
-        group_by_length=training.group_by_length,
-        group_window_steps=training.group_window_steps,
-        seed=training_args.seed,
-        **({} if coef is None else {"attention_coef": coef}),
+        num_ranks=run.world_size,
+        samples_per_step=run.global_batch_size,
+        mode=run.batching,
+        micro_batch_size=run.micro_batch_size,
+        token_budget=run.token_budget,
+        group_by_length=training["group_by_length"],
+        group_window_steps=training["group_window_steps"],
+        seed=run.seed,
+        **({} if run.attention_coef is None else {"attention_coef": run.attention_coef}),
     )
 
 

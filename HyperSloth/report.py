@@ -1,10 +1,13 @@
 """The run report: `report.md` + `report.png` in a run's output_dir, and a short console summary.
 
-It reads files only: `train_summary.json` (required), `hypersloth_config.json` and
-`logs/rank{r}.final.json` (optional), so any finished run can be reported again later:
+It reads files only: `train_summary.json` (required), `hypersloth_config.json` and the ranks'
+`final.json` records (optional; names in HyperSloth.run_files), so any finished run can be reported
+again later:
     python -c "from HyperSloth.report import write_report; write_report('outputs/tiny-demo')"
 Every summary key is optional here: a 1-step run, or a summary written by an older version,
-still gets a report with the lines it has data for.
+still gets a report with the lines it has data for. Every curve and table is numbered by global
+optimizer step: after a resume the losses start at `first_step`, and the learning rate and grad norm
+are those logged at `log_steps`.
 """
 
 from __future__ import annotations
@@ -20,10 +23,8 @@ from typing import Any
 
 from loguru import logger
 
-SUMMARY_FILE = "train_summary.json"
-CONFIG_FILE = "hypersloth_config.json"
-REPORT_MD = "report.md"
-REPORT_PNG = "report.png"
+from HyperSloth import run_files
+from HyperSloth.run_files import CONFIG_FILE, REPORT_MD, REPORT_PNG, SUMMARY_FILE
 MAX_TABLE_ROWS = 20  # rows of the per-step table; longer runs show every k-th step
 
 
@@ -52,9 +53,7 @@ def write_report(output_dir: str | os.PathLike) -> Path:
     config = _read_optional_json(out / CONFIG_FILE)
     ranks = _rank_records(out)
     image = _try_plot(summary, config, out / REPORT_PNG)
-    path = out / REPORT_MD
-    path.write_text(_markdown(summary, config, ranks, image, out))
-    return path
+    return run_files.atomic_write_text(out / REPORT_MD, _markdown(summary, config, ranks, image, out))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,10 +100,29 @@ def _loss_text(summary: Mapping[str, Any]) -> str | None:
     if first is None or last is None:
         return None
     text = f"{first:.4f} -> {last:.4f}"
-    if len(losses) > 2:
-        best = min(range(len(losses)), key=losses.__getitem__)
-        text += f" (min {losses[best]:.4f} at step {best + 1})"
+    steps = _loss_steps(summary)
+    points = [(s, v) for s, v in zip(steps, _series(summary, "step_losses")) if v is not None]
+    if len(points) > 2:
+        step, best = min(points, key=lambda point: point[1])
+        text += f" (min {best:.4f} at step {step})"
     return text
+
+
+def _loss_steps(summary: Mapping[str, Any]) -> list[int]:
+    """Global step of each entry of step_losses (one per step, from `first_step`, 1 without a resume)."""
+    first = _num(summary, "first_step")
+    start = int(first) if first is not None and first >= 1 else 1
+    return list(range(start, start + len(_series(summary, "step_losses"))))
+
+
+def _logged_at(summary: Mapping[str, Any], key: str, config: Mapping[str, Any]) -> dict[int, float | None]:
+    """learning_rates / grad_norms by the global step they were logged at."""
+    values = _series(summary, key)
+    steps = summary.get("log_steps")
+    if not (isinstance(steps, list) and len(steps) == len(values)):  # summaries of older versions
+        total = int(_num(summary, "steps") or 0)
+        steps = _logged_steps(len(values), total, _logging_steps(config))
+    return dict(zip((int(s) for s in steps), values))
 
 
 def _throughput_text(summary: Mapping[str, Any]) -> str | None:
@@ -158,7 +176,7 @@ def _read_optional_json(path: Path) -> dict[str, Any]:
 
 def _rank_records(out: Path) -> list[dict[str, Any]]:
     """The per-rank final records (rank, sha256, trainable_params, peak_gpu_gb), by rank."""
-    records = [_read_optional_json(p) for p in (out / "logs").glob("rank*.final.json")]
+    records = [_read_optional_json(p) for p in run_files.rank_files(out, "final.json")]
     return sorted((r for r in records if "rank" in r), key=lambda r: r["rank"])
 
 
@@ -188,13 +206,13 @@ def _plot(summary: Mapping[str, Any], config: Mapping[str, Any], path: Path) -> 
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    total = int(_num(summary, "steps") or 0)
-    every = _logging_steps(config)
     panels = []
     for key, title in (("step_losses", "loss"), ("learning_rates", "learning rate"), ("grad_norms", "grad norm")):
-        values = _series(summary, key)
-        xs = list(range(1, len(values) + 1)) if key == "step_losses" else _logged_steps(len(values), total, every)
-        points = [(x, v) for x, v in zip(xs, values) if v is not None]
+        if key == "step_losses":
+            by_step = dict(zip(_loss_steps(summary), _series(summary, key)))
+        else:
+            by_step = _logged_at(summary, key, config)
+        points = [(x, v) for x, v in sorted(by_step.items()) if v is not None]
         if points:
             panels.append((title, points))
     if not panels:
@@ -219,7 +237,7 @@ def _markdown(summary: Mapping[str, Any], config: Mapping[str, Any], ranks: Sequ
              "```\n" + format_console(summary) + "\n```\n", _metrics_table(summary)]
     if image is not None:
         parts.append(f"## Curves\n\n![loss and learning rate per step]({image.name})\n")
-    parts += [_steps_table(summary), _phase_table(summary), _ranks_section(ranks), _config_section(config)]
+    parts += [_steps_table(summary, config), _phase_table(summary), _ranks_section(ranks), _config_section(config)]
     return "\n".join(p for p in parts if p)
 
 
@@ -247,17 +265,17 @@ def _metrics_table(summary: Mapping[str, Any]) -> str:
     return "## Summary\n\n| metric | value |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
 
 
-def _steps_table(summary: Mapping[str, Any]) -> str:
-    losses, lrs, norms = (_series(summary, k) for k in ("step_losses", "learning_rates", "grad_norms"))
-    seconds = _series(summary, "step_seconds")
+def _steps_table(summary: Mapping[str, Any], config: Mapping[str, Any]) -> str:
+    losses, seconds = _series(summary, "step_losses"), _series(summary, "step_seconds")
     if not losses:
         return ""
+    steps = _loss_steps(summary)
+    lrs, norms = _logged_at(summary, "learning_rates", config), _logged_at(summary, "grad_norms", config)
     stride = max(1, math.ceil(len(losses) / MAX_TABLE_ROWS))
     picked = sorted(set(range(0, len(losses), stride)) | {len(losses) - 1})
-    # lr/grad-norm columns line up with steps only when they were logged every step.
-    aligned = lambda values, i: values[i] if len(values) == len(losses) else None  # noqa: E731
-    rows = "".join(f"| {i + 1} | {_fmt(losses[i], '.4f')} | {_fmt(aligned(lrs, i), '.3g')} | "
-                   f"{_fmt(aligned(norms, i), '.4f')} | {_fmt(aligned(seconds, i), '.3f')} |\n" for i in picked)
+    second = lambda i: seconds[i] if len(seconds) == len(losses) else None  # noqa: E731
+    rows = "".join(f"| {steps[i]} | {_fmt(losses[i], '.4f')} | {_fmt(lrs.get(steps[i]), '.3g')} | "
+                   f"{_fmt(norms.get(steps[i]), '.4f')} | {_fmt(second(i), '.3f')} |\n" for i in picked)
     note = f" (every {stride}th)" if stride > 1 else ""
     return (f"## Steps{note}\n\n| step | loss | learning rate | grad norm | seconds |\n|---|---|---|---|---|\n"
             + rows)

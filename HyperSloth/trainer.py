@@ -13,17 +13,18 @@ How one optimizer step runs on every rank (HF's own loop drives it; we override 
    clipping see the synced gradients, as a single process would.
 4. HF clips, steps the optimizer and scheduler, and logs the returned global loss: identical on every rank.
 
-Only rank 0 saves checkpoints, reports to TensorBoard/W&B and shows a progress bar; all ranks load the
-same checkpoint when resuming, and the plan position follows from the global step.
+Only rank 0 saves the model, optimizer and trainer state, reports to TensorBoard/W&B and shows a
+progress bar. Every rank draws dropout from its own RNG stream (seeded from (seed, rank)) and saves
+that stream into each checkpoint (`rng_state_rank{r}.pth`), so a resumed run continues exactly; all
+ranks load the same checkpoint when resuming, and the plan position follows from the global step.
 """
 
 from __future__ import annotations
 
-import json
+import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,16 +33,19 @@ from torch.utils.data import DataLoader, Dataset
 from transformers import TrainerCallback
 from trl import SFTConfig, SFTTrainer
 
+from HyperSloth import run_files
 from HyperSloth.batching import EpochPlan, adaptive_partition_batches, steps_per_epoch
 from HyperSloth.collate import LossType, collate, sample_labels
-from HyperSloth.config import LoadedConfig, TrainingArgsConfig, config_to_dict
+from HyperSloth.config import TrainingArgsConfig
 from HyperSloth.dist import DistInfo, GradientSync
 from HyperSloth.model import trainable_parameters
 from HyperSloth.plan_inputs import dataset_lengths, plan_spec_for
 from HyperSloth.profiling import PhaseTimer, StepClock
+from HyperSloth.run import RunDescription, rank_seed, write_run
 
-PLAN_STATE_FILE = "hypersloth_plan_state.json"
-CONFIG_FILE = "hypersloth_config.json"
+# HF's throughput figures count one process's samples and steps (each worker looks single-process to
+# it): on 2 workers x 2 micro-batches they are 4x too small. The trainer logs real tokens/s instead.
+_PER_PROCESS_SPEED_KEYS = ("train_samples_per_second", "train_steps_per_second", "train_tokens_per_second")
 
 
 class PlanSteps(Dataset):
@@ -131,7 +135,9 @@ def _only_item(batch: list[dict[str, Any]]) -> dict[str, Any]:
 class HyperSlothTrainer(SFTTrainer):
     """SFTTrainer whose steps come from the plan and whose gradients are summed over ranks."""
 
-    def __init__(self, *args, plan_steps: PlanSteps, grad_sync: GradientSync, profile: bool = False, **kwargs):
+    def __init__(self, *args, plan_steps: PlanSteps, grad_sync: GradientSync, rank: int = 0, profile: bool = False,
+                 **kwargs):
+        self.rank = rank
         self.plan_steps = plan_steps
         self.grad_sync = grad_sync
         self.timer = PhaseTimer(profile)
@@ -203,27 +209,61 @@ class HyperSlothTrainer(SFTTrainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:
             logs["tokens_seen"] = self.tokens_seen
+        if "train_runtime" in logs:
+            for key in _PER_PROCESS_SPEED_KEYS:
+                logs.pop(key, None)
+            if logs["train_runtime"] > 0:
+                logs["train_tokens_per_second_all_ranks"] = round(self.tokens_this_run / logs["train_runtime"], 1)
         super().log(logs, start_time)
+
+    # ---- one RNG stream per rank, saved and restored per rank --------------------------------
+    # HF (transformers 5.17) saves one rng_state.pth from process 0, and every HyperSloth worker is
+    # "process 0" to it; these overrides give each rank its own file. Checked against
+    # Trainer._save_checkpoint / _save_rng_state / _load_rng_state of transformers 5.17.
+    def _save_checkpoint(self, model, trial) -> None:
+        if self.rank == 0:
+            super()._save_checkpoint(model, trial)
+            return
+        # Other ranks save nothing but their RNG stream (rank 0 writes model, optimizer and state).
+        folder = run_files.checkpoint_dir(self._get_output_dir(trial=trial), self.state.global_step)
+        self._save_rng_state(str(folder))
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        states = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
+        if torch.cuda.is_available():
+            states["cuda"] = torch.cuda.random.get_rng_state()
+        path = run_files.rank_rng_file(output_dir, self.rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(states, path)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        path = run_files.rank_rng_file(checkpoint, self.rank) if checkpoint else None
+        if path is None or not path.is_file():
+            super()._load_rng_state(checkpoint)  # a checkpoint of an older HyperSloth: HF's single file
+            return
+        from transformers.trainer_pt_utils import safe_globals
+
+        with safe_globals():
+            states = torch.load(path, weights_only=True)
+        random.setstate(states["python"])
+        np.random.set_state(states["numpy"])
+        torch.random.set_rng_state(states["cpu"])
+        if torch.cuda.is_available() and "cuda" in states:
+            torch.cuda.random.set_rng_state(states["cuda"])
 
 
 class SaveRunStateCallback(TrainerCallback):
-    """Write the resolved config and the plan position next to every checkpoint (rank 0 only)."""
+    """Write the run description and the resolved config into every checkpoint (rank 0 only): a resume
+    compares its own description with the checkpoint's (HyperSloth.run.check_resume)."""
 
-    def __init__(self, resolved_config: dict[str, Any], steps_per_epoch: int):
-        self.resolved_config = resolved_config
-        self.steps_per_epoch = steps_per_epoch
+    def __init__(self, description: RunDescription):
+        self.description = description
 
     def on_save(self, args, state, control, **kwargs):
-        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        folder = run_files.checkpoint_dir(args.output_dir, state.global_step)
         if folder.is_dir():
-            (folder / CONFIG_FILE).write_text(json.dumps(self.resolved_config, indent=2, default=str))
-            position = {
-                "global_step": state.global_step,
-                "epoch": state.global_step // self.steps_per_epoch,
-                "step_in_epoch": state.global_step % self.steps_per_epoch,
-                "steps_per_epoch": self.steps_per_epoch,
-            }
-            (folder / PLAN_STATE_FILE).write_text(json.dumps(position, indent=2))
+            write_run(self.description, run_files.run_file(folder))
+            run_files.atomic_write_json(folder / run_files.CONFIG_FILE, self.description.resolved_config())
         return control
 
 
@@ -238,12 +278,13 @@ class RunSetup:
     first_epoch_stats: dict[str, float]
 
 
-def sft_config_for(targs: TrainingArgsConfig, dtype: torch.dtype, is_main: bool) -> SFTConfig:
-    """TRL arguments: the user's, plus what plan-driven steps need (HF sees one batch per step)."""
+def sft_config_for(targs: TrainingArgsConfig, dtype: torch.dtype, rank: int) -> SFTConfig:
+    """TRL arguments: the user's, plus what plan-driven steps need (HF sees one batch per step, and
+    leaves gradient_accumulation_steps at 1: the accumulation happens inside training_step)."""
     kwargs = targs.to_sft_kwargs()
     cuda = torch.cuda.is_available()
     kwargs.update(
-        gradient_accumulation_steps=1,  # accumulation happens inside training_step, over the plan
+        seed=rank_seed(targs.seed, rank),  # HF seeds torch with it: this rank's dropout stream
         dataset_kwargs={"skip_prepare_dataset": True},
         remove_unused_columns=False,
         packing=False,
@@ -252,16 +293,17 @@ def sft_config_for(targs: TrainingArgsConfig, dtype: torch.dtype, is_main: bool)
         bf16=cuda and dtype == torch.bfloat16,
         fp16=cuda and dtype == torch.float16,
     )
-    if not is_main:  # one writer: rank 0 saves, reports and shows progress
-        kwargs.update(save_strategy="no", report_to="none", disable_tqdm=True)
+    if rank != 0:  # one writer: rank 0 saves, reports and shows progress (others save their RNG only)
+        kwargs.update(report_to="none", disable_tqdm=True)
     return SFTConfig(**kwargs)
 
 
-def build_trainer(loaded: LoadedConfig, loaded_model, dataset, info: DistInfo) -> tuple[HyperSlothTrainer, RunSetup]:
+def build_trainer(description: RunDescription, loaded_model, dataset, info: DistInfo
+                  ) -> tuple[HyperSlothTrainer, RunSetup]:
     """Wire plan, data, gradient sync and TRL arguments into a HyperSlothTrainer for this rank."""
-    hyper, targs = loaded.hyper, loaded.training_args
-    lengths, trainable = dataset_lengths(dataset, hyper.training.loss_type, hyper.fast_model_args.max_seq_length)
-    spec = plan_spec_for(hyper, targs, info.world_size)
+    hyper, targs = description.hyper(), description.training_args()
+    lengths, trainable = dataset_lengths(dataset, description.loss_type, description.max_seq_length)
+    spec = plan_spec_for(description)
     per_epoch = steps_per_epoch(len(lengths), spec.samples_per_step)
     steps = PlanSteps(
         dataset,
@@ -269,20 +311,21 @@ def build_trainer(loaded: LoadedConfig, loaded_model, dataset, info: DistInfo) -
         per_epoch,
         rank=info.rank,
         mode=spec.mode,
-        loss_type=hyper.training.loss_type,
+        loss_type=description.loss_type,
         pad_token_id=loaded_model.tokenizer.pad_token_id,
         packed_lengths=loaded_model.backend == "unsloth",
     )
     model = loaded_model.model
-    callbacks = [SaveRunStateCallback(config_to_dict(loaded), per_epoch)] if info.is_main else []
+    callbacks = [SaveRunStateCallback(description)] if info.is_main else []
     trainer = HyperSlothTrainer(
         model=model,
-        args=sft_config_for(targs, loaded_model.dtype, info.is_main),
+        args=sft_config_for(targs, loaded_model.dtype, info.rank),
         train_dataset=dataset,
         processing_class=loaded_model.tokenizer,
         callbacks=callbacks,
         plan_steps=steps,
         grad_sync=GradientSync(trainable_parameters(model), info.world_size),
+        rank=info.rank,
         profile=hyper.training.profile,
     )
     stats = steps.plan(0).stats

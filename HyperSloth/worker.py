@@ -1,13 +1,13 @@
 """The per-GPU main: DistInfo -> process group -> model -> plan -> trainer -> train.
 
-Started by the launcher as `python -m HyperSloth.worker CONFIG` (one per GPU), or in-process by
-`hypersloth-train` under torchrun. Knows nothing about how it was started beyond `DistInfo`.
+Started by the launcher as `python -m HyperSloth.worker OUTPUT_DIR/run.json` (one per GPU), or in-process
+by `hypersloth-train` under torchrun. It reads the resolved run description (HyperSloth.run), never
+the config file, and knows nothing about how it was started beyond `DistInfo`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sys
 import time
@@ -16,17 +16,26 @@ from typing import Any
 
 from loguru import logger
 
-from HyperSloth import dist, logs, report
-from HyperSloth.config import ConfigError, LoadedConfig, config_to_dict, load_config
+from HyperSloth import dist, logs, report, run_files
+from HyperSloth.config import ConfigError
+from HyperSloth.run import RunDescription, read_run
 
-SUMMARY_FILE = "train_summary.json"
 
-
-def main_from_cli(config_path: str) -> None:
-    """Entry point of one worker; exits non-zero (with the error in its log) on failure."""
+def main_from_cli(run_path: str) -> None:
+    """Entry point of one worker started with a run.json; exits non-zero (with the error in its log) on failure."""
     info = dist.DistInfo.from_env()
     try:
-        run(config_path, info)
+        description = read_run(run_path)
+    except ConfigError as err:
+        print(f"[rank {info.rank}] {err}", file=sys.stderr)
+        sys.exit(2)
+    main(description, info)
+
+
+def main(description: RunDescription, info: dist.DistInfo) -> None:
+    """Train `description` as rank `info.rank`; exits non-zero (with the error in its log) on failure."""
+    try:
+        run(description, info)
     except ConfigError as err:
         print(f"[rank {info.rank}] {err}", file=sys.stderr)
         sys.exit(2)
@@ -35,21 +44,23 @@ def main_from_cli(config_path: str) -> None:
         raise
 
 
-def run(config_path: str, info: dist.DistInfo) -> dict[str, Any] | None:
+def run(description: RunDescription, info: dist.DistInfo) -> dict[str, Any] | None:
     """Train on this rank's share of every step; returns the run summary on rank 0."""
-    loaded = load_config(config_path)
+    if info.world_size != description.world_size:
+        raise ConfigError(f"this worker is one of {info.world_size} but the run was resolved for "
+                          f"{description.world_size}: start it with `hypersloth-train CONFIG`")
     dist.isolate_process(info)
-    out_dir = Path(loaded.training_args.output_dir)
+    out_dir = Path(description.output_dir)
     logs.configure(info.rank, out_dir)
-    logger.info(f"worker {info.rank}/{info.world_size} ({info.launched_by}) config={config_path}")
+    logger.info(f"worker {info.rank}/{info.world_size} ({info.launched_by}) config={description.config_path}")
+    if info.is_main:
+        logger.info(description.batch_line())
 
-    from HyperSloth import model as model_lib
-
-    if model_lib.resolve_backend(loaded.hyper.fast_model_args) == "unsloth":
+    if description.backend == "unsloth":
         _prepare_unsloth(info.rank)  # before transformers/trl are imported below
-    dist.setup(info, timeout_s=loaded.hyper.training.nccl_timeout_s)
+    dist.setup(info, timeout_s=description.hyper_config["training"]["nccl_timeout_s"])
     try:
-        return _train(loaded, info, out_dir)
+        return _train(description, info, out_dir)
     except BaseException as err:
         _record_failure(out_dir, info.rank, err)
         raise
@@ -63,7 +74,7 @@ def _prepare_unsloth(rank: int) -> None:
     from HyperSloth.patches import enable_unsloth_torch_varlen
 
     # One compile cache per rank: ranks compiling into one folder race (unsloth-zoo #379).
-    os.environ.setdefault("UNSLOTH_COMPILE_LOCATION", f"unsloth_compiled_cache_rank{rank}")
+    os.environ.setdefault("UNSLOTH_COMPILE_LOCATION", run_files.compile_cache_dir(rank))
     os.environ.setdefault("UNSLOTH_DISABLE_AUTO_PADDING_FREE", "1")  # HyperSloth plans the batches
     model_lib.import_backend("unsloth")
     if enable_unsloth_torch_varlen():
@@ -73,33 +84,32 @@ def _prepare_unsloth(rank: int) -> None:
 def _record_failure(out_dir: Path, rank: int, err: BaseException) -> None:
     """Stamp when this rank's exception was raised, before the process group goes down: the peers'
     errors that follow come later, so the launcher can name the rank that failed first."""
-    path = logs.log_path(out_dir, rank).with_suffix(".failure.json")
-    path.write_text(json.dumps({"rank": rank, "time": time.time(), "error": f"{type(err).__name__}: {err}"}))
+    record = {"rank": rank, "time": time.time(), "error": f"{type(err).__name__}: {err}"}
+    run_files.atomic_write_json(run_files.rank_file(out_dir, rank, "failure.json"), record)
 
 
-def _train(loaded: LoadedConfig, info: dist.DistInfo, out_dir: Path) -> dict[str, Any] | None:
+def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path) -> dict[str, Any] | None:
     import transformers
     from datasets import load_from_disk
 
     from HyperSloth import model as model_lib
-    from HyperSloth.trainer import CONFIG_FILE, build_trainer
+    from HyperSloth.trainer import build_trainer
 
-    hyper, targs = loaded.hyper, loaded.training_args
-    transformers.set_seed(targs.seed)
+    hyper = description.hyper()
+    transformers.set_seed(description.seed)
     started = time.perf_counter()
     loaded_model = model_lib.load_model(hyper.fast_model_args, hyper.lora_args)
     logger.info(f"model {hyper.fast_model_args.model_name} loaded with {loaded_model.backend} ({loaded_model.dtype})")
-    dataset = load_from_disk(str(hyper.data.dataset_path()))
-    trainer, setup = build_trainer(loaded, loaded_model, dataset, info)
-    resume = targs.resume_from_checkpoint
-    result = trainer.train(resume_from_checkpoint=resume if resume not in (None, "") else None)
+    dataset = load_from_disk(description.dataset.path)
+    trainer, setup = build_trainer(description, loaded_model, dataset, info)
+    result = trainer.train(resume_from_checkpoint=description.resume_from_checkpoint)
     _write_weight_digest(trainer.model, out_dir, info.rank)
     if not info.is_main:
         return None
     trainer.save_model(str(out_dir))
     summary = _summary(trainer, setup, result, time.perf_counter() - started, info)
-    (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
-    (out_dir / CONFIG_FILE).write_text(json.dumps(config_to_dict(loaded), indent=2, default=str))
+    run_files.atomic_write_json(out_dir / run_files.SUMMARY_FILE, summary)
+    run_files.atomic_write_json(out_dir / run_files.CONFIG_FILE, description.resolved_config())
     _print_summary(summary, out_dir)
     logger.info(f"{report.format_console(summary)}\nreport: {report.write_report(out_dir)}")
     return summary
@@ -114,9 +124,8 @@ def _write_weight_digest(model, out_dir: Path, rank: int) -> None:
             digest.update(name.encode())
             digest.update(param.detach().float().cpu().numpy().tobytes())
             count += param.numel()
-    path = logs.log_path(out_dir, rank).with_suffix(".final.json")
     record = {"rank": rank, "sha256": digest.hexdigest(), "trainable_params": count, "peak_gpu_gb": _peak_gpu_gb()}
-    path.write_text(json.dumps(record))
+    run_files.atomic_write_json(run_files.rank_file(out_dir, rank, "final.json"), record)
 
 
 def _summary(trainer, setup, result, wall_s: float, info: dist.DistInfo) -> dict[str, Any]:
@@ -129,7 +138,10 @@ def _summary(trainer, setup, result, wall_s: float, info: dist.DistInfo) -> dict
         "batching": setup.mode,
         "global_batch_size": setup.samples_per_step,
         "steps": trainer.state.global_step,
+        # After a resume this run's losses start past step 1; every curve is numbered by global step.
+        "first_step": trainer.state.global_step - len(trainer.step_losses) + 1,
         "step_losses": list(trainer.step_losses),
+        "log_steps": [h["step"] for h in history],
         "grad_norms": [h.get("grad_norm") for h in history],
         "learning_rates": [h.get("learning_rate") for h in history],
         "first_loss": trainer.step_losses[0] if trainer.step_losses else None,
@@ -164,6 +176,6 @@ def _print_summary(summary: dict[str, Any], out_dir: Path) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        print("usage: python -m HyperSloth.worker CONFIG.py (normally started by hypersloth-train)", file=sys.stderr)
+        print("usage: python -m HyperSloth.worker OUTPUT_DIR/run.json (started by hypersloth-train)", file=sys.stderr)
         sys.exit(2)
     main_from_cli(sys.argv[1])

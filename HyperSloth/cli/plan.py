@@ -23,6 +23,7 @@ import numpy as np
 from HyperSloth.batching import EpochPlan, PlanSpec, PlanStats, adaptive_partition_batches
 from HyperSloth.config import ConfigError, load_config
 from HyperSloth.plan_inputs import dataset_lengths, plan_spec_for
+from HyperSloth.run import MachineFacts, resolve_run
 
 
 @dataclass(frozen=True)
@@ -67,22 +68,26 @@ def _max_micro_batch_tokens(plan: EpochPlan, lengths: np.ndarray) -> int:
 
 
 def preview(config_path: str, *, num_ranks: int | None = None) -> PlanSummary:
-    """Plan epoch 0 of CONFIG on its GPUs (or `num_ranks` of them); ConfigError for any user mistake."""
-    loaded = load_config(config_path)
-    hyper, targs = loaded.hyper, loaded.training_args
-    ranks = len(hyper.training.gpus) if num_ranks is None else num_ranks
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+    """Plan epoch 0 of CONFIG on its GPUs (or `num_ranks` of them); ConfigError for any user mistake.
+
+    The run is resolved exactly as `hypersloth-train` resolves it (HyperSloth.run.resolve_run, world size
+    len(training.gpus) unless `num_ranks`), on the machine the config asks for: its GPUs present."""
+    if num_ranks is not None and (isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1):
         raise ConfigError(f"--gpus must be a whole number >= 1, got {num_ranks!r}")
-    path = hyper.data.dataset_path()
-    lengths, trainable = _dataset_columns(path, hyper.training.loss_type, hyper.fast_model_args.max_seq_length)
+    loaded = load_config(config_path)
+    world = len(loaded.hyper.training.gpus) if num_ranks is None else num_ranks
+    description = resolve_run(loaded, world_size=world, machine=MachineFacts.assumed_for(loaded.hyper))
+    path = Path(description.dataset.path)
+    lengths, trainable = _dataset_columns(path, description.loss_type, description.max_seq_length)
     start = time.perf_counter()
     try:
-        spec = plan_spec_for(hyper, targs, ranks)
+        spec = plan_spec_for(description)
         plan = adaptive_partition_batches(lengths, trainable, spec, epoch=0)
     except ValueError as err:  # the planner's own checks, e.g. a negative seed
         raise ConfigError(f"{loaded.path}: cannot plan the batches: {err}") from None
     seconds = time.perf_counter() - start
     per_epoch = len(plan.steps)
+    targs = loaded.training_args
     run_steps = targs.max_steps or per_epoch * (targs.num_train_epochs or 1)
     return PlanSummary(
         config_path=str(loaded.path), dataset_path=str(path), num_samples=int(lengths.size),

@@ -1,4 +1,4 @@
-"""`hypersloth-train CONFIG [--tmux SESSION] [--y] [--dry-run]`: check the config, then start the workers.
+"""`hypersloth-train CONFIG [--overwrite] [--tmux SESSION] [--y] [--dry-run]`: check, resolve, start the workers.
 
 Everything that can be found wrong before a worker starts (config, dataset, model path, output
 folder, GPUs) is reported here with exit code 2 and no traceback.
@@ -6,9 +6,7 @@ folder, GPUs) is reported here with exit code 2 and no traceback.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import re
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -16,7 +14,8 @@ from pathlib import Path
 
 import fire
 
-from HyperSloth.config import ConfigError, check_runtime, load_config
+from HyperSloth import run_files
+from HyperSloth.config import ConfigError, load_config
 from HyperSloth.launch import (
     LaunchError,
     TmuxSessionExists,
@@ -25,9 +24,11 @@ from HyperSloth.launch import (
     launch,
 )
 from HyperSloth.launch_tmux import launch_tmux
+from HyperSloth.model_source import hub_problem
+from HyperSloth.run import MachineFacts, RunDescription, resolve_run, write_run
 
 USAGE = """\
-usage: hypersloth-train CONFIG [--tmux SESSION] [--y] [--dry-run]
+usage: hypersloth-train CONFIG [--overwrite] [--tmux SESSION] [--y] [--dry-run]
 
 Fine-tune with one worker process per entry of `training.gpus` in CONFIG (a Python config file,
 see `hypersloth-init`). Each worker sees only its GPU (CUDA_VISIBLE_DEVICES); without CUDA the same
@@ -42,6 +43,8 @@ options:
                     window that follows rank 0 and reports when all ranks are done); returns
                     once the session exists. Attach with `tmux attach -t SESSION`.
   --y               replace an existing tmux session of that name without asking
+  --overwrite       the output_dir holds an earlier run: remove its files first and start clean
+                    (without it such a run is refused; set resume_from_checkpoint to continue it)
   --dry-run         start nothing: load the config and print the batch plan summary
   -h, --help        show this help
 
@@ -57,30 +60,13 @@ exit codes: 0 success, 1 a worker failed, 2 nothing started (a problem in the co
 130/143 stopped by Ctrl-C / SIGTERM (every worker stopped too). Details: docs/launcher.md
 """
 
-# "org/name" as on the Hugging Face Hub; anything else with a path separator is a local folder.
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
-
-
 @dataclass(frozen=True)
 class CheckedRun:
     """What the launcher needs from a config that passed every pre-spawn check."""
 
-    config_path: Path
+    run_path: Path  # OUTPUT_DIR/run.json, the only thing the workers read
     gpus: list[int]
     output_dir: Path
-
-
-def looks_like_local_path(model_name: str) -> bool:
-    """True when `model_name` names a local folder rather than a Hub id.
-
-    Absolute, ./ ../ ~/ paths and paths with a separator that are not "org/name" are local; an
-    "org/name" whose `org` is an existing local folder (e.g. build/tiny-qwen3) is local too.
-    """
-    if os.path.isabs(model_name) or model_name.startswith(("./", "../", "~", f".{os.sep}", f"..{os.sep}")):
-        return True
-    if _HUB_ID.match(model_name):
-        return Path(model_name.split("/")[0]).is_dir()
-    return os.sep in model_name or "/" in model_name
 
 
 def _check_output_dir(output_dir: Path) -> None:
@@ -93,32 +79,75 @@ def _check_output_dir(output_dir: Path) -> None:
                           "set training_config_model.output_dir to a folder you can write") from None
 
 
-def _check_inputs(loaded) -> None:
-    dataset = loaded.hyper.data.dataset_path()
-    if not dataset.is_dir():
-        name = loaded.hyper.data.dataset_name
-        raise LaunchError(f"dataset '{name}' is registered but its folder {dataset} is missing: rebuild it with "
-                          f"`hypersloth-build-dataset --local_path FILE_OR_DIR --tokenizer MODEL --name {name}`")
-    model_name = loaded.hyper.fast_model_args.model_name
-    if looks_like_local_path(model_name) and not Path(model_name).expanduser().exists():
-        raise LaunchError(f"model_name '{model_name}' looks like a local folder but {Path(model_name).expanduser()} "
-                          "does not exist: fix the path, or use a Hub id such as 'unsloth/Qwen3-0.6B'")
+def _check_model(description: RunDescription) -> None:
+    """The model (and the dataset's tokenizer) can be found, and their vocabularies agree."""
     from HyperSloth.data.tokenizer_check import tokenizer_mismatch
 
-    mismatch = tokenizer_mismatch(loaded.hyper.data.registry_entry(), model_name, loaded.hyper.data.dataset_name)
-    if mismatch:
-        raise LaunchError(mismatch)
+    hyper = description.hyper()
+    model_name = hyper.fast_model_args.model_name
+    problem = hub_problem(model_name, "model_name")
+    if problem:
+        raise LaunchError(problem)
+    entry = hyper.data.registry_entry()
+    built_with = str(entry.get("tokenizer") or "")
+    if built_with and hub_problem(built_with, "tokenizer") is None:  # an unreachable one cannot be compared
+        mismatch = tokenizer_mismatch(entry, model_name, hyper.data.dataset_name)
+        if mismatch:
+            raise LaunchError(mismatch)
 
 
-def check_run(config_path: str | os.PathLike) -> CheckedRun:
-    """All pre-spawn checks; raises ConfigError or LaunchError with a message that says what to change."""
+def prepare_output_dir(description: RunDescription, *, overwrite: bool, keep_ranks: int = 0) -> None:
+    """Refuse to mix two runs in one folder; with --overwrite remove the earlier run's files first; on a
+    resume keep the checkpoints but drop the earlier results and logs (a failed resume must not leave
+    them looking like its own)."""
+    out = Path(description.output_dir)
+    if overwrite:
+        run_files.clear_run(out)
+    elif description.resume_from_checkpoint is not None:
+        run_files.clear_results(out)
+    elif run_files.holds_a_run(out):
+        raise LaunchError(
+            f"output_dir {out} holds an earlier run: add --overwrite to start clean (its files are removed "
+            "first), set resume_from_checkpoint to continue it from one of its checkpoints, or choose "
+            "another output_dir")
+    run_files.clear_rank_files(out, from_rank=keep_ranks)
+
+
+def machine_notes(description: RunDescription, machine: MachineFacts) -> list[str]:
+    """What the launcher will do with `gpus` on this machine, when it is not plain: CPU workers, ids
+    beyond the cores."""
+    gpus = list(description.gpus)
+    if description.device == "cuda":
+        return []
+    notes = [f"no CUDA: {len(gpus)} CPU worker(s) over gloo, one per entry of gpus={gpus} "
+             "(on CPU the ids only count workers)"]
+    if len(gpus) > machine.cpu_count:
+        notes.append(f"{len(gpus)} CPU workers share {machine.cpu_count} core(s): each gets 1 thread, "
+                     f"slower than {machine.cpu_count} worker(s) would be")
+    return notes
+
+
+def resolve_config(config_path: str | os.PathLike, *, world_size: int | None = None,
+                   machine: MachineFacts | None = None) -> tuple[RunDescription, MachineFacts]:
+    """Load CONFIG and resolve its run on `world_size` workers (default len(training.gpus))."""
     loaded = load_config(config_path)
-    check_runtime(loaded.hyper, loaded.training_args, cuda_device_count=cuda_device_count(),
-                  unsloth_available=importlib.util.find_spec("unsloth") is not None)
-    _check_inputs(loaded)
-    output_dir = Path(loaded.training_args.output_dir)
+    machine = machine or MachineFacts.detect(cuda_device_count())
+    world = len(loaded.hyper.training.gpus) if world_size is None else world_size
+    return resolve_run(loaded, world_size=world, machine=machine), machine
+
+
+def check_run(config_path: str | os.PathLike, *, overwrite: bool = False) -> CheckedRun:
+    """All pre-spawn checks, then run.json written; raises ConfigError or LaunchError with a message that
+    says what to change (and nothing is written or removed)."""
+    description, machine = resolve_config(config_path)
+    _check_model(description)
+    output_dir = Path(description.output_dir)
     _check_output_dir(output_dir)
-    return CheckedRun(loaded.path, list(loaded.hyper.training.gpus), output_dir)
+    prepare_output_dir(description, overwrite=overwrite)
+    for note in machine_notes(description, machine):
+        print(f"hypersloth-train: {note}", file=sys.stderr, flush=True)
+    print(f"hypersloth-train: {description.batch_line()}", file=sys.stderr, flush=True)
+    return CheckedRun(write_run(description), list(description.gpus), output_dir)
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -126,12 +155,20 @@ def _fail(message: str, code: int = 2) -> None:
     raise SystemExit(code)
 
 
-def _run_under_torchrun(config_path: str) -> int:
-    """torchrun already started this process as one rank: be the worker, spawn nothing."""
-    from HyperSloth.worker import main_from_cli
+def _run_under_torchrun(config_path: str, overwrite: bool) -> int:
+    """torchrun already started this process as one rank: resolve the run (every rank the same way), let
+    rank 0 prepare the output folder and write run.json, then be the worker; spawn nothing."""
+    from HyperSloth import dist, worker
 
-    result = main_from_cli(config_path)
-    return result if isinstance(result, int) else 0
+    info = dist.DistInfo.from_env()
+    description, _ = resolve_config(config_path, world_size=info.world_size)
+    if info.is_main:
+        prepare_output_dir(description, overwrite=overwrite, keep_ranks=info.world_size)
+        write_run(description)
+    # Other ranks never remove shared files: each worker starts its own log afresh (logs.configure),
+    # and rank 0 removes only the files of ranks this run does not have.
+    worker.main(description, info)
+    return 0
 
 
 def _dry_run(config_path: str) -> int:
@@ -143,39 +180,40 @@ def _dry_run(config_path: str) -> int:
 
 def _start_tmux(run: CheckedRun, session: str, replace: bool) -> int:
     try:
-        attach = launch_tmux(run.config_path, run.gpus, run.output_dir, session, replace=replace)
+        attach = launch_tmux(run.run_path, run.gpus, run.output_dir, session, replace=replace)
     except TmuxSessionExists as err:
         if replace or not sys.stdin.isatty():
             raise
         if input(f"tmux session '{session}' already exists. Replace it? [y/N] ").strip().lower() not in ("y", "yes"):
             raise LaunchError(f"left tmux session '{session}' as it is; nothing started") from err
-        attach = launch_tmux(run.config_path, run.gpus, run.output_dir, session, replace=True)
+        attach = launch_tmux(run.run_path, run.gpus, run.output_dir, session, replace=True)
     print(f"hypersloth-train: started {len(run.gpus)} rank(s) in tmux session '{session}' "
           f"(windows: main, rank0..rank{len(run.gpus) - 1}); logs in {run.output_dir / 'logs'}")
     print(f"hypersloth-train: attach with: {attach}")
     return 0
 
 
-def train(config: str, tmux: str | None = None, y: bool = False, dry_run: bool = False) -> None:
+def train(config: str, tmux: str | None = None, y: bool = False, dry_run: bool = False,
+          overwrite: bool = False) -> None:
     """Train with one worker per GPU of CONFIG's `training.gpus` (see `hypersloth-train --help`)."""
     config_path = str(config)
     if tmux is True or tmux == "":
         _fail("--tmux needs a session name, e.g. --tmux train")
     try:
         if is_torchrun_env(os.environ):
-            raise SystemExit(_run_under_torchrun(config_path))
+            raise SystemExit(_run_under_torchrun(config_path, bool(overwrite)))
         if dry_run:
             raise SystemExit(_dry_run(config_path))
-        run = check_run(config_path)
+        run = check_run(config_path, overwrite=bool(overwrite))
         if tmux is not None:
             raise SystemExit(_start_tmux(run, str(tmux), replace=bool(y)))
-        code = launch(run.config_path, run.gpus, run.output_dir)
+        code = launch(run.run_path, run.gpus, run.output_dir)
     except (ConfigError, LaunchError) as err:
         _fail(str(err))
     raise SystemExit(code)
 
 
-_FLAGS = {"config", "tmux", "y", "noy", "dry_run", "nodry_run"}
+_FLAGS = {"config", "tmux", "y", "noy", "dry_run", "nodry_run", "overwrite", "nooverwrite"}
 
 
 def _check_flags(argv: list[str]) -> None:

@@ -5,8 +5,8 @@ Format (docs/architecture.md)::
     {"version": 1, "datasets": {"NAME": {"name": ..., "path": "built_dataset/NAME", ...}}}
 
 Every writer holds ``{data_dir}/data_config.json.lock`` (``filelock.FileLock``) for its whole
-read-modify-write, and replaces the file atomically (temp file in the same folder, fsync,
-``os.replace``), so concurrent builds never lose an entry and a reader never sees half a file.
+read-modify-write, and replaces the file atomically (``run_files.atomic_write_text``: temp file in
+the same folder, fsync, rename), so concurrent builds never lose an entry and a reader never sees half a file.
 This module imports nothing heavy: the trainer and planners read the registry cheaply.
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,10 +21,10 @@ from typing import Any
 
 from filelock import FileLock
 
+from HyperSloth import config, run_files
+from HyperSloth.config import REGISTRY_FILE, REGISTRY_VERSION
 from HyperSloth.data.formats import DataInputError
 
-REGISTRY_FILE = "data_config.json"
-REGISTRY_VERSION = 1
 BUILT_DIR = "built_dataset"
 #: The keys every entry has (docs/architecture.md); readers in other modules rely on them.
 ENTRY_KEYS: tuple[str, ...] = (
@@ -51,18 +50,13 @@ def registry_lock(data_dir: str | os.PathLike, timeout: float = 600.0) -> Iterat
 def read_registry(data_dir: str | os.PathLike) -> dict[str, Any]:
     """The whole registry (``{"version": 1, "datasets": {...}}``); an empty one if there is no file.
 
-    DataInputError if the file exists but is not a valid registry.
+    DataInputError if the file exists but is not a valid registry. (The reading itself is
+    ``HyperSloth.config.read_registry``, shared with the trainer's side.)
     """
-    path = registry_path(data_dir)
-    if not path.exists():
-        return {"version": REGISTRY_VERSION, "datasets": {}}
     try:
-        content = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as err:
-        raise DataInputError(f"{path} is not readable JSON ({err}); fix or delete it") from None
-    if not isinstance(content, dict) or not isinstance(content.get("datasets"), dict):
-        raise DataInputError(f"{path} has no 'datasets' mapping; fix or delete it")
-    return content
+        return config.read_registry(data_dir)
+    except config.ConfigError as err:
+        raise DataInputError(str(err)) from None
 
 
 def register(entry: dict[str, Any], data_dir: str | os.PathLike) -> None:
@@ -88,19 +82,9 @@ def remove(name: str, data_dir: str | os.PathLike) -> bool:
 
 def write_registry_unlocked(registry: dict[str, Any], data_dir: str | os.PathLike) -> None:
     """Atomically replace the registry file. The caller must hold ``registry_lock``."""
-    path = registry_path(data_dir)
     registry = {"version": REGISTRY_VERSION, "datasets": dict(sorted(registry["datasets"].items()))}
-    fd, tmp = tempfile.mkstemp(prefix=f".{REGISTRY_FILE}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(registry, handle, indent=2, sort_keys=False)
-            handle.write("\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    # json.dumps first: a value that cannot be written fails before the file is touched.
+    run_files.atomic_write_text(registry_path(data_dir), json.dumps(registry, indent=2) + "\n")
 
 
 def entry_dir(entry: dict[str, Any], data_dir: str | os.PathLike) -> Path:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -271,9 +272,14 @@ def test_child_of_a_live_launcher_keeps_running():
 def write_config(tmp_path: Path, **overrides: str) -> Path:
     """A complete config file whose dataset, model folder and output dir exist, with fields overridden."""
     data_dir, model_dir = tmp_path / "data", tmp_path / "model"
-    (data_dir / "built_dataset" / "chat").mkdir(parents=True, exist_ok=True)
+    folder = data_dir / "built_dataset" / "chat"  # what save_to_disk leaves (metadata; no rows are read)
+    folder.mkdir(parents=True, exist_ok=True)
+    features = {c: {} for c in ("input_ids", "labels", "length", "num_trainable", "text")}
+    (folder / "dataset_info.json").write_text(json.dumps({"features": features}))
+    (folder / "state.json").write_text(json.dumps({"_fingerprint": "f"}))
     model_dir.mkdir(exist_ok=True)
-    registry = {"version": 1, "datasets": {"chat": {"name": "chat", "path": "built_dataset/chat"}}}
+    entry = {"name": "chat", "path": "built_dataset/chat", "num_samples": 3, "stats": {"max_tokens": 100}}
+    registry = {"version": 1, "datasets": {"chat": entry}}
     (data_dir / "data_config.json").write_text(json.dumps(registry))
     fields = {
         "dataset_name": "'chat'", "model_name": repr(str(model_dir)), "load_in_4bit": "False",
@@ -315,7 +321,11 @@ def test_valid_config_reaches_the_launcher(cli, tmp_path):
     config = write_config(tmp_path, gpus="[1, 3]")
     assert cli.run([str(config)]) == 0
     [(kind, args, _)] = cli.calls
-    assert (kind, args) == ("launch", (config.resolve(), [1, 3], tmp_path / "out"))
+    # The workers get the resolved run (run.json in the output dir), never the config file.
+    out = (tmp_path / "out").resolve()
+    assert (kind, args) == ("launch", (out / "run.json", [1, 3], out))
+    described = json.loads((out / "run.json").read_text())
+    assert (described["world_size"], described["gpus"], described["config_path"]) == (2, [1, 3], str(config.resolve()))
 
 
 @pytest.mark.parametrize(
@@ -336,7 +346,7 @@ def test_config_errors_exit_2_before_any_worker(cli, tmp_path, capsys, overrides
 
 def test_dataset_folder_gone_exits_2(cli, tmp_path, capsys):
     config = write_config(tmp_path)
-    (tmp_path / "data" / "built_dataset" / "chat").rmdir()
+    shutil.rmtree(tmp_path / "data" / "built_dataset" / "chat")
     assert cli.run([str(config)]) == 2
     assert "dataset 'chat' is registered but its folder" in capsys.readouterr().err and cli.calls == []
 
@@ -396,16 +406,19 @@ def test_dry_run_prints_the_plan_and_spawns_nothing(cli, tmp_path, capsys, monke
     assert "PLAN for cfg.py" in capsys.readouterr().out and cli.calls == []
 
 
-def test_under_torchrun_the_worker_runs_in_process(cli, monkeypatch):
+def test_under_torchrun_the_worker_runs_in_process(cli, tmp_path, monkeypatch):
     seen = []
     worker = types.ModuleType("HyperSloth.worker")
-    worker.main_from_cli = lambda path: seen.append((path, os.getpid()))
+    worker.main = lambda description, info: seen.append((description.world_size, info.rank, os.getpid()))
     monkeypatch.setitem(sys.modules, "HyperSloth.worker", worker)
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert cli.run(["cfg.py"]) == 0
-    assert seen == [("cfg.py", os.getpid())] and cli.calls == []
+    config = write_config(tmp_path)
+    # The world size comes from torchrun (4), not from len(gpus) (2); only rank 0 writes run.json.
+    assert cli.run([str(config)]) == 0
+    assert seen == [(4, 1, os.getpid())] and cli.calls == []
+    assert not (tmp_path / "out" / "run.json").exists()
 
 
 def test_partial_torchrun_env_is_not_torchrun():

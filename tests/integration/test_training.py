@@ -7,6 +7,7 @@ add the same numbers in a different order, nothing more.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import shutil
@@ -39,7 +40,10 @@ SPECS = [
     RunSpec("sorted-2w", batching="sorted-pad", loss_type="all"),
     RunSpec("sorted-1w", gpus=1, per_device=8, batching="sorted-pad", loss_type="all"),
     RunSpec("failure", inject_failure=True),
-    RunSpec("resume", resume_from="packed-2w"),
+    # Dropout draws from each rank's own RNG stream; resuming must restore every rank's stream.
+    RunSpec("dropout-2w", lora_dropout=0.1),
+    RunSpec("resume", resume_from="dropout-2w", lora_dropout=0.1),
+    RunSpec("resume-new-dir", resume_from="dropout-2w", lora_dropout=0.1, resume_into_new_dir=True),
     RunSpec("torchrun", launcher="torchrun"),
     RunSpec("tmux", launcher="tmux"),
 ]
@@ -145,12 +149,18 @@ def _direct_count(dataset, indices, loss_type: str) -> int:
     return int(sum((np.asarray(dataset[int(i)]["labels"][1:]) != -100).sum() for i in indices))
 
 
-def _load_config(spec: RunSpec, model_dir, loss_type: str):
-    from HyperSloth.config import HyperConfig, TrainingArgsConfig
+def _describe(spec: RunSpec, workdir, model_dir, loss_type: str):
+    """The run description the launcher resolves for `spec` with `loss_type` (2 CPU workers)."""
+    from dataclasses import replace
 
-    hyper = spec.hyper_config(model_dir)
-    hyper["training"]["loss_type"] = loss_type
-    return HyperConfig.model_validate(hyper), TrainingArgsConfig.model_validate(spec.training_config())
+    from HyperSloth.config import load_config
+    from HyperSloth.run import MachineFacts, resolve_run
+    from training_fixtures import write_config
+
+    variant = replace(spec, name=f"{spec.name}-{spec.batching}-{loss_type}", loss_type=loss_type)
+    with contextlib.chdir(workdir):  # the config's data_dir is relative, as the runs see it
+        loaded = load_config(write_config(variant, workdir, model_dir))
+        return resolve_run(loaded, world_size=2, machine=MachineFacts(0, False, 2))
 
 
 def test_response_only_labels_cover_exactly_the_assistant_turns(dataset, model_dir):
@@ -172,7 +182,7 @@ def test_response_only_labels_cover_exactly_the_assistant_turns(dataset, model_d
 
 
 @pytest.mark.parametrize("mode", ["packed", "sorted-pad"])
-def test_loss_denominator_counts_the_trained_tokens_of_each_step(dataset, model_dir, mode):
+def test_loss_denominator_counts_the_trained_tokens_of_each_step(dataset, workdir, model_dir, mode):
     """What the trainer feeds every rank, summed over ranks, against a count from the raw labels."""
     from HyperSloth.batching import adaptive_partition_batches, steps_per_epoch
     from HyperSloth.collate import count_trainable
@@ -181,9 +191,9 @@ def test_loss_denominator_counts_the_trained_tokens_of_each_step(dataset, model_
 
     counts = {}
     for loss_type in ("response_only", "all"):
-        hyper, targs = _load_config(RunSpec("plan", batching=mode), model_dir, loss_type)
-        lengths, trainable = dataset_lengths(dataset, loss_type, hyper.fast_model_args.max_seq_length)
-        spec = plan_spec_for(hyper, targs, num_ranks=2)
+        run = _describe(RunSpec("plan", batching=mode), workdir, model_dir, loss_type)
+        lengths, trainable = dataset_lengths(dataset, loss_type, run.max_seq_length)
+        spec = plan_spec_for(run)
         plan = adaptive_partition_batches(lengths, trainable, spec)
         per_epoch = steps_per_epoch(len(lengths), spec.samples_per_step)
         rank_steps = [PlanSteps(dataset, partial(adaptive_partition_batches, lengths, trainable, spec), per_epoch,
@@ -220,16 +230,16 @@ def _expected_step_loss(model_dir, dataset, indices, loss_type: str) -> float:
 
 
 @needs("packed-2w", "sorted-2w")
-def test_response_only_loss_is_the_mean_over_assistant_tokens(runs, dataset, model_dir):
+def test_response_only_loss_is_the_mean_over_assistant_tokens(runs, dataset, workdir, model_dir):
     from HyperSloth.batching import adaptive_partition_batches
     from HyperSloth.plan_inputs import dataset_lengths, plan_spec_for
 
     response_only, everything = runs.get("packed-2w").check_ok(), runs.get("sorted-2w").check_ok()
     first_losses = {}
     for run in (response_only, everything):
-        hyper, targs = _load_config(run.spec, model_dir, run.spec.loss_type)
-        lengths, trainable = dataset_lengths(dataset, run.spec.loss_type, hyper.fast_model_args.max_seq_length)
-        first = adaptive_partition_batches(lengths, trainable, plan_spec_for(hyper, targs, 2)).steps[0]
+        described = _describe(run.spec, workdir, model_dir, run.spec.loss_type)
+        lengths, trainable = dataset_lengths(dataset, run.spec.loss_type, described.max_seq_length)
+        first = adaptive_partition_batches(lengths, trainable, plan_spec_for(described)).steps[0]
         indices = sorted(i for rank in first.ranks for mb in rank for i in mb)
         first_losses[run.spec.loss_type] = (run.summary["step_losses"][0],
                                             _expected_step_loss(model_dir, dataset, indices, run.spec.loss_type))
@@ -254,30 +264,59 @@ def test_a_worker_failing_mid_training_stops_the_run_and_names_its_rank(runs):
     assert "rank 1 (gpu 1) failed with exit code 1" in run.output
     assert "RuntimeError: injected failure in training step 3" in run.output
     assert not (run.out / "train_summary.json").exists()
-    assert processes_mentioning(str(run.config)) == []
+    assert processes_mentioning(str(run.out / "run.json")) == []
 
 
 # ---------------------------------------------------------------- 5. resume
 
 
-@needs("packed-2w", "resume")
-def test_resume_from_checkpoint_continues_the_same_trajectory(runs):
-    full, resumed = runs.get("packed-2w").check_ok(), runs.get("resume").check_ok()
+RESUME_RTOL = 1e-6
+
+
+@pytest.mark.parametrize("name", ["resume", "resume-new-dir"])
+@needs("dropout-2w", "resume", "resume-new-dir")
+def test_resume_with_dropout_on_two_workers_equals_the_uninterrupted_run(runs, name):
+    full, resumed = runs.get("dropout-2w").check_ok(), runs.get(name).check_ok()
     a, b = full.summary, resumed.summary
-    assert b["steps"] == MAX_STEPS
-    assert_close_per_step(b["step_losses"], a["step_losses"][SAVE_STEPS:], f"losses of steps {SAVE_STEPS + 1}..")
-    assert_close_per_step(b["grad_norms"][SAVE_STEPS:], a["grad_norms"][SAVE_STEPS:], "grad norms after resume")
+    assert b["steps"] == MAX_STEPS and b["first_step"] == SAVE_STEPS + 1
+    rel = np.abs(np.subtract(b["step_losses"], a["step_losses"][SAVE_STEPS:])) / np.abs(a["step_losses"][SAVE_STEPS:])
+    assert rel.max() <= RESUME_RTOL, f"losses after resume differ: {rel.tolist()}"
+    assert b["log_steps"] == a["log_steps"] == list(range(1, MAX_STEPS + 1))
     error = relative_error(flat_adapter(full.adapter()), flat_adapter(resumed.adapter()))
-    assert error <= RTOL, f"final adapters differ: relative error {error:.3g}"
-    checkpoint = full.out / f"checkpoint-{SAVE_STEPS}"
-    assert json.loads((checkpoint / "hypersloth_plan_state.json").read_text())["global_step"] == SAVE_STEPS
-    saved = json.loads((checkpoint / "hypersloth_config.json").read_text())
-    assert saved["training_config"]["per_device_train_batch_size"] == full.spec.per_device
+    assert error <= RESUME_RTOL, f"final adapters differ: relative error {error:.3g}"
 
 
-@needs("packed-2w", "resume")
+@needs("dropout-2w", "packed-2w")
+def test_each_rank_has_its_own_dropout_stream_saved_in_every_checkpoint(runs):
+    import torch
+
+    dropout, plain = runs.get("dropout-2w").check_ok(), runs.get("packed-2w").check_ok()
+    # Dropout really acts (else the resume test above would pass trivially).
+    assert relative_error(flat_adapter(plain.adapter()), flat_adapter(dropout.adapter())) > 1e-4
+    checkpoint = dropout.out / f"checkpoint-{SAVE_STEPS}"
+    states = [torch.load(checkpoint / f"rng_state_rank{r}.pth", weights_only=False) for r in range(2)]
+    assert not torch.equal(states[0]["cpu"], states[1]["cpu"])
+    saved = json.loads((checkpoint / "run.json").read_text())
+    assert (saved["global_batch_size"], saved["seed"], saved["world_size"]) == (16, 7, 2)
+    config = json.loads((checkpoint / "hypersloth_config.json").read_text())
+    assert config["training_config"]["per_device_train_batch_size"] == dropout.spec.per_device
+
+
+@needs("dropout-2w", "resume")
+def test_resume_in_place_replaces_the_earlier_results_and_logs(runs):
+    full, resumed = runs.get("dropout-2w").check_ok(), runs.get("resume").check_ok()
+    log = (resumed.out / "logs" / "rank0.log").read_text()
+    assert log.count("worker 0/2") == 1  # the earlier run's lines are gone, not appended to
+    steps_table = (resumed.out / "report.md").read_text().split("## Steps")[1].split("\n## ")[0]
+    rows = [line.split(" | ") for line in steps_table.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [row[0] for row in rows[1:]] == [f"| {s}" for s in range(SAVE_STEPS + 1, MAX_STEPS + 1)]
+    assert all("—" not in row[2] and "—" not in row[3] for row in rows[1:])  # lr and grad norm shown
+    assert resumed.summary["first_step"] == SAVE_STEPS + 1 and full.summary["first_step"] == 1
+
+
+@needs("dropout-2w", "resume")
 def test_resume_keeps_counting_tokens_seen(runs):
-    full, resumed = runs.get("packed-2w").check_ok(), runs.get("resume").check_ok()
+    full, resumed = runs.get("dropout-2w").check_ok(), runs.get("resume").check_ok()
 
     def logged(run: RunResult) -> list[int]:
         state = json.loads((run.out / f"checkpoint-{MAX_STEPS}" / "trainer_state.json").read_text())

@@ -33,8 +33,9 @@ SAVE_STEPS = 3
 RUN_TIMEOUT_S = 420
 FAILURE_MARK = "failed_at.txt"  # written by the injected failure just before it raises
 
-# Rank 1 fails inside its 3rd optimizer step. The config file is executed by every worker, so it can
-# wrap the trainer's public `training_step` there without touching library code.
+# Rank 1 fails inside its 3rd optimizer step. Workers never execute the config file (they read run.json),
+# so the failure comes in as a `sitecustomize` module on the run's PYTHONPATH: Python imports it at the
+# start of every process, and on rank 1 it wraps the trainer's public `training_step`.
 FAILURE_INJECTION = '''
 import os as _os, time as _time
 from pathlib import Path as _Path
@@ -61,8 +62,10 @@ class RunSpec:
     batching: Literal["packed", "sorted-pad"] = "packed"
     loss_type: Literal["all", "response_only"] = "response_only"
     launcher: Literal["cli", "torchrun", "tmux"] = "cli"
-    resume_from: str | None = None  # copy this run's checkpoint-3 and resume from it
+    resume_from: str | None = None  # copy this run's output dir and resume from its checkpoint-3 in place
+    resume_into_new_dir: bool = False  # resume from the other run's own checkpoint-3, into a fresh output dir
     inject_failure: bool = False
+    lora_dropout: float = 0.0
 
     def hyper_config(self, model_dir: Path) -> dict[str, Any]:
         return {
@@ -76,11 +79,12 @@ class RunSpec:
             },
             "fast_model_args": {"model_name": str(model_dir), "max_seq_length": MAX_SEQ_LENGTH,
                                 "dtype": "float32", "backend": "transformers"},
-            "lora_args": {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0},
+            "lora_args": {"r": 8, "lora_alpha": 16, "lora_dropout": self.lora_dropout},
         }
 
     def training_config(self) -> dict[str, Any]:
-        resume = f"outputs/{self.name}/checkpoint-{SAVE_STEPS}" if self.resume_from else None
+        source = self.resume_from if self.resume_into_new_dir else self.name
+        resume = f"outputs/{source}/checkpoint-{SAVE_STEPS}" if self.resume_from else None
         return {
             "output_dir": f"outputs/{self.name}",
             "per_device_train_batch_size": self.per_device,
@@ -146,10 +150,17 @@ def write_config(spec: RunSpec, workdir: Path, model_dir: Path) -> Path:
     path = workdir / "configs" / f"{spec.name}.py"
     path.parent.mkdir(exist_ok=True)
     text = f"hyper_config = {spec.hyper_config(model_dir)!r}\ntraining_config = {spec.training_config()!r}\n"
-    if spec.inject_failure:
-        text += FAILURE_INJECTION.format(mark=str(workdir / "outputs" / spec.name / FAILURE_MARK))
     path.write_text(text)
     return path
+
+
+def injection_dir(spec: RunSpec, workdir: Path) -> Path:
+    """A folder holding the `sitecustomize.py` that makes rank 1 fail (put it on PYTHONPATH)."""
+    folder = workdir / "inject" / spec.name
+    folder.mkdir(parents=True, exist_ok=True)
+    mark = str(workdir / "outputs" / spec.name / FAILURE_MARK)
+    (folder / "sitecustomize.py").write_text(FAILURE_INJECTION.format(mark=mark))
+    return folder
 
 
 def run_env(**extra: str) -> dict[str, str]:
@@ -233,9 +244,14 @@ class RunPool:
     def _execute(self, spec: RunSpec) -> RunResult:
         out = self.workdir / "outputs" / spec.name
         if spec.resume_from:
-            source = self.get(spec.resume_from).check_ok().out / f"checkpoint-{SAVE_STEPS}"
-            shutil.copytree(source, out / source.name)
+            source = self.get(spec.resume_from).check_ok().out
+            if not spec.resume_into_new_dir:  # the whole earlier run: its results must not survive the resume
+                shutil.copytree(source, out)
         config = write_config(spec, self.workdir, self.model_dir)
+        env = run_env()
+        if spec.inject_failure:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(injection_dir(spec, self.workdir)),
+                                                              env.get("PYTHONPATH")]))
         if spec.launcher == "tmux":
             code, output, ended = _tmux_run(config, out, self.workdir)
         else:
@@ -243,7 +259,7 @@ class RunPool:
             if spec.launcher == "torchrun":
                 argv = [*_script("torchrun"), "--nproc_per_node", str(spec.gpus), "--master_port", str(_free_port()),
                         "-m", "HyperSloth.cli.train", str(config)]
-            code, output, ended = _run(argv, self.workdir, run_env(), RUN_TIMEOUT_S)
+            code, output, ended = _run(argv, self.workdir, env, RUN_TIMEOUT_S)
         return RunResult(spec, out, config, code, output, ended)
 
 

@@ -17,7 +17,6 @@ from HyperSloth.config import (
     TrainingConfig,
     check_runtime,
     config_to_dict,
-    dump_config,
     load_config,
 )
 
@@ -72,7 +71,7 @@ def test_dict_style_config_accepted(tmp_path):
     assert loaded.hyper.training.gpus == [2, 3]
     assert loaded.hyper.lora_args.r == 4 and loaded.hyper.lora_args.lora_alpha == 8
     assert loaded.training_args.max_steps == 7
-    assert loaded.hyper.global_batch_size(loaded.training_args) == 2 * 3 * 2
+    assert (loaded.training_args.per_device_train_batch_size, loaded.training_args.gradient_accumulation_steps) == (2, 3)
 
 
 def test_missing_file(tmp_path):
@@ -279,23 +278,17 @@ def test_to_sft_kwargs_mapping():
     assert kwargs["max_steps"] == -1 and kwargs["num_train_epochs"] == 3
     assert kwargs["adam_beta2"] == 0.95
     assert "resume_from_checkpoint" not in kwargs and "extra_args" not in kwargs
-    assert kwargs["per_device_train_batch_size"] == 8 and kwargs["gradient_accumulation_steps"] == 16
+    # gradient_accumulation_steps sizes HyperSloth's step; TRL keeps its own default (1), never overruled.
+    assert kwargs["per_device_train_batch_size"] == 8 and "gradient_accumulation_steps" not in kwargs
     assert kwargs["learning_rate"] == 2e-4 and kwargs["report_to"] == "tensorboard"
     steps_only = TrainingArgsConfig(max_steps=30, num_train_epochs=None).to_sft_kwargs()
     assert (steps_only["max_steps"], steps_only["num_train_epochs"]) == (30, 1)
 
 
-def test_global_batch_size():
-    config = hyper(training={"gpus": [0, 1, 5]})
-    args = TrainingArgsConfig(per_device_train_batch_size=4, gradient_accumulation_steps=2)
-    assert config.global_batch_size(args) == 24
-
-
-def test_dump_config_writes_json_that_validates(tmp_path):
+def test_config_to_dict_is_json_that_validates(tmp_path):
     loaded = load_config(write(tmp_path, HEADER + VALID_HYPER + "training_config_model = TrainingArgsConfig("
                                "extra_args={'odd': object()})\n"))
-    target = dump_config(loaded, tmp_path / "run" / "hypersloth_config.json")
-    saved = json.loads(target.read_text())
+    saved = json.loads(json.dumps(config_to_dict(loaded)))
     assert saved == config_to_dict(loaded)
     assert saved["source_path"] == str(loaded.path)
     assert saved["training_config"]["extra_args"]["odd"].startswith("<object")
@@ -337,7 +330,7 @@ def test_from_dataset_name_missing_registry(tmp_path):
 
 def test_corrupt_registry(tmp_path):
     (tmp_path / "data_config.json").write_text("{not json")
-    with pytest.raises(ConfigError, match="cannot read the dataset registry"):
+    with pytest.raises(ConfigError, match="is not readable JSON"):
         DataConfig(dataset_name="x", data_dir=str(tmp_path)).registry_entry()
 
 

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from HyperSloth.config import HyperConfig, TrainingArgsConfig, config_to_dict, load_config
+from HyperSloth.run import batch_numbers
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG_FILES = sorted(ROOT.glob("examples/*.py")) + sorted(ROOT.glob("HyperSloth/templates/*.py"))
@@ -45,7 +46,8 @@ def test_tiny_cpu_template_values():
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.max_steps) == (4, 2, 30)
     assert (args.learning_rate, args.warmup_steps, args.logging_steps, args.save_steps) == (1e-2, 2, 1, 10)
     assert (args.report_to, args.output_dir) == ("none", "outputs/tiny-demo")
-    assert hyper.global_batch_size(args) == 16
+    assert batch_numbers(args.per_device_train_batch_size, args.gradient_accumulation_steps, len(hyper.training.gpus),
+                         hyper.training.batching)["global_batch_size"] == 16
 
 
 def test_full_finetune_example_has_no_adapter():

@@ -114,7 +114,7 @@ def test_missing_dataset_folder_and_too_long_samples(tmp_path):
     data_dir = tmp_path / "data"
     make_dataset(data_dir, np.array([10, 600, 20]))
     config = write_config(tmp_path, data_dir)
-    with pytest.raises(ConfigError, match="raise max_seq_length"):
+    with pytest.raises(ConfigError, match="samples of up to 600 tokens.*set max_seq_length >= 600"):
         preview(str(config))
     import shutil
 

@@ -1,13 +1,11 @@
-"""plan_inputs.py: what the trainer and the plan preview both feed the planner."""
+"""plan_inputs.py: what the trainer and the plan preview both feed the planner (plan_spec_for: test_run.py)."""
 
 import json
 
 import numpy as np
 import pytest
 
-from HyperSloth.batching import PlanSpec
-from HyperSloth.config import DataConfig, FastModelArgs, HyperConfig, TrainingArgsConfig, TrainingConfig
-from HyperSloth.plan_inputs import attention_coef, dataset_lengths, plan_spec_for
+from HyperSloth.plan_inputs import attention_coef, dataset_lengths
 
 QWEN3 = {
     "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8, head_dim=128),
@@ -31,20 +29,6 @@ def test_attention_coef_unknown_for_hub_ids_and_broken_configs(tmp_path):
     assert attention_coef("unsloth/Qwen3-8B") is None
     (tmp_path / "config.json").write_text("{not json")
     assert attention_coef(str(tmp_path)) is None
-
-
-def test_plan_spec_for_config(tmp_path):
-    hyper = HyperConfig(
-        data=DataConfig(dataset_name="d"),
-        training=TrainingConfig(gpus=[0, 1, 2], batching="packed"),
-        fast_model_args=FastModelArgs(model_name=str(_model_dir(tmp_path, "0.6b")), max_seq_length=512),
-    )
-    targs = TrainingArgsConfig(per_device_train_batch_size=4, gradient_accumulation_steps=2, seed=7)
-    spec = plan_spec_for(hyper, targs, num_ranks=3)
-    assert (spec.samples_per_step, spec.micro_batch_size, spec.token_budget, spec.seed) == (24, 4, 2048, 7)
-    assert spec.attention_coef == pytest.approx(attention_coef(hyper.fast_model_args.model_name))
-    hub = hyper.model_copy(update={"fast_model_args": FastModelArgs(model_name="org/model")})
-    assert plan_spec_for(hub, targs, 3).attention_coef == PlanSpec(1, 1, mode="sorted-pad").attention_coef  # default
 
 
 def test_dataset_lengths_loss_types_and_errors():

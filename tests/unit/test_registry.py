@@ -7,6 +7,7 @@ import multiprocessing
 
 import pytest
 
+from HyperSloth import run_files
 from HyperSloth.data import registry
 from HyperSloth.data.formats import DataInputError
 
@@ -50,10 +51,11 @@ def test_failed_write_leaves_old_file(tmp_path, monkeypatch):
     registry.register(entry("a"), tmp_path)
     before = (tmp_path / "data_config.json").read_text()
 
-    def broken_dump(*args, **kwargs):
+    def broken_fsync(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(registry.json, "dump", broken_dump)
+    # The new content is written to a temp file that fails before the rename: the old file stays whole.
+    monkeypatch.setattr(run_files.os, "fsync", broken_fsync)
     with pytest.raises(OSError, match="disk full"):
         registry.register(entry("b"), tmp_path)
     assert (tmp_path / "data_config.json").read_text() == before

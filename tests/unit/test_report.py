@@ -92,8 +92,22 @@ def test_learning_rates_logged_every_k_steps_sit_on_their_steps(tmp_path):
     summary = {**full_summary(steps=6), "learning_rates": [0.1, 0.2, 0.3], "grad_norms": [1.0, 2.0, 3.0]}
     config = {"training_config": {"logging_steps": 2}}
     text = write_report(make_run(tmp_path, summary, config=config)).read_text()
-    # Not logged every step: the per-step table leaves lr/grad-norm empty rather than misalign them.
-    assert "| 2 | 2.7500 | — | — | 0.300 |" in text
+    # Logged every 2nd step: each value sits on the step it was logged at, the others stay empty.
+    assert "| 2 | 2.7500 | 0.1 | 1.0000 | 0.300 |" in text
+    assert "| 1 | 3.0000 | — | — | 0.100 |" in text
+    assert (tmp_path / "report.png").is_file()
+
+
+def test_resumed_run_numbers_every_curve_and_table_by_global_step(tmp_path):
+    # Resumed at step 4 of 6: 3 losses of this run, lr/grad norm logged at steps 1..6 (history restored).
+    losses = [2.0, 1.5, 1.75]
+    summary = {**full_summary(steps=6), "first_step": 4, "step_losses": losses, "first_loss": 2.0,
+               "last_loss": 1.75, "log_steps": [1, 2, 3, 4, 5, 6], "step_seconds": [0.1, 0.2, 0.3],
+               "learning_rates": [1e-3 * s for s in range(1, 7)], "grad_norms": [0.1 * s for s in range(1, 7)]}
+    text = write_report(make_run(tmp_path, summary)).read_text()
+    assert "(min 1.5000 at step 5)" in text
+    assert "| 4 | 2.0000 | 0.004 | 0.4000 | 0.100 |" in text and "| 6 | 1.7500 | 0.006 | 0.6000 | 0.300 |" in text
+    assert "| 1 | " not in text and "| 3 | " not in text  # no row numbered 1..3 for this run's losses
     assert (tmp_path / "report.png").is_file()
 
 

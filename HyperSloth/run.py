@@ -1,0 +1,329 @@
+"""Resolve a run once: (loaded config, registry entry, world size, machine facts) -> RunDescription.
+
+The launcher resolves the run before any worker starts and writes it to `OUTPUT_DIR/run.json`; each
+worker reads that file instead of executing the config again (`python -m HyperSloth.worker
+OUTPUT_DIR/run.json`). Under torchrun every rank resolves the same description in-process
+(deterministic: same file, same registry, same world size) and only rank 0 writes it. `hypersloth-plan`
+and `--dry-run` use the same resolver, so the preview plans exactly what the workers will.
+
+Every derived number (global batch, micro-batches per step, token budget) is computed here and only
+here, and every problem found is collected and reported at once, saying what to change.
+Torch-free: `MachineFacts.detect` imports torch lazily, only to count GPUs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from HyperSloth import run_files
+from HyperSloth.config import (
+    ConfigError,
+    HyperConfig,
+    LoadedConfig,
+    TrainingArgsConfig,
+    config_to_dict,
+    runtime_problems,
+)
+from HyperSloth.plan_inputs import attention_coef
+
+REQUIRED_COLUMNS = ("input_ids", "labels", "length", "num_trainable")
+BUILD_HINT = "hypersloth-build-dataset --local_path FILE_OR_DIR --tokenizer MODEL --name {name}"
+
+
+@dataclass(frozen=True)
+class MachineFacts:
+    """What the machine offers; `detect()` asks torch, tests pass numbers."""
+
+    cuda_device_count: int
+    unsloth_available: bool
+    cpu_count: int
+
+    @classmethod
+    def detect(cls, cuda_device_count: int | None = None) -> MachineFacts:
+        """This machine; `cuda_device_count` None asks torch."""
+        if cuda_device_count is None:
+            import torch
+
+            cuda_device_count = torch.cuda.device_count()
+        # The affinity mask is what this process may use (containers, taskset); cpu_count is the host's.
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return cls(cuda_device_count, importlib.util.find_spec("unsloth") is not None, cpus)
+
+    @classmethod
+    def assumed_for(cls, hyper: HyperConfig) -> MachineFacts:
+        """The machine a config asks for (its GPUs present, Unsloth installed): what a plan preview on a
+        laptop resolves against, without importing torch."""
+        return cls(max(hyper.training.gpus) + 1, True, os.cpu_count() or 1)
+
+
+class DatasetFacts(BaseModel):
+    """The built dataset a run trains on, as found on disk before any worker starts."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    path: str = Field(description="Absolute path of the save_to_disk folder.")
+    columns: tuple[str, ...]
+    num_samples: int
+    built_max_length: int = Field(description="Longest sample in tokens (the registry's stats.max_tokens).")
+    fingerprint: str = Field(description="Identifies the built data: a resume must train on the same.")
+
+
+class RunDescription(BaseModel):
+    """Everything a worker needs to train, resolved and validated once (written as run.json)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    version: Literal[1] = 1
+    config_path: str
+    world_size: int = Field(gt=0, description="Worker processes (launcher: len(gpus); torchrun: WORLD_SIZE).")
+    gpus: tuple[int, ...]
+    device: Literal["cuda", "cpu"]
+    backend: Literal["unsloth", "transformers"]
+    dtype: Literal["bfloat16", "float16", "float32"]
+    batching: Literal["packed", "sorted-pad"]
+    loss_type: Literal["all", "response_only"]
+    micro_batch_size: int = Field(gt=0, description="per_device_train_batch_size.")
+    samples_per_rank_per_step: int = Field(gt=0, description="per_device_train_batch_size x gradient_accumulation_steps.")
+    global_batch_size: int = Field(gt=0, description="Samples per optimizer step over all workers.")
+    micro_batches_per_step: int | None = Field(
+        description="Micro-batches per rank per step: sorted-pad = gradient_accumulation_steps; packed = None "
+        "(as many as the token budget needs)."
+    )
+    token_budget: int = Field(gt=0, description="Packed mode: most tokens in one micro-batch.")
+    max_seq_length: int
+    attention_coef: float | None = Field(description="Planner cost-model coefficient (None = planner default).")
+    seed: int
+    dataset: DatasetFacts
+    output_dir: str = Field(description="Absolute output folder.")
+    resume_from_checkpoint: str | None
+    hyper_config: dict[str, Any]
+    training_config: dict[str, Any]
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.global_batch_size
+
+    def hyper(self) -> HyperConfig:
+        return HyperConfig.model_validate(self.hyper_config)
+
+    def training_args(self) -> TrainingArgsConfig:
+        return TrainingArgsConfig.model_validate(self.training_config)
+
+    def resolved_config(self) -> dict[str, Any]:
+        """The config part, in the layout of hypersloth_config.json (export reads it)."""
+        return {"source_path": self.config_path, "hyper_config": self.hyper_config,
+                "training_config": self.training_config}
+
+    def batch_line(self) -> str:
+        """The derived batch numbers in one line, like torchtitan's start-up log."""
+        per_step = ("packed into micro-batches of <= " f"{self.token_budget:,} tokens"
+                    if self.micro_batches_per_step is None else f"{self.micro_batches_per_step} micro-batches")
+        return (f"world size {self.world_size}, micro-batch {self.micro_batch_size} samples, "
+                f"{self.samples_per_rank_per_step} samples per rank per step ({per_step}), "
+                f"global batch {self.global_batch_size} samples per optimizer step; {self.batching} batching, "
+                f"{self.backend} {self.dtype} on {self.device}")
+
+    def planning_key(self) -> dict[str, Any]:
+        """What decides which samples form each optimizer step: a resume must match it exactly."""
+        hyper = self.hyper_config["training"]
+        return {
+            "samples per step": self.global_batch_size,
+            "seed": self.seed,
+            "planning mode": f"{self.batching}, group_by_length={hyper['group_by_length']}, "
+                             f"group_window_steps={hyper['group_window_steps']}",
+            "dataset fingerprint": self.dataset.fingerprint,
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# Resolving
+# ---------------------------------------------------------------------------------------------
+def batch_numbers(per_device: int, accumulation: int, world_size: int, batching: str) -> dict[str, Any]:
+    """The one place the batch sizes are derived from the config and the world size."""
+    per_rank = per_device * accumulation
+    return {
+        "micro_batch_size": per_device,
+        "samples_per_rank_per_step": per_rank,
+        "global_batch_size": per_rank * world_size,
+        "micro_batches_per_step": accumulation if batching == "sorted-pad" else None,
+    }
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        content = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return content if isinstance(content, dict) else {}
+
+
+def dataset_fingerprint(folder: Path) -> str:
+    """A short hash of the save_to_disk folder's own fingerprint, its file names and sizes."""
+    state = _read_json(folder / "state.json")
+    files = sorted((p.name, p.stat().st_size) for p in folder.glob("*.arrow"))
+    text = json.dumps({"fingerprint": state.get("_fingerprint"), "files": files})
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _built_max_length(folder: Path, entry: dict[str, Any]) -> int:
+    stats = entry.get("stats") if isinstance(entry.get("stats"), dict) else {}
+    if isinstance(stats.get("max_tokens"), int):
+        return int(stats["max_tokens"])
+    import datasets  # a registry written without stats: read the column (slower)
+
+    return int(np.max(datasets.load_from_disk(str(folder))["length"]))
+
+
+def dataset_facts(hyper: HyperConfig, problems: list[str]) -> DatasetFacts | None:
+    """Find the registered dataset and describe it; appends what is wrong to `problems`."""
+    data, name = hyper.data, hyper.data.dataset_name
+    try:
+        entry = data.registry_entry()
+    except ConfigError as err:
+        problems.append(str(err))
+        return None
+    folder = data.dataset_path().resolve()
+    info = _read_json(folder / "dataset_info.json")
+    if not folder.is_dir() or not info:
+        problems.append(f"dataset '{name}' is registered but its folder {folder} is missing or incomplete: rebuild "
+                        f"it with `{BUILD_HINT.format(name=name)} --data_dir {data.data_dir} --overwrite`")
+        return None
+    columns = tuple((info.get("features") or {}).keys())
+    missing = [c for c in REQUIRED_COLUMNS if c not in columns]
+    if missing:
+        problems.append(f"dataset '{name}' ({folder}) has no column(s) {missing}: rebuild it with "
+                        f"`{BUILD_HINT.format(name=name)} --data_dir {data.data_dir} --overwrite`")
+        return None
+    return DatasetFacts(name=name, path=str(folder), columns=columns, num_samples=int(entry.get("num_samples", 0)),
+                        built_max_length=_built_max_length(folder, entry), fingerprint=dataset_fingerprint(folder))
+
+
+def _length_problem(facts: DatasetFacts, max_seq_length: int, data_dir: str) -> str | None:
+    if facts.built_max_length <= max_seq_length:
+        return None
+    return (f"dataset '{facts.name}' holds samples of up to {facts.built_max_length} tokens but "
+            f"fast_model_args.max_seq_length is {max_seq_length}: set max_seq_length >= {facts.built_max_length}, "
+            f"or rebuild the dataset with `{BUILD_HINT.format(name=facts.name)} --data_dir {data_dir} "
+            f"--max_seq_length {max_seq_length} --overwrite`")
+
+
+def _json_problem(training_args: TrainingArgsConfig) -> str | None:
+    try:
+        json.dumps(training_args.extra_args)
+    except (TypeError, ValueError) as err:
+        return f"extra_args must hold JSON values (numbers, strings, lists, dicts): {err}"
+    return None
+
+
+def resolve_run(loaded: LoadedConfig, *, world_size: int, machine: MachineFacts) -> RunDescription:
+    """The run description of `loaded` on `world_size` workers of `machine`; one ConfigError listing every
+    problem (config vs machine, dataset, lengths, resume) otherwise."""
+    hyper, targs = loaded.hyper, loaded.training_args
+    fast, training = hyper.fast_model_args, hyper.training
+    cuda = machine.cuda_device_count > 0
+    problems = runtime_problems(hyper, targs, cuda_device_count=machine.cuda_device_count,
+                                unsloth_available=machine.unsloth_available)
+    facts = dataset_facts(hyper, problems)
+    if facts is not None:
+        problems.append(_length_problem(facts, fast.max_seq_length, hyper.data.data_dir))
+    problems.append(_json_problem(targs))
+    problems = [p for p in problems if p]
+    if problems:
+        raise ConfigError(f"{loaded.path}: cannot run this config:\n" + "\n".join(f"  - {p}" for p in problems))
+    config = config_to_dict(loaded)
+    description = RunDescription(
+        config_path=str(loaded.path),
+        world_size=world_size,
+        gpus=tuple(training.gpus),
+        device="cuda" if cuda else "cpu",
+        backend=fast.resolved_backend(cuda_available=cuda, unsloth_available=machine.unsloth_available),
+        dtype=fast.resolved_dtype(cuda_available=cuda),
+        batching=training.batching,
+        loss_type=training.loss_type,
+        **batch_numbers(targs.per_device_train_batch_size, targs.gradient_accumulation_steps, world_size,
+                        training.batching),
+        token_budget=training.tokens_per_micro_batch or targs.per_device_train_batch_size * fast.max_seq_length,
+        max_seq_length=fast.max_seq_length,
+        attention_coef=attention_coef(fast.model_name),
+        seed=targs.seed,
+        dataset=facts,
+        output_dir=str(Path(targs.output_dir).resolve()),
+        resume_from_checkpoint=targs.resume_from_checkpoint or None,
+        hyper_config=config["hyper_config"],
+        training_config=config["training_config"],
+    )
+    resume_problem = check_resume(description)
+    if resume_problem:
+        raise ConfigError(f"{loaded.path}: {resume_problem}")
+    return description
+
+
+# ---------------------------------------------------------------------------------------------
+# Resume
+# ---------------------------------------------------------------------------------------------
+def check_resume(description: RunDescription) -> str | None:
+    """None when there is nothing to resume or the checkpoint was planned like this run; otherwise what
+    differs and what to change. A checkpoint without run.json (older HyperSloth) is not checked."""
+    checkpoint = description.resume_from_checkpoint
+    if checkpoint is None:
+        return None
+    folder = Path(checkpoint)
+    if not folder.is_dir():
+        return (f"resume_from_checkpoint={checkpoint!r} is not a folder: give a checkpoint-N folder of an "
+                "earlier run, or set resume_from_checkpoint=None")
+    saved_file = run_files.run_file(folder)
+    if not saved_file.is_file():
+        return None
+    try:
+        saved = read_run(saved_file)
+    except ConfigError as err:
+        return f"cannot check the checkpoint to resume: {err}"
+    ours, theirs = description.planning_key(), saved.planning_key()
+    diffs = [f"{key} {theirs[key]} -> {ours[key]}" for key in ours if ours[key] != theirs[key]]
+    if not diffs:
+        return None
+    return (f"cannot resume from {checkpoint}: this run would plan different steps than the checkpoint's run "
+            f"({'; '.join(diffs)}), so samples would be repeated or skipped. Resume with the checkpoint's "
+            "settings (samples per step = per_device_train_batch_size x gradient_accumulation_steps x GPUs, "
+            "seed, batching, data), or start a new run without resume_from_checkpoint")
+
+
+# ---------------------------------------------------------------------------------------------
+# run.json
+# ---------------------------------------------------------------------------------------------
+def write_run(description: RunDescription, path: str | os.PathLike | None = None) -> Path:
+    """Write the description atomically (default OUTPUT_DIR/run.json); returns the path."""
+    target = Path(path) if path is not None else run_files.run_file(description.output_dir)
+    return run_files.atomic_write_text(target, description.model_dump_json(indent=2) + "\n")
+
+
+def read_run(path: str | os.PathLike) -> RunDescription:
+    """Load a run.json; ConfigError saying what is wrong."""
+    path = Path(path)
+    try:
+        return RunDescription.model_validate_json(path.read_text())
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read the run description ({err.strerror}); start runs with "
+                          "`hypersloth-train CONFIG`") from None
+    except ValidationError as err:
+        raise ConfigError(f"{path}: not a run description of this HyperSloth version ({err.error_count()} "
+                          "problem(s)); start the run again with `hypersloth-train CONFIG`") from None
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of rank `rank`'s RNG stream (dropout): rank 0 keeps `seed` (a 1-worker run is a plain HF
+    run); other ranks get independent streams derived from (seed, rank), so same-shaped micro-batches
+    on different ranks do not share dropout masks."""
+    if rank == 0:
+        return seed
+    return int(np.random.SeedSequence([seed % 2**32, rank]).generate_state(1)[0])

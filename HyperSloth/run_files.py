@@ -1,0 +1,188 @@
+"""Every file name of a run directory, every `HYPERSLOTH_*` variable, and the one atomic write.
+
+A run directory (`training_config_model.output_dir`) holds:
+
+    run.json                        the resolved run description (HyperSloth.run); workers read it
+    hypersloth_config.json          the resolved config (export reads the base model name from it)
+    train_summary.json              numbers of the finished run (rank 0)
+    report.md, report.png           the run report (HyperSloth.report)
+    adapter_*.safetensors, ...      the trained adapter / model, saved by rank 0 at the end
+    checkpoint-N/                   HF checkpoints; each also holds run.json, hypersloth_config.json
+                                    and rng_state_rank{r}.pth (one RNG state per rank)
+    logs/rank{r}.log                the worker's own log
+    logs/rank{r}.stderr/.stdout     what the launcher captured of rank r
+    logs/rank{r}.failure.json       when rank r's exception was raised (names the first failure)
+    logs/rank{r}.final.json         hash of rank r's trained weights (all ranks must agree)
+    logs/rank{r}.pid/.exitcode      tmux mode only
+
+Nothing else in HyperSloth spells these names, the environment variable names or `os.replace`
+(tests/unit/test_run_files.py checks that).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+RUN_FILE = "run.json"
+CONFIG_FILE = "hypersloth_config.json"
+SUMMARY_FILE = "train_summary.json"
+REPORT_MD = "report.md"
+REPORT_PNG = "report.png"
+LOGS_DIR = "logs"
+CHECKPOINT_PREFIX = "checkpoint-"
+RANK_RNG_FILE = "rng_state_rank{rank}.pth"
+
+# What rank 0's final save writes next to the summary (PEFT adapter or full model, tokenizer, card).
+_MODEL_FILES = (
+    "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", "config.json",
+    "generation_config.json", "model.safetensors", "model.safetensors.index.json", "training_args.bin",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+    "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
+)  # fmt: skip
+_MODEL_GLOBS = ("model-*-of-*.safetensors",)
+# The results of a finished run: removed when a new run (or a resume) starts in the folder, so a run
+# that fails never leaves an earlier run's report or adapter looking like its own.
+RESULT_FILES = (SUMMARY_FILE, REPORT_MD, REPORT_PNG, CONFIG_FILE, *_MODEL_FILES)
+TENSORBOARD_DIR = "runs"
+
+# Environment of a worker started by the HyperSloth launcher (read by dist.DistInfo.from_env).
+ENV_PREFIX = "HYPERSLOTH_"
+ENV_RANK = "HYPERSLOTH_RANK"
+ENV_LOCAL_RANK = "HYPERSLOTH_LOCAL_RANK"
+ENV_WORLD_SIZE = "HYPERSLOTH_WORLD_SIZE"
+ENV_MASTER_ADDR = "HYPERSLOTH_MASTER_ADDR"
+ENV_MASTER_PORT = "HYPERSLOTH_MASTER_PORT"
+
+# Variables torchrun / torch.distributed set. HF/accelerate switch to their own DDP mode when they see
+# them, so they never reach a launcher-started worker, and a torchrun-started worker removes them
+# after reading (HyperSloth owns the process group and syncs gradients itself).
+TORCHRUN_VARS = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID",
+)  # fmt: skip
+
+
+def logs_dir(output_dir: str | os.PathLike) -> Path:
+    """`{output_dir}/logs`."""
+    return Path(output_dir) / LOGS_DIR
+
+
+def rank_file(output_dir: str | os.PathLike, rank: int, kind: str) -> Path:
+    """`{output_dir}/logs/rank{rank}.{kind}`, kind one of log, stderr, stdout, failure.json, final.json,
+    pid, exitcode."""
+    return logs_dir(output_dir) / f"rank{rank}.{kind}"
+
+
+def rank_files(output_dir: str | os.PathLike, kind: str) -> list[Path]:
+    """Every `logs/rank*.{kind}` present, in no particular order."""
+    return list(logs_dir(output_dir).glob(f"rank*.{kind}"))
+
+
+def run_file(output_dir: str | os.PathLike) -> Path:
+    """`{output_dir}/run.json`."""
+    return Path(output_dir) / RUN_FILE
+
+
+def checkpoint_dir(output_dir: str | os.PathLike, step: int) -> Path:
+    """`{output_dir}/checkpoint-{step}` (the name HF's Trainer gives it)."""
+    return Path(output_dir) / f"{CHECKPOINT_PREFIX}{step}"
+
+
+def rank_rng_file(checkpoint: str | os.PathLike, rank: int) -> Path:
+    """The RNG state of `rank` inside a checkpoint folder."""
+    return Path(checkpoint) / RANK_RNG_FILE.format(rank=rank)
+
+
+def compile_cache_dir(rank: int) -> str:
+    """Unsloth's compile cache of one rank (ranks compiling into one folder race: unsloth-zoo #379)."""
+    return f"unsloth_compiled_cache_rank{rank}"
+
+
+def holds_a_run(output_dir: str | os.PathLike) -> bool:
+    """True when `output_dir` holds files of an earlier run (its description, logs, results or checkpoints)."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        return False
+    markers = [run_file(out), out / SUMMARY_FILE, out / CONFIG_FILE, out / REPORT_MD]
+    return (any(p.exists() for p in markers) or any(logs_dir(out).glob("rank*"))
+            or any(out.glob(f"{CHECKPOINT_PREFIX}*")))
+
+
+def _is_model_card(path: Path) -> bool:
+    # PEFT writes a README.md model card; a user's own README.md in the folder is left alone.
+    try:
+        return "library_name: peft" in path.read_text(errors="replace")[:2000]
+    except OSError:
+        return False
+
+
+def clear_results(output_dir: str | os.PathLike) -> list[Path]:
+    """Remove a finished run's results (summary, report, resolved config, saved model); keep checkpoints.
+    Returns what was removed."""
+    out = Path(output_dir)
+    found = [out / name for name in RESULT_FILES] + [p for g in _MODEL_GLOBS for p in out.glob(g)]
+    if _is_model_card(out / "README.md"):
+        found.append(out / "README.md")
+    removed = [p for p in found if p.is_file()]
+    for path in removed:
+        path.unlink()
+    return removed
+
+
+def clear_run(output_dir: str | os.PathLike) -> list[Path]:
+    """Remove every file an earlier run wrote into `output_dir` (`--overwrite`) except its rank files
+    (`clear_rank_files`, which a torchrun rank 0 must not do for its peers); other files stay."""
+    out = Path(output_dir)
+    removed = clear_results(out)
+    folders = [out / TENSORBOARD_DIR, *out.glob(f"{CHECKPOINT_PREFIX}*")]
+    for folder in folders:
+        if folder.is_dir():
+            shutil.rmtree(folder)
+            removed.append(folder)
+    if run_file(out).is_file():
+        run_file(out).unlink()
+        removed.append(run_file(out))
+    return removed
+
+
+def clear_rank_files(output_dir: str | os.PathLike, from_rank: int = 0) -> None:
+    """Remove the `logs/rank{r}.*` files of every rank r >= from_rank, so the logs of a new run never mix
+    with an earlier run's (e.g. rank2..rank15 of an earlier 16-worker run)."""
+    for path in logs_dir(output_dir).glob("rank*.*"):
+        number = path.name[len("rank"):].split(".", 1)[0]
+        if path.is_file() and number.isdigit() and int(number) >= from_rank:
+            path.unlink()
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write `text` to `path` so that a reader sees the old file or the whole new one, never half:
+    a temp file in the same folder, fsync, then os.replace. Creates the folder."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def atomic_write_json(path: str | os.PathLike, content: Any) -> Path:
+    """`atomic_write_text` of `content` as indented JSON (non-JSON values written with str())."""
+    return atomic_write_text(path, json.dumps(content, indent=2, default=str) + "\n")
+
+
+def replace_path(source: str | os.PathLike, target: str | os.PathLike) -> None:
+    """Rename `source` to `target` in one step (os.replace), e.g. a staged folder into place; the
+    one spelling of os.replace outside `atomic_write_text`."""
+    os.replace(source, target)

@@ -1,0 +1,211 @@
+"""run.py: the run is resolved once, every problem reported at once, derived numbers in one place."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from HyperSloth.batching import PlanSpec
+from HyperSloth.config import ConfigError, load_config
+from HyperSloth.plan_inputs import attention_coef, plan_spec_for
+from HyperSloth.run import (
+    MachineFacts,
+    RunDescription,
+    batch_numbers,
+    check_resume,
+    rank_seed,
+    read_run,
+    resolve_run,
+    write_run,
+)
+
+CPU = MachineFacts(cuda_device_count=0, unsloth_available=False, cpu_count=2)
+QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
+                 head_dim=128)
+
+
+def make_dataset(data_dir: Path, *, name: str = "chat", max_tokens: int = 300, fingerprint: str = "abc") -> Path:
+    """A registered dataset folder as save_to_disk leaves it (metadata only: the resolver reads no rows)."""
+    folder = data_dir / "built_dataset" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    features = {c: {} for c in ("input_ids", "labels", "length", "num_trainable", "text")}
+    (folder / "dataset_info.json").write_text(json.dumps({"features": features}))
+    (folder / "state.json").write_text(json.dumps({"_fingerprint": fingerprint}))
+    (folder / "data-00000-of-00001.arrow").write_bytes(b"x" * 10)
+    entry = {"name": name, "path": f"built_dataset/{name}", "num_samples": 40, "tokenizer": "tok",
+             "stats": {"max_tokens": max_tokens}}
+    (data_dir / "data_config.json").write_text(json.dumps({"version": 1, "datasets": {name: entry}}))
+    return folder
+
+
+def write_config(tmp_path: Path, *, gpus=(0, 1), batching="packed", per_device=4, accumulation=2, seed=7,
+                 max_seq_length=512, model=None, extra="", targs_extra="", name="cfg.py") -> Path:
+    model = model or str(tmp_path / "model")
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(f"""
+        from HyperSloth.config import *
+        hyper_config_model = HyperConfig(
+            data=DataConfig(dataset_name="chat", data_dir={str(tmp_path / 'data')!r}),
+            training=TrainingConfig(gpus={list(gpus)!r}, batching={batching!r}{extra}),
+            fast_model_args=FastModelArgs(model_name={model!r}, max_seq_length={max_seq_length}),
+        )
+        training_config_model = TrainingArgsConfig(
+            output_dir={str(tmp_path / 'out')!r}, per_device_train_batch_size={per_device},
+            gradient_accumulation_steps={accumulation}, seed={seed}, max_steps=5{targs_extra})
+    """))
+    return path
+
+
+@pytest.fixture
+def setup(tmp_path):
+    make_dataset(tmp_path / "data")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(QWEN3_06B))
+    return tmp_path
+
+
+def resolve(path: Path, world_size: int = 2, machine: MachineFacts = CPU) -> RunDescription:
+    return resolve_run(load_config(path), world_size=world_size, machine=machine)
+
+
+def test_resolved_run_holds_every_derived_number(setup):
+    run = resolve(write_config(setup))
+    assert (run.world_size, run.gpus, run.device, run.backend, run.dtype) == (2, (0, 1), "cpu", "transformers",
+                                                                               "float32")
+    assert (run.micro_batch_size, run.samples_per_rank_per_step, run.global_batch_size) == (4, 8, 16)
+    assert run.micro_batches_per_step is None and run.token_budget == 4 * 512  # packed: budget decides
+    assert (run.dataset.name, run.dataset.built_max_length, run.dataset.num_samples) == ("chat", 300, 40)
+    assert run.dataset.path == str((setup / "data" / "built_dataset" / "chat").resolve())
+    assert run.output_dir == str((setup / "out").resolve()) and run.seed == 7
+    assert run.hyper().training.gpus == [0, 1] and run.training_args().max_steps == 5
+    line = run.batch_line()
+    assert "world size 2" in line and "8 samples per rank per step" in line and "global batch 16 samples" in line
+
+
+def test_sorted_pad_runs_accumulation_micro_batches_and_world_size_scales_the_step(setup):
+    run = resolve(write_config(setup, batching="sorted-pad", per_device=2, accumulation=3), world_size=5)
+    assert (run.global_batch_size, run.micro_batches_per_step) == (2 * 3 * 5, 3)
+    assert batch_numbers(2, 3, 5, "sorted-pad") == {"micro_batch_size": 2, "samples_per_rank_per_step": 6,
+                                                    "global_batch_size": 30, "micro_batches_per_step": 3}
+
+
+def test_cuda_machine_resolves_backend_and_dtype(setup):
+    gpu = MachineFacts(cuda_device_count=2, unsloth_available=True, cpu_count=8)
+    run = resolve(write_config(setup), machine=gpu)
+    assert (run.device, run.backend, run.dtype) == ("cuda", "unsloth", "bfloat16")
+
+
+def test_plan_spec_comes_from_the_description(setup):
+    run = resolve(write_config(setup, gpus=(0, 1, 2)), world_size=3)
+    spec = plan_spec_for(run)
+    assert (spec.num_ranks, spec.samples_per_step, spec.micro_batch_size, spec.token_budget, spec.seed) == (
+        3, 24, 4, 2048, 7)
+    assert spec.attention_coef == pytest.approx(attention_coef(str(setup / "model")))
+    hub = resolve(write_config(setup, model="org/model", name="hub.py"))
+    assert plan_spec_for(hub).attention_coef == PlanSpec(1, 1, mode="sorted-pad").attention_coef  # default
+
+
+def test_every_problem_is_reported_at_once(setup):
+    make_dataset(setup / "data", max_tokens=900)
+    config = write_config(setup, targs_extra=", optim='adamw_8bit'")
+    text = config.read_text().replace("max_seq_length=512)", "max_seq_length=512, load_in_4bit=True)")
+    config.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        resolve(config)
+    message = str(info.value)
+    assert "load_in_4bit=True needs CUDA" in message
+    assert "optim='adamw_8bit' needs CUDA" in message
+    assert "holds samples of up to 900 tokens but fast_model_args.max_seq_length is 512" in message
+    assert "set max_seq_length >= 900" in message and "--max_seq_length 512 --overwrite" in message
+    assert message.count("\n  - ") == 3
+
+
+def test_missing_dataset_folder_names_a_working_rebuild_command(setup):
+    import shutil
+
+    shutil.rmtree(setup / "data" / "built_dataset")
+    with pytest.raises(ConfigError) as info:
+        resolve(write_config(setup))
+    message = str(info.value)
+    assert "registered but its folder" in message
+    assert f"--name chat --data_dir {setup / 'data'} --overwrite" in message
+
+
+def test_unregistered_dataset(setup):
+    (setup / "data" / "data_config.json").write_text(json.dumps({"version": 1, "datasets": {}}))
+    with pytest.raises(ConfigError, match="dataset 'chat' is not registered"):
+        resolve(write_config(setup))
+
+
+def test_run_json_round_trips_and_is_frozen(setup):
+    run = resolve(write_config(setup))
+    path = write_run(run)
+    assert path == setup / "out" / "run.json"
+    again = read_run(path)
+    assert again == run
+    with pytest.raises(Exception):
+        again.world_size = 3  # frozen
+    data = json.loads(path.read_text())
+    data["surprise"] = 1
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="not a run description"):
+        read_run(path)
+    with pytest.raises(ConfigError, match="cannot read the run description"):
+        read_run(setup / "nope.json")
+
+
+def test_same_inputs_resolve_to_the_same_description(setup):
+    # Under torchrun every rank resolves on its own: it must come out identical.
+    config = write_config(setup)
+    assert resolve(config) == resolve(config)
+
+
+def _checkpoint_of(setup: Path, **config) -> Path:
+    run = resolve(write_config(setup, name="first.py", **config))
+    checkpoint = setup / "out" / "checkpoint-3"
+    write_run(run, checkpoint / "run.json")
+    return checkpoint
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"per_device": 2}, "samples per step 16 -> 8"),
+        ({"seed": 8}, "seed 7 -> 8"),
+        ({"batching": "sorted-pad"}, "planning mode packed, group_by_length=False, group_window_steps=64 -> "
+                                     "sorted-pad"),
+    ],
+)
+def test_resume_with_another_plan_is_refused(setup, change, expected):
+    checkpoint = _checkpoint_of(setup)
+    with pytest.raises(ConfigError) as info:
+        resolve(write_config(setup, targs_extra=f", resume_from_checkpoint={str(checkpoint)!r}", **change))
+    message = str(info.value)
+    assert f"cannot resume from {checkpoint}" in message and expected in message
+    assert "samples would be repeated or skipped" in message
+
+
+def test_resume_refuses_other_data_and_accepts_another_world_size_with_the_same_step(setup):
+    checkpoint = _checkpoint_of(setup)
+    resume = f", resume_from_checkpoint={str(checkpoint)!r}"
+    # 4 workers x 2 samples x 2 = 16 samples per step, as the checkpoint's 2 x 4 x 2: the same steps.
+    ok = resolve(write_config(setup, gpus=(0, 1, 2, 3), per_device=2, targs_extra=resume), world_size=4)
+    assert check_resume(ok) is None
+    make_dataset(setup / "data", fingerprint="rebuilt")
+    with pytest.raises(ConfigError, match="dataset fingerprint"):
+        resolve(write_config(setup, targs_extra=resume))
+
+
+def test_resume_from_a_missing_folder(setup):
+    with pytest.raises(ConfigError, match="is not a folder"):
+        resolve(write_config(setup, targs_extra=f", resume_from_checkpoint={str(setup / 'nope')!r}"))
+
+
+def test_rank_seeds_are_distinct_and_rank0_keeps_the_seed():
+    seeds = [rank_seed(42, r) for r in range(8)]
+    assert seeds[0] == 42 and len(set(seeds)) == 8
+    assert seeds == [rank_seed(42, r) for r in range(8)]  # deterministic
+    assert rank_seed(43, 1) != seeds[1]
