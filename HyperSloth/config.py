@@ -136,6 +136,13 @@ class DataConfig(BaseModel):
     data_dir: str = Field(
         "data", description="Folder holding data_config.json and built_dataset/; relative to the working directory."
     )
+    eval_dataset_name: str | None = Field(
+        None, description="Evaluate on this other registered dataset (built with the model's tokenizer)."
+    )
+    eval_fraction: float = Field(
+        0.0, description="Hold out this share of the conversations, in [0, 0.5], for evaluation (seeded by "
+        "TrainingArgsConfig.seed; never trained on). 0 = no hold-out.",
+    )
 
     @field_validator("dataset_name")
     @classmethod
@@ -143,6 +150,22 @@ class DataConfig(BaseModel):
         if not value.strip():
             raise ValueError("dataset_name is empty: give the name used with `hypersloth-build-dataset --name`")
         return value
+
+    @field_validator("eval_fraction")
+    @classmethod
+    def _eval_fraction_in_range(cls, value: float) -> float:
+        # [0, 0.5]: beyond half, the "hold-out" would be larger than what is trained on.
+        if not 0.0 <= value <= 0.5:
+            raise ValueError(f"eval_fraction must be in [0, 0.5] (the share of conversations held out for "
+                             f"evaluation), got {value}: e.g. eval_fraction=0.05, or 0 for no hold-out")
+        return value
+
+    @model_validator(mode="after")
+    def _one_eval_set(self) -> DataConfig:
+        if self.eval_dataset_name is not None and self.eval_fraction > 0:
+            raise ValueError("eval_dataset_name and eval_fraction are both set: evaluate on the other dataset "
+                             "(eval_fraction=0) or on a hold-out of this one (eval_dataset_name=None)")
+        return self
 
     @classmethod
     def from_dataset_name(cls, name: str, data_dir: str = "data") -> DataConfig:
@@ -247,6 +270,16 @@ class TrainingArgsConfig(BaseModel):
         None, description="Checkpoint folder to resume from (given to trainer.train, not to SFTConfig)."
     )
     dataloader_num_workers: int = Field(0, ge=0, description="Worker processes per data loader.")
+    eval_steps: int | None = Field(
+        None, gt=0, description="Evaluate every this many optimizer steps (needs an eval set: data.eval_fraction "
+        "or data.eval_dataset_name); with an eval set there is always one evaluation after the last step.",
+    )
+    early_stopping_patience: int | None = Field(
+        None, gt=0, description="Stop after this many evaluations in a row without a lower eval loss; None = never.",
+    )
+    save_best_adapter: bool = Field(
+        True, description="Keep the adapter of the lowest eval loss in OUTPUT_DIR/best_adapter/ (with an eval set).",
+    )
     extra_args: dict[str, Any] = Field(
         default_factory=dict,
         description="Any other trl.SFTConfig arguments, passed through verbatim, e.g. {'adam_beta2': 0.95}.",
@@ -265,7 +298,9 @@ class TrainingArgsConfig(BaseModel):
         """Keyword arguments for `trl.SFTConfig` (resume_from_checkpoint goes to `train()` instead)."""
         # gradient_accumulation_steps only sizes the step (HyperSloth accumulates inside its own
         # training_step), so TRL keeps its default of 1 instead of being told and overruled.
-        kwargs = self.model_dump(exclude={"extra_args", "resume_from_checkpoint", "gradient_accumulation_steps"})
+        # The eval fields are HyperSloth's own (HyperSloth.evaluation turns them into SFTConfig's eval_* arguments).
+        kwargs = self.model_dump(exclude={"extra_args", "resume_from_checkpoint", "gradient_accumulation_steps",
+                                          "eval_steps", "early_stopping_patience", "save_best_adapter"})
         kwargs["max_steps"] = -1 if self.max_steps is None else self.max_steps
         kwargs["num_train_epochs"] = 1 if self.num_train_epochs is None else self.num_train_epochs
         kwargs.update(self.extra_args)

@@ -191,3 +191,22 @@ def test_training_rows_leave_out_exactly_the_holdout(saved, tmp_path):
     Dataset.from_dict(_rows(7, seed=5)).save_to_disk(str(other))
     separate = resolve_eval_dataset("other", other, {}, model_name="m", loss_type="all")
     assert np.array_equal(training_rows(separate, 40), np.arange(40))
+
+
+def test_config_fields_have_the_issue_names_and_refuse_bad_values():
+    from pydantic import ValidationError
+
+    from HyperSloth.config import DataConfig, TrainingArgsConfig
+
+    data = DataConfig(dataset_name="chat", eval_fraction=0.05)
+    assert (data.eval_fraction, data.eval_dataset_name) == (0.05, None)
+    assert DataConfig(dataset_name="chat", eval_dataset_name="other").eval_fraction == 0.0
+    with pytest.raises(ValidationError, match=r"eval_fraction must be in \[0, 0.5\]"):
+        DataConfig(dataset_name="chat", eval_fraction=0.7)
+    with pytest.raises(ValidationError, match="eval_dataset_name and eval_fraction are both set"):
+        DataConfig(dataset_name="chat", eval_fraction=0.1, eval_dataset_name="other")
+    args = TrainingArgsConfig(eval_steps=10, early_stopping_patience=3, save_best_adapter=False)
+    assert (args.eval_steps, args.early_stopping_patience, args.save_best_adapter) == (10, 3, False)
+    assert TrainingArgsConfig().save_best_adapter is True
+    # HyperSloth's own fields never reach SFTConfig as such.
+    assert not {"eval_steps", "early_stopping_patience", "save_best_adapter"} & set(args.to_sft_kwargs())
