@@ -8,11 +8,13 @@ meant for finding the next bottleneck, not for the headline numbers.
 
 from __future__ import annotations
 
+import json
 import time
 from collections import defaultdict
 from contextlib import contextmanager
 
 import torch
+from loguru import logger
 from transformers import TrainerCallback
 
 PHASES = ("data", "forward", "backward", "allreduce", "clip", "optimizer")
@@ -85,6 +87,11 @@ class StepClock(TrainerCallback):
         self.stamps.append(time.perf_counter())
         self.timer.steps += 1
         self.timer.restart()  # what follows until the next forward is data loading
+
+    def on_train_end(self, args, state, control, **kwargs):
+        # Every rank logs its own breakdown (rank 0's summary alone cannot show which rank waits).
+        if self.timer.enabled:
+            logger.info("PHASES " + json.dumps([dict(step) for step in self.timer.per_step]))
 
     def step_seconds(self) -> list[float]:
         return [b - a for a, b in zip(self.stamps, self.stamps[1:])]

@@ -1,13 +1,17 @@
-"""Time forward+backward of one rank's share of a step under different batch layouts (GPU only).
+"""Where one micro-batch's time and memory go, on one GPU (the measurements behind docs/benchmarks.md).
 
-    python scripts/profile_step.py --checkpoint CKPT [--four-bit] --layouts packed,pad4,pad8,pad16 \
-        [--varlen-shim] [--samples 16] [--iters 6]
+    python scripts/profile_step.py --checkpoint CKPT [--four-bit] [--gc unsloth] --out prof.json \
+        [--probe] [--sweep 2048,8192,32768] [--churn 30] [--torch-profile 11264] [--longest 32768,65536]
 
-Loads the model once through HyperSloth's Unsloth backend, draws `samples` sequences per iteration from
-the benchmark's length distribution (different lengths every iteration, as in training), and prints
-seconds per iteration and peak memory for each layout: `packed` (one row, restarting positions) or
-`padN` (sorted, micro-batches of N padded to their longest). This is how the defaults in
-docs/benchmarks.md were chosen.
+Loads the model once through HyperSloth's Unsloth backend (varlen shim on), then, as asked:
+- `--probe`: the automatic budget's measurement (`HyperSloth.budget.measure_on_gpu`) and its decision;
+- `--sweep`: seconds and peak memory of forward+backward of packed rows of exactly these token counts,
+  built from the short-chat length distribution; fits seconds = fixed + per_token x tokens;
+- `--churn N`: N micro-batches of varying length (a new shape almost every time), plain and bucketed
+  (`collate.bucket_tokens`): per-iteration seconds, to see whether new shapes cost spikes;
+- `--torch-profile T`: torch.profiler over 3 iterations of forward+backward+AdamW step at T tokens:
+  the top kernels and CPU ops, kernel launches per iteration, and GPU busy time against wall time;
+- `--longest`: one sample of each length alone: does forward+backward fit, and its peak memory.
 """
 
 from __future__ import annotations
@@ -18,75 +22,198 @@ import time
 
 import numpy as np
 
+VOCAB = 151936
 
-def batches(layout: str, lengths: np.ndarray, rng, budget: int):
-    from HyperSloth.collate import collate_packed, collate_sorted_pad
 
-    samples = [(ids, ids.copy()) for ids in (rng.integers(100, 150000, size=int(n)) for n in lengths)]
-    samples.sort(key=lambda s: -len(s[0]))
-    if layout == "packed":
-        rows, row, used = [], [], 0
-        for s in samples:
-            if row and used + len(s[0]) > budget:
-                rows.append(row)
-                row, used = [], 0
-            row.append(s)
-            used += len(s[0])
-        rows.append(row)
-        return [collate_packed(r, with_lengths=True) for r in rows]
-    size = int(layout[3:])
-    return [collate_sorted_pad(samples[k:k + size], pad_token_id=0) for k in range(0, len(samples), size)]
+def packed_row(tokens: int, rng, max_len: int = 4096, pad_to: int | None = None) -> dict:
+    """Short-chat-like samples (lognormal lengths) filling exactly `tokens` tokens, as one packed row."""
+    from HyperSloth.collate import collate_packed
+
+    lengths, left = [], tokens
+    while left > 0:
+        n = int(min(left, np.clip(np.exp(rng.normal(6.2, 0.8)), 32, max_len)))
+        lengths.append(n)
+        left -= n
+    samples = [(ids, ids.copy()) for ids in (rng.integers(100, VOCAB - 100, size=n) for n in lengths)]
+    return collate_packed(samples, with_lengths=True, pad_to=pad_to)
+
+
+def fwd_bwd_seconds(model, batch: dict, optimizer=None) -> float:
+    import torch
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    batch = {k: v if k == "packed_seq_lengths" else v.cuda(non_blocking=True) for k, v in batch.items()}
+    loss = model(**batch, num_items_in_batch=int(batch["input_ids"].shape[1]), use_cache=False).loss
+    loss.backward()
+    if optimizer is not None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def sweep(model, sizes: list[int], rng) -> dict:
+    import torch
+
+    from HyperSloth.budget import release_memory
+
+    rows = []
+    for tokens in sizes:
+        release_memory(model)
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            times = [fwd_bwd_seconds(model, packed_row(tokens, rng)) for _ in range(4)]
+        except torch.cuda.OutOfMemoryError:
+            rows.append({"tokens": tokens, "oom": True})
+            break
+        rows.append({"tokens": tokens, "s": float(np.median(times[1:])), "first_s": times[0],
+                     "peak_gb": torch.cuda.max_memory_allocated() / 2**30})
+        print("sweep", json.dumps(rows[-1]), flush=True)
+    release_memory(model)
+    ok = [r for r in rows if "s" in r]
+    fit = np.polyfit([r["tokens"] for r in ok], [r["s"] for r in ok], 1) if len(ok) >= 2 else [None, None]
+    return {"rows": rows, "fixed_s": fit[1], "per_1k_tokens_s": None if fit[0] is None else fit[0] * 1000}
+
+
+def churn(model, n: int, rng) -> dict:
+    """Varying row lengths (8k-14k tokens, as one rank's share of a short-chat step), plain then bucketed."""
+    from HyperSloth.budget import release_memory
+    from HyperSloth.collate import bucket_tokens
+
+    out = {}
+    for mode in ("plain", "bucketed"):
+        times, sizes = [], []
+        for _ in range(n):
+            tokens = int(rng.integers(8000, 14000))
+            pad_to = bucket_tokens(tokens) if mode == "bucketed" else None
+            times.append(fwd_bwd_seconds(model, packed_row(tokens, rng, pad_to=pad_to)))
+            sizes.append(pad_to or tokens)
+        release_memory(model)
+        warm = times[3:]
+        out[mode] = {"s": times, "tokens": sizes, "median_s": float(np.median(warm)), "max_s": float(max(warm)),
+                     "distinct_shapes": len(set(sizes))}
+        print("churn", mode, json.dumps({k: v for k, v in out[mode].items() if k not in ("s", "tokens")}),
+              [round(t, 3) for t in times], flush=True)
+    return out
+
+
+def torch_profile(model, tokens: int, rng, table_path: str | None) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from HyperSloth.budget import release_memory
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-9)
+    batches = [packed_row(tokens, rng) for _ in range(5)]
+    for b in batches[:2]:
+        fwd_bwd_seconds(model, b, optimizer)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for b in batches[2:]:
+            fwd_bwd_seconds(model, b, optimizer)
+    wall = (time.perf_counter() - start) / 3
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type.name == "CUDA"]
+    busy = sum(e.self_device_time_total for e in kernels) / 1e6 / 3
+    launches = sum(e.count for e in kernels) / 3
+    by_gpu = events.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70)
+    by_cpu = events.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=70)
+    if table_path:
+        with open(table_path, "w") as f:
+            f.write(f"tokens {tokens}, wall {wall:.4f} s/iter, GPU busy {busy:.4f} s/iter, kernels {launches:.0f}/iter\n\n")
+            f.write(by_gpu + "\n\n" + by_cpu)
+    print(by_gpu[:6000], flush=True)
+    optimizer.zero_grad(set_to_none=True)
+    del optimizer
+    release_memory(model)
+    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:15]
+    return {"tokens": tokens, "wall_s_per_iter": wall, "gpu_busy_s_per_iter": busy, "kernels_per_iter": launches,
+            "top_kernels": [(e.key[:90], e.self_device_time_total / 1e6 / 3, e.count / 3) for e in top]}
+
+
+def longest(model, lengths: list[int], rng) -> list[dict]:
+    import torch
+
+    from HyperSloth.budget import release_memory
+    from HyperSloth.collate import collate_packed
+
+    rows = []
+    for n in lengths:
+        release_memory(model)
+        torch.cuda.reset_peak_memory_stats()
+        ids = rng.integers(100, VOCAB - 100, size=n)
+        try:
+            s = fwd_bwd_seconds(model, collate_packed([(ids, ids.copy())], with_lengths=True))
+            rows.append({"tokens": n, "ok": True, "s": s, "peak_gb": torch.cuda.max_memory_allocated() / 2**30})
+        except torch.cuda.OutOfMemoryError:
+            rows.append({"tokens": n, "ok": False})
+        print("longest", json.dumps(rows[-1]), flush=True)
+        if not rows[-1]["ok"]:
+            break
+    release_memory(model)
+    return rows
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--four-bit", action="store_true")
-    p.add_argument("--layouts", default="packed,pad4,pad8")
-    p.add_argument("--varlen-shim", action="store_true")
     p.add_argument("--gc", default="False")
-    p.add_argument("--samples", type=int, default=16)
-    p.add_argument("--budget", type=int, default=16384)
-    p.add_argument("--iters", type=int, default=6)
+    p.add_argument("--max-seq", type=int, default=4096)
+    p.add_argument("--probe", action="store_true")
+    p.add_argument("--cap", type=int, default=1 << 20, help="the probe's cap on the budget (tokens)")
+    p.add_argument("--sweep", default="")
+    p.add_argument("--churn", type=int, default=0)
+    p.add_argument("--torch-profile", type=int, default=0)
+    p.add_argument("--longest", default="")
+    p.add_argument("--out", required=True)
     a = p.parse_args()
 
     import unsloth  # noqa: F401
     import torch
 
+    from HyperSloth import budget
     from HyperSloth.config import FastModelArgs, LoraArgs
     from HyperSloth.model import load_model
     from HyperSloth.patches import enable_unsloth_torch_varlen
 
-    shim = enable_unsloth_torch_varlen() if a.varlen_shim else False
+    results: dict = {"varlen_shim": enable_unsloth_torch_varlen(), "gc": a.gc, "checkpoint": a.checkpoint}
     gc = {"True": True, "False": False}.get(a.gc, a.gc)
-    fast = FastModelArgs(model_name=a.checkpoint, max_seq_length=4096, dtype="bfloat16", backend="unsloth",
+    max_seq = max([a.max_seq] + [int(x) for x in a.longest.split(",") if x])
+    fast = FastModelArgs(model_name=a.checkpoint, max_seq_length=max_seq, dtype="bfloat16", backend="unsloth",
                          load_in_4bit=a.four_bit, use_gradient_checkpointing=gc)
+    started = time.perf_counter()
     model = load_model(fast, LoraArgs(r=16, lora_alpha=16)).model
+    results["load_s"] = time.perf_counter() - started
     model.train()
     rng = np.random.default_rng(0)
-    results = {"varlen_shim": shim, "gc": a.gc}
-    for layout in a.layouts.split(","):
-        times, tokens = [], []
-        torch.cuda.reset_peak_memory_stats()
-        for _ in range(a.iters):
-            lengths = np.clip(np.exp(rng.normal(6.2, 0.8, a.samples)), 32, 4096).astype(int)
-            mbs = batches(layout, lengths, rng, a.budget)
-            n_items = int(lengths.sum() - len(lengths))
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for mb in mbs:
-                mb = {k: (v.cuda() if k != "packed_seq_lengths" else v) for k, v in mb.items()}
-                loss = model(**mb, num_items_in_batch=n_items, use_cache=False).loss
-                loss.backward()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-            tokens.append(int(lengths.sum()))
-        warm = times[2:]
-        results[layout] = {"s_per_iter": sum(warm) / len(warm), "first": times[:2],
-                           "tokens_per_s": sum(tokens[2:]) / sum(warm),
-                           "peak_gb": torch.cuda.max_memory_allocated() / 2**30}
-        print(layout, json.dumps(results[layout]), flush=True)
-    print("PROFILE " + json.dumps(results))
+
+    def save():
+        with open(a.out, "w") as f:
+            json.dump(results, f, indent=2, default=str)
+
+    if a.probe:
+        d = budget.measure_on_gpu(model, seq_len=a.max_seq, vocab_size=VOCAB, cap=a.cap,
+                                  longest_sample=a.max_seq, gradient_checkpointing=gc)
+        results["probe"] = d.as_record()
+        print("probe", d.summary(), flush=True)
+        save()
+    if a.sweep:
+        results["sweep"] = sweep(model, [int(x) for x in a.sweep.split(",")], rng)
+        save()
+    if a.churn:
+        results["churn"] = churn(model, a.churn, rng)
+        save()
+    if a.torch_profile:
+        results["torch_profile"] = torch_profile(model, a.torch_profile, rng, a.out.replace(".json", ".txt"))
+        save()
+    if a.longest:
+        results["longest"] = longest(model, [int(x) for x in a.longest.split(",")], rng)
+        save()
+    print("PROFILE " + json.dumps({k: v for k, v in results.items() if k != "torch_profile"}, default=str))
 
 
 if __name__ == "__main__":
