@@ -33,6 +33,7 @@ from HyperSloth.config import (
     config_to_dict,
     runtime_problems,
 )
+from HyperSloth.eval_set import EvalSet, resolve_eval_set
 from HyperSloth.plan_inputs import attention_coef
 
 REQUIRED_COLUMNS = ("input_ids", "labels", "length", "num_trainable")
@@ -104,6 +105,7 @@ class RunDescription(BaseModel):
     attention_coef: float | None = Field(description="Planner cost-model coefficient (None = planner default).")
     seed: int
     dataset: DatasetFacts
+    eval_set: EvalSet | None = Field(None, description="The evaluated rows (a hold-out or another dataset); None = no eval.")
     output_dir: str = Field(description="Absolute output folder.")
     resume_from_checkpoint: str | None
     hyper_config: dict[str, Any]
@@ -142,6 +144,8 @@ class RunDescription(BaseModel):
             "planning mode": f"{self.batching}, group_by_length={hyper['group_by_length']}, "
                              f"group_window_steps={hyper['group_window_steps']}",
             "dataset fingerprint": self.dataset.fingerprint,
+            # A hold-out removes rows from training: another hold-out plans other steps.
+            "held-out rows": self.eval_set.fingerprint if self.eval_set and self.eval_set.source == "holdout" else None,
         }
 
 
@@ -225,6 +229,24 @@ def _json_problem(training_args: TrainingArgsConfig) -> str | None:
     return None
 
 
+def _eval_set(hyper: HyperConfig, targs: TrainingArgsConfig, facts: DatasetFacts | None,
+              problems: list[str]) -> EvalSet | None:
+    """The eval set the config asks for (None without one: HyperSloth.eval_set); appends what is wrong."""
+    data = hyper.data
+    if data.eval_fraction == 0 and data.eval_dataset_name is None:
+        if targs.eval_steps or targs.early_stopping_patience:
+            problems.append("eval_steps / early_stopping_patience need an eval set: set data.eval_fraction "
+                            "(e.g. 0.05) or data.eval_dataset_name, or remove them")
+        return None
+    if targs.early_stopping_patience and not targs.eval_steps:
+        problems.append("early_stopping_patience needs evaluations during training: set eval_steps (e.g. 50)")
+    try:
+        return None if facts is None else resolve_eval_set(hyper, seed=targs.seed, train_path=Path(facts.path))
+    except ConfigError as err:
+        problems.append(str(err))
+        return None
+
+
 def resolve_run(loaded: LoadedConfig, *, world_size: int, machine: MachineFacts) -> RunDescription:
     """The run description of `loaded` on `world_size` workers of `machine`; one ConfigError listing every
     problem (config vs machine, dataset, lengths, resume) otherwise."""
@@ -237,6 +259,7 @@ def resolve_run(loaded: LoadedConfig, *, world_size: int, machine: MachineFacts)
     if facts is not None:
         problems.append(_length_problem(facts, fast.max_seq_length, hyper.data.data_dir))
     problems.append(_json_problem(targs))
+    eval_set = _eval_set(hyper, targs, facts, problems)
     problems = [p for p in problems if p]
     if problems:
         raise ConfigError(f"{loaded.path}: cannot run this config:\n" + "\n".join(f"  - {p}" for p in problems))
@@ -257,6 +280,7 @@ def resolve_run(loaded: LoadedConfig, *, world_size: int, machine: MachineFacts)
         attention_coef=attention_coef(fast.model_name),
         seed=targs.seed,
         dataset=facts,
+        eval_set=eval_set,
         output_dir=str(Path(targs.output_dir).resolve()),
         resume_from_checkpoint=targs.resume_from_checkpoint or None,
         hyper_config=config["hyper_config"],
