@@ -238,13 +238,24 @@ def best_eval(history: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
     return dict(min(history, key=lambda h: (h["eval_loss"], h["step"])))
 
 
-def eval_summary(log_history: Sequence[Mapping[str, Any]], eval_set: Any | None) -> dict[str, Any]:
+def eval_summary(log_history: Sequence[Mapping[str, Any]], eval_set: Any | None,
+                 output_dir: str | Path | None = None) -> dict[str, Any]:
     """The train_summary.json entries of evaluation: "eval" (the issue's format), its wall seconds, the
-    best evaluation and the resolved eval set (an `EvalSet`, or None without one)."""
+    best evaluation (with "adapter": its folder, when best_adapter/ holds it) and the resolved eval set
+    (an `EvalSet`, or None without one)."""
     history = eval_history(log_history)
+    best = best_eval(history)
+    if best is not None and output_dir is not None:
+        folder = Path(output_dir) / BEST_ADAPTER_DIR
+        try:
+            saved = json.loads((folder / BEST_EVAL_FILE).read_text())
+        except (OSError, ValueError):
+            saved = {}
+        if saved.get("step") == best["step"]:
+            best["adapter"] = str(folder)
     return {
         "eval": history,
         "eval_seconds": [float(h["eval_runtime"]) for h in log_history if "eval_runtime" in h],
-        "best_eval": best_eval(history),
+        "best_eval": best,
         "eval_set": None if eval_set is None else eval_set.to_dict(),
     }

@@ -39,7 +39,7 @@ def load_summary(output_dir: str | os.PathLike) -> dict[str, Any]:
 def format_console(summary: Mapping[str, Any]) -> str:
     """A 5-8 line summary of a run for the terminal."""
     lines = [_headline(summary)]
-    rows = [("loss", _loss_text(summary)), ("throughput", _throughput_text(summary)),
+    rows = [("loss", _loss_text(summary)), ("eval", _eval_text(summary)), ("throughput", _throughput_text(summary)),
             ("padding", _padding_text(summary)), ("balance", _balance_text(summary)),
             ("time", _time_text(summary)), ("memory", _memory_text(summary))]
     lines += [f"  {label:<12}{text}" for label, text in rows if text]
@@ -123,6 +123,23 @@ def _logged_at(summary: Mapping[str, Any], key: str, config: Mapping[str, Any]) 
         total = int(_num(summary, "steps") or 0)
         steps = _logged_steps(len(values), total, _logging_steps(config))
     return dict(zip((int(s) for s in steps), values))
+
+
+def _eval_points(summary: Mapping[str, Any]) -> list[tuple[int, float, int | None]]:
+    """(step, eval_loss, eval_tokens) of every evaluation in the summary's "eval" list."""
+    entries = summary.get("eval") if isinstance(summary.get("eval"), list) else []
+    return [(int(e["step"]), float(e["eval_loss"]), e.get("eval_tokens")) for e in entries
+            if isinstance(e, Mapping) and isinstance(e.get("step"), int) and _num(e, "eval_loss") is not None]
+
+
+def _eval_text(summary: Mapping[str, Any]) -> str | None:
+    points = _eval_points(summary)
+    if not points:
+        return None
+    step, best, _ = min(points, key=lambda p: (p[1], p[0]))
+    last_step, last, _ = points[-1]
+    return (f"best eval_loss {best:.4f} at step {step} ({len(points)} evaluation(s); "
+            f"last {last:.4f} at step {last_step})")
 
 
 def _throughput_text(summary: Mapping[str, Any]) -> str | None:
@@ -223,8 +240,22 @@ def _plot(summary: Mapping[str, Any], config: Mapping[str, Any], path: Path) -> 
         ax.plot(*zip(*points), marker="o" if len(points) < 30 else None, markersize=3)
         ax.set(title=title, xlabel="optimizer step")
         ax.grid(alpha=0.3)
+        if title == "loss":
+            _plot_eval(ax, summary)
     fig.savefig(path, dpi=110)
     return path
+
+
+def _plot_eval(ax, summary: Mapping[str, Any]) -> None:
+    """The eval curve on the training-loss axes (both are token means), its lowest point starred."""
+    points = _eval_points(summary)
+    if not points:
+        return
+    ax.lines[0].set_label("train loss")
+    ax.plot([p[0] for p in points], [p[1] for p in points], marker="s", markersize=4, label="eval loss (held out)")
+    step, best, _ = min(points, key=lambda p: (p[1], p[0]))
+    ax.plot([step], [best], linestyle="none", marker="*", markersize=12, color="tab:red", label=f"best (step {step})")
+    ax.legend(fontsize=8)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,8 +268,24 @@ def _markdown(summary: Mapping[str, Any], config: Mapping[str, Any], ranks: Sequ
              "```\n" + format_console(summary) + "\n```\n", _metrics_table(summary)]
     if image is not None:
         parts.append(f"## Curves\n\n![loss and learning rate per step]({image.name})\n")
-    parts += [_steps_table(summary, config), _phase_table(summary), _ranks_section(ranks), _config_section(config)]
+    parts += [_eval_table(summary), _steps_table(summary, config), _phase_table(summary), _ranks_section(ranks),
+              _config_section(config)]
     return "\n".join(p for p in parts if p)
+
+
+def _eval_table(summary: Mapping[str, Any]) -> str:
+    points = _eval_points(summary)
+    if not points:
+        return ""
+    best_step = min(points, key=lambda p: (p[1], p[0]))[0]
+    stride = max(1, math.ceil(len(points) / MAX_TABLE_ROWS))
+    picked = sorted(set(range(0, len(points), stride)) | {len(points) - 1} | {[p[0] for p in points].index(best_step)})
+    rows = "".join(f"| {points[i][0]} | {points[i][1]:.4f} | {_fmt(points[i][2], ',')} | "
+                   f"{'best' if points[i][0] == best_step else ''} |\n" for i in picked)
+    best = summary.get("best_eval") if isinstance(summary.get("best_eval"), Mapping) else {}
+    kept = f"; its adapter is in `{best['adapter']}`" if best.get("step") == best_step and best.get("adapter") else ""
+    return (f"## Evaluation\n\nToken-mean loss on the held-out rows, over all ranks. Lowest at step {best_step}"
+            f"{kept}.\n\n| step | eval loss | eval tokens | |\n|---|---|---|---|\n{rows}")
 
 
 def _fmt(value: float | None, spec: str, unit: str = "") -> str:

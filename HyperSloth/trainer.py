@@ -15,7 +15,7 @@ How one optimizer step runs on every rank (HF's own loop drives it; we override 
 
 Only rank 0 saves the model, optimizer and trainer state, reports to TensorBoard/W&B and shows a
 progress bar. Every rank draws dropout from its own RNG stream (seeded from (seed, rank)) and saves
-that stream into each checkpoint (`rng_state_rank{r}.pth`), so a resumed run continues exactly; all
+that stream into each checkpoint (one file per rank, run_files.rank_rng_file), so a resumed run continues exactly; all
 ranks load the same checkpoint when resuming, and the plan position follows from the global step.
 """
 
@@ -38,6 +38,7 @@ from HyperSloth.batching import EpochPlan, adaptive_partition_batches, steps_per
 from HyperSloth.collate import LossType, collate, sample_labels
 from HyperSloth.config import TrainingArgsConfig
 from HyperSloth.dist import DistInfo, GradientSync
+from HyperSloth.evaluation import Evaluator, build_evaluator, eval_callbacks, eval_sft_kwargs, evaluate_in_trainer
 from HyperSloth.model import trainable_parameters
 from HyperSloth.plan_inputs import dataset_lengths, plan_spec_for
 from HyperSloth.profiling import PhaseTimer, StepClock
@@ -100,7 +101,10 @@ class PlanSteps(Dataset):
             (np.asarray(ids), sample_labels(np.asarray(ids), np.asarray(lab), self.loss_type))
             for ids, lab in zip(rows["input_ids"], rows["labels"])
         ]
-        return collate(samples, self.mode, self.pad_token_id, with_lengths=self.packed_lengths)
+        # Unsloth (GPU): packed rows padded to a few lengths, never past the budget, so kernels meet few
+        # shapes (collate.bucket_tokens; a new shape cost ~0.05-0.1 s per micro-batch on an H200).
+        return collate(samples, self.mode, self.pad_token_id, with_lengths=self.packed_lengths,
+                       bucket=self.packed_lengths, bucket_limit=self._plan.spec.token_budget)
 
 
 class StepSampler:
@@ -136,8 +140,9 @@ class HyperSlothTrainer(SFTTrainer):
     """SFTTrainer whose steps come from the plan and whose gradients are summed over ranks."""
 
     def __init__(self, *args, plan_steps: PlanSteps, grad_sync: GradientSync, rank: int = 0, profile: bool = False,
-                 **kwargs):
+                 evaluator: Evaluator | None = None, **kwargs):
         self.rank = rank
+        self.evaluator = evaluator
         self.plan_steps = plan_steps
         self.grad_sync = grad_sync
         self.timer = PhaseTimer(profile)
@@ -177,7 +182,12 @@ class HyperSlothTrainer(SFTTrainer):
         local_loss = torch.zeros((), dtype=torch.float32, device=self.args.device)
         self.timer.mark("data")
         for micro_batch in inputs["micro_batches"]:
+            # Unsloth reads the packed lengths on the host (one pinned copy); on the GPU they would cost a
+            # device-to-host sync per micro-batch.
+            lengths = micro_batch.pop("packed_seq_lengths", None)
             micro_batch = self._prepare_inputs(micro_batch)
+            if lengths is not None:
+                micro_batch["packed_seq_lengths"] = lengths
             with self.compute_loss_context_manager():
                 loss = self.micro_batch_loss(model, micro_batch, denominator)
             self.timer.mark("forward")
@@ -205,6 +215,12 @@ class HyperSlothTrainer(SFTTrainer):
         # HF estimates 6 * params * tokens from `input_ids`; our item holds several micro-batches.
         count = super().floating_point_ops
         return sum(count(mb) for mb in inputs["micro_batches"])
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """The exact held-out loss over all ranks (HyperSloth.evaluation); HF's loop calls it on every rank."""
+        if self.evaluator is None:
+            raise ValueError("this run has no eval set: set data.eval_fraction or data.eval_dataset_name")
+        return evaluate_in_trainer(self, self.evaluator, metric_key_prefix)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:
@@ -278,9 +294,10 @@ class RunSetup:
     first_epoch_stats: dict[str, float]
 
 
-def sft_config_for(targs: TrainingArgsConfig, dtype: torch.dtype, rank: int) -> SFTConfig:
+def sft_config_for(targs: TrainingArgsConfig, dtype: torch.dtype, rank: int, evaluate: bool = False) -> SFTConfig:
     """TRL arguments: the user's, plus what plan-driven steps need (HF sees one batch per step, and
-    leaves gradient_accumulation_steps at 1: the accumulation happens inside training_step)."""
+    leaves gradient_accumulation_steps at 1: the accumulation happens inside training_step), plus the
+    evaluation schedule when the run has an eval set."""
     kwargs = targs.to_sft_kwargs()
     cuda = torch.cuda.is_available()
     kwargs.update(
@@ -293,14 +310,17 @@ def sft_config_for(targs: TrainingArgsConfig, dtype: torch.dtype, rank: int) -> 
         bf16=cuda and dtype == torch.bfloat16,
         fp16=cuda and dtype == torch.float16,
     )
+    if evaluate:
+        kwargs.update(eval_sft_kwargs(targs.eval_steps))
     if rank != 0:  # one writer: rank 0 saves, reports and shows progress (others save their RNG only)
         kwargs.update(report_to="none", disable_tqdm=True)
     return SFTConfig(**kwargs)
 
 
-def build_trainer(description: RunDescription, loaded_model, dataset, info: DistInfo
+def build_trainer(description: RunDescription, loaded_model, dataset, info: DistInfo, eval_dataset=None
                   ) -> tuple[HyperSlothTrainer, RunSetup]:
-    """Wire plan, data, gradient sync and TRL arguments into a HyperSlothTrainer for this rank."""
+    """Wire plan, data, gradient sync and TRL arguments into a HyperSlothTrainer for this rank; with
+    `eval_dataset` (the rows of `description.eval_set`) also the evaluator, best adapter and early stopping."""
     hyper, targs = description.hyper(), description.training_args()
     lengths, trainable = dataset_lengths(dataset, description.loss_type, description.max_seq_length)
     spec = plan_spec_for(description)
@@ -317,10 +337,20 @@ def build_trainer(description: RunDescription, loaded_model, dataset, info: Dist
     )
     model = loaded_model.model
     callbacks = [SaveRunStateCallback(description)] if info.is_main else []
+    evaluator = None
+    if eval_dataset is not None:  # planned with the training spec as resolved here (budget included)
+        evaluator = build_evaluator(eval_dataset, spec, rank=info.rank, loss_type=description.loss_type,
+                                    pad_token_id=loaded_model.tokenizer.pad_token_id,
+                                    packed_lengths=loaded_model.backend == "unsloth")
+        callbacks += eval_callbacks(description.output_dir, is_main=info.is_main,
+                                    save_best_adapter=targs.save_best_adapter,
+                                    early_stopping_patience=targs.early_stopping_patience)
     trainer = HyperSlothTrainer(
         model=model,
-        args=sft_config_for(targs, loaded_model.dtype, info.rank),
+        args=sft_config_for(targs, loaded_model.dtype, info.rank, evaluate=evaluator is not None),
         train_dataset=dataset,
+        eval_dataset=eval_dataset,
+        evaluator=evaluator,
         processing_class=loaded_model.tokenizer,
         callbacks=callbacks,
         plan_steps=steps,

@@ -16,7 +16,9 @@ from typing import Any
 
 from loguru import logger
 
-from HyperSloth import dist, logs, report, run_files
+import numpy as np
+
+from HyperSloth import budget, dist, logs, report, run_files
 from HyperSloth.config import ConfigError
 from HyperSloth.run import RunDescription, read_run
 
@@ -93,26 +95,52 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path) -> d
     from datasets import load_from_disk
 
     from HyperSloth import model as model_lib
+    from HyperSloth.eval_set import split_for_run
+    from HyperSloth.evaluation import eval_summary
     from HyperSloth.trainer import build_trainer
 
     hyper = description.hyper()
     transformers.set_seed(description.seed)
     started = time.perf_counter()
-    loaded_model = model_lib.load_model(hyper.fast_model_args, hyper.lora_args)
+    # Loading and the micro-batch budget go together: "auto" is measured on the loaded model (every rank,
+    # then the minimum), and a longest sample that fits only with checkpointing reloads the model with it.
+    lengths = np.asarray(load_from_disk(description.dataset.path)["length"], dtype=np.int64)
+    description, loaded_model, budget_decision = budget.settle(description, _loader(hyper), lengths)
     logger.info(f"model {hyper.fast_model_args.model_name} loaded with {loaded_model.backend} ({loaded_model.dtype})")
-    dataset = load_from_disk(description.dataset.path)
-    trainer, setup = build_trainer(description, loaded_model, dataset, info)
+    if info.is_main:
+        run_files.atomic_write_json(run_files.resolved_file(out_dir), {
+            "token_budget": budget_decision.as_record(),
+            "gradient_checkpointing": description.hyper_config["fast_model_args"]["use_gradient_checkpointing"]})
+    # A hold-out leaves the training rows; the eval rows are checked against the resolved fingerprint.
+    dataset, eval_dataset = split_for_run(load_from_disk(description.dataset.path), description.eval_set)
+    trainer, setup = build_trainer(description, loaded_model, dataset, info, eval_dataset=eval_dataset)
     result = trainer.train(resume_from_checkpoint=description.resume_from_checkpoint)
     _write_weight_digest(trainer.model, out_dir, info.rank)
     if not info.is_main:
         return None
     trainer.save_model(str(out_dir))
     summary = _summary(trainer, setup, result, time.perf_counter() - started, info)
+    summary["token_budget"] = budget_decision.as_record()  # the budget planned with, and what it came from
+    summary["gradient_checkpointing"] = description.hyper_config["fast_model_args"]["use_gradient_checkpointing"]
+    summary.update(eval_summary(trainer.state.log_history, description.eval_set, out_dir))
     run_files.atomic_write_json(out_dir / run_files.SUMMARY_FILE, summary)
     run_files.atomic_write_json(out_dir / run_files.CONFIG_FILE, description.resolved_config())
     _print_summary(summary, out_dir)
     logger.info(f"{report.format_console(summary)}\nreport: {report.write_report(out_dir)}")
     return summary
+
+
+def _loader(hyper):
+    """`load(gradient_checkpointing)` for budget.settle: the configured model, or with that checkpointing."""
+    from HyperSloth import model as model_lib
+
+    def load(checkpointing):
+        fast = hyper.fast_model_args
+        if checkpointing is not None:
+            fast = fast.model_copy(update={"use_gradient_checkpointing": checkpointing})
+        return model_lib.load_model(fast, hyper.lora_args)
+
+    return load
 
 
 def _write_weight_digest(model, out_dir: Path, rank: int) -> None:
