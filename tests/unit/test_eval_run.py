@@ -92,3 +92,12 @@ def test_eval_problems_are_refused_before_any_worker_starts(tmp_path, data, data
 def test_eval_fraction_out_of_range_is_refused_when_the_config_loads(tmp_path, data):
     with pytest.raises(ConfigError, match=r"data.eval_fraction: eval_fraction must be in \[0, 0.5\]"):
         load_config(_config(tmp_path, ", eval_fraction=0.75"))
+
+
+def test_the_eval_example_holds_out_five_percent_and_stops_early():
+    root = Path(__file__).resolve().parents[2]
+    loaded = load_config(root / "examples" / "eval_holdout.py")
+    assert (loaded.hyper.data.eval_fraction, loaded.hyper.data.eval_dataset_name) == (0.05, None)
+    args = loaded.training_args
+    assert (args.eval_steps, args.early_stopping_patience, args.save_best_adapter) == (10, 3, True)
+    assert "eval_holdout.py" in (root / "examples" / "README.md").read_text()
