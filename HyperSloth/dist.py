@@ -25,11 +25,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as torch_dist
 
-# Variables torchrun sets. HF/accelerate switch to their own DDP mode when they see them, so the worker
-# removes them after reading (HyperSloth syncs gradients itself).
-TORCHRUN_VARS = (
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-    "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID",
+# TORCHRUN_VARS: variables torchrun sets. HF/accelerate switch to their own DDP mode when they see
+# them, so the worker removes them after reading (HyperSloth syncs gradients itself).
+from HyperSloth.run_files import (
+    ENV_LOCAL_RANK,
+    ENV_MASTER_ADDR,
+    ENV_MASTER_PORT,
+    ENV_RANK,
+    ENV_WORLD_SIZE,
+    TORCHRUN_VARS,
 )
 
 
@@ -56,13 +60,13 @@ class DistInfo:
     def from_env(cls, env: MutableMapping[str, str] | None = None) -> DistInfo:
         """Read HyperSloth's launcher variables, else torchrun's, else a single process."""
         env = os.environ if env is None else env
-        if "HYPERSLOTH_RANK" in env:
+        if ENV_RANK in env:
             return cls(
-                rank=int(env["HYPERSLOTH_RANK"]),
-                world_size=int(env["HYPERSLOTH_WORLD_SIZE"]),
-                local_rank=int(env.get("HYPERSLOTH_LOCAL_RANK", env["HYPERSLOTH_RANK"])),
-                master_addr=env.get("HYPERSLOTH_MASTER_ADDR", "127.0.0.1"),
-                master_port=int(env.get("HYPERSLOTH_MASTER_PORT", "29500")),
+                rank=int(env[ENV_RANK]),
+                world_size=int(env[ENV_WORLD_SIZE]),
+                local_rank=int(env.get(ENV_LOCAL_RANK, env[ENV_RANK])),
+                master_addr=env.get(ENV_MASTER_ADDR, "127.0.0.1"),
+                master_port=int(env.get(ENV_MASTER_PORT, "29500")),
                 launched_by="hypersloth",
             )
         if all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):

@@ -36,7 +36,8 @@ from typing import Any, Literal
 
 from loguru import logger
 
-CONFIG_FILE = "hypersloth_config.json"
+from HyperSloth import run_files
+from HyperSloth.run_files import CONFIG_FILE
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 DTYPES = ("bfloat16", "float16", "float32")
@@ -361,10 +362,6 @@ def _staged(dest: Path, force: bool) -> Iterator[Path]:
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
     try:
         yield staging
-        if dest.is_dir():
-            shutil.rmtree(dest)
-        elif dest.exists():
-            dest.unlink()
-        os.replace(staging, dest)
+        run_files.replace_dir(staging, dest)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

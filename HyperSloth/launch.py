@@ -30,11 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Iterator
 
-# Variables of torchrun / torch.distributed that must not reach our workers: HyperSloth owns the
-# process group, and Hugging Face must see each worker as a single process.
-TORCHRUN_VARS = (
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "ROLE_RANK",
-)
+from HyperSloth import run_files
+
+# TORCHRUN_VARS: variables of torchrun / torch.distributed that must not reach our workers: HyperSloth
+# owns the process group, and Hugging Face must see each worker as a single process.
+from HyperSloth.run_files import TORCHRUN_VARS
+
 MASTER_ADDR = "127.0.0.1"
 STDERR_TAIL_LINES = 20
 
@@ -137,19 +138,18 @@ def _cpu_count() -> int:
 
 
 def worker_env(
-    base_env: Mapping[str, str], *, rank: int, gpus: Sequence[int], port: int, run_dir: str | os.PathLike, cuda: bool
+    base_env: Mapping[str, str], *, rank: int, gpus: Sequence[int], port: int, cuda: bool
 ) -> dict[str, str]:
-    """The environment of rank `rank`: `base_env` (NCCL_*/TORCH_* kept) plus the HYPERSLOTH_* contract."""
+    """The environment of rank `rank`: `base_env` (NCCL_*/TORCH_* kept) plus the launcher's variables
+    (names in run_files: rank, local rank, world size, rendezvous address and port)."""
     env = {k: v for k, v in base_env.items() if k not in TORCHRUN_VARS}
-    env.update(
-        HYPERSLOTH_RANK=str(rank),
-        HYPERSLOTH_WORLD_SIZE=str(len(gpus)),
-        HYPERSLOTH_LOCAL_RANK=str(rank),
-        HYPERSLOTH_MASTER_ADDR=MASTER_ADDR,
-        HYPERSLOTH_MASTER_PORT=str(port),
-        HYPERSLOTH_GPU=str(gpus[rank]),
-        HYPERSLOTH_RUN_DIR=str(run_dir),
-    )
+    env.update({
+        run_files.ENV_RANK: str(rank),
+        run_files.ENV_WORLD_SIZE: str(len(gpus)),
+        run_files.ENV_LOCAL_RANK: str(rank),
+        run_files.ENV_MASTER_ADDR: MASTER_ADDR,
+        run_files.ENV_MASTER_PORT: str(port),
+    })
     if cuda:
         env["CUDA_VISIBLE_DEVICES"] = _physical_gpu(gpus[rank], base_env.get("CUDA_VISIBLE_DEVICES"))
     else:
@@ -175,7 +175,7 @@ def build_worker_specs(
     argv = tuple(worker_argv) if worker_argv is not None else tuple(default_worker_argv(config_path))
     env = dict(os.environ if base_env is None else base_env)
     return [
-        WorkerSpec(rank, gpu, argv, worker_env(env, rank=rank, gpus=gpus, port=port, run_dir=output_dir, cuda=cuda))
+        WorkerSpec(rank, gpu, argv, worker_env(env, rank=rank, gpus=gpus, port=port, cuda=cuda))
         for rank, gpu in enumerate(gpus)
     ]
 
@@ -250,14 +250,14 @@ class _Supervisor:
         for spec in self.specs:
             if signals.signum is not None:
                 return
-            stdout = None if spec.rank == 0 else (self.logs_dir / f"rank{spec.rank}.stdout").open("wb")
+            stdout = None if spec.rank == 0 else run_files.rank_file_in(self.logs_dir, spec.rank, "stdout").open("wb")
             proc = subprocess.Popen(spec.argv, env=spec.env, stdout=stdout, stderr=subprocess.PIPE,
                                     start_new_session=True, preexec_fn=die_with_launcher)
             if stdout is not None:
                 stdout.close()  # the child holds its own copy
             self.procs.append(proc)
             tee = getattr(sys.stderr, "buffer", None) if spec.rank == 0 else None
-            pump = _StderrPump(proc.stderr, self.logs_dir / f"rank{spec.rank}.stderr", tee)
+            pump = _StderrPump(proc.stderr, run_files.rank_file_in(self.logs_dir, spec.rank, "stderr"), tee)
             pump.start()
             self.pumps.append(pump)
 
@@ -277,14 +277,14 @@ class _Supervisor:
         """The report of the failed rank that failed first; call after `stop`, when stderr is complete.
 
         When one rank raises, its peers soon fail too (their collective loses a peer) and may exit first.
-        Workers stamp the moment their exception was raised into `rank{r}.failure.json`, before the
+        Workers stamp the moment their exception was raised into their `failure.json`, before the
         process group is torn down, so the earliest stamp names the root cause."""
         first = _earliest_failed_rank(self.logs_dir)
         if first is not None and first != spec.rank:
             spec = self.specs[first]
             code = self.procs[first].returncode
         tail = self.pumps[spec.rank].tail()
-        return RankFailure(spec.rank, spec.gpu, code, tail, self.logs_dir / f"rank{spec.rank}.stderr")
+        return RankFailure(spec.rank, spec.gpu, code, tail, run_files.rank_file_in(self.logs_dir, spec.rank, "stderr"))
 
     def stop(self) -> None:
         """Stop every child's process group (also ones whose leader already exited) and reap them."""
@@ -345,7 +345,7 @@ def _report_failure(failure: RankFailure, others: int, logs_dir: Path) -> None:
     _say(f"{failure.describe()}; stopped the other {others} worker(s).")
     _say(f"last {len(failure.stderr_tail)} lines of {failure.stderr_path}:")
     print("\n".join("    " + line for line in failure.stderr_tail), file=sys.stderr, flush=True)
-    _say(f"full logs: {logs_dir}/rank{failure.rank}.log and {failure.stderr_path}")
+    _say(f"full logs: {run_files.rank_file_in(logs_dir, failure.rank, 'log')} and {failure.stderr_path}")
 
 
 def launch(
@@ -370,12 +370,12 @@ def launch(
     cuda = cuda_device_count() > 0 if cuda is None else cuda
     store = host_store(MASTER_ADDR)  # held (bound) until this function returns
     specs = build_worker_specs(config_path, gpus, output_dir, port=store.port, cuda=cuda, worker_argv=worker_argv)
-    logs_dir = Path(output_dir) / "logs"
+    logs_dir = run_files.logs_dir(output_dir)
     logs_dir.mkdir(parents=True, exist_ok=True)
-    for stale in logs_dir.glob("rank*.failure.json"):  # a previous run's stamps must not name a culprit
+    for stale in run_files.rank_files_in(logs_dir, "failure.json"):  # a previous run's stamps must not name a culprit
         stale.unlink()
     device = "GPU(s) " + ",".join(map(str, gpus)) if cuda else "CPU (gloo)"
-    _say(f"starting {len(specs)} worker(s) on {device}, port {specs[0].env['HYPERSLOTH_MASTER_PORT']}; logs in {logs_dir}")
+    _say(f"starting {len(specs)} worker(s) on {device}, port {specs[0].env[run_files.ENV_MASTER_PORT]}; logs in {logs_dir}")
     supervisor = _Supervisor(specs, logs_dir, grace_s)
     # The stop runs while signals are still only recorded, so a second Ctrl-C cannot cut it short.
     with _signals_recorded() as signals:
@@ -400,7 +400,7 @@ def launch(
 
 def _earliest_failed_rank(logs_dir: Path) -> int | None:
     stamps = []
-    for path in Path(logs_dir).glob("rank*.failure.json"):
+    for path in run_files.rank_files_in(logs_dir, "failure.json"):
         try:
             record = json.loads(path.read_text())
             stamps.append((float(record["time"]), int(record["rank"])))

@@ -18,10 +18,10 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from HyperSloth import run_files
 from HyperSloth.launch import (
     MASTER_ADDR,
     STDERR_TAIL_LINES,
-    TORCHRUN_VARS,
     LaunchError,
     TmuxSessionExists,
     WorkerSpec,
@@ -30,7 +30,8 @@ from HyperSloth.launch import (
     stop_process_groups,
 )
 
-RENDEZVOUS_PORT_FILE = "rendezvous.port"  # in the logs folder; written by the monitor
+from HyperSloth.run_files import RENDEZVOUS_PORT_FILE, TORCHRUN_VARS, rank_file_in
+
 PORT_WAIT_S = 120.0  # the monitor imports torch before it can bind the store
 
 # A tmux window inherits the tmux *server's* environment, not ours; these launcher variables are
@@ -38,7 +39,7 @@ PORT_WAIT_S = 120.0  # the monitor imports torch before it can bind the store
 _TMUX_FORWARD_NAMES = ("PATH", "VIRTUAL_ENV", "CONDA_PREFIX", "PYTHONPATH", "LD_LIBRARY_PATH")
 _TMUX_FORWARD_PREFIXES = (
     "NCCL_", "TORCH_", "PYTORCH_", "CUDA_", "GLOO_", "HF_", "TRANSFORMERS_", "UNSLOTH_", "OMP_", "MKL_",
-    "TOKENIZERS_", "WANDB_", "HYPERSLOTH_",
+    "TOKENIZERS_", "WANDB_", run_files.ENV_PREFIX,
 )
 
 
@@ -67,7 +68,8 @@ def _rank_script(spec: WorkerSpec, logs_dir: Path) -> str:
     The trap keeps the shell alive when the monitor (or Ctrl-C) stops the worker, so the exit code
     is still written and the window keeps showing the worker's last output.
     """
-    pid_file, code_file = shlex.quote(str(logs_dir / f"rank{spec.rank}.pid")), logs_dir / f"rank{spec.rank}.exitcode"
+    pid_file = shlex.quote(str(rank_file_in(logs_dir, spec.rank, "pid")))
+    code_file = rank_file_in(logs_dir, spec.rank, "exitcode")
     done = f"rank {spec.rank} (gpu {spec.gpu}) exited with code $code; press Enter to close this window"
     return "\n".join([
         f"trap 'echo \"[rank {spec.rank}: stop signal received]\"' INT TERM",
@@ -112,7 +114,7 @@ def launch_tmux(
     socket_name: str | None = None,
     grace_s: float = 5.0,
 ) -> str:
-    """Create tmux session `session`: window `main` (monitor) and one window `rank{r}` per GPU.
+    """Create tmux session `session`: window `main` (monitor) and one window per GPU (`rank0`, ...).
 
     Returns as soon as the session exists, with the command to attach to it. An existing session
     raises TmuxSessionExists unless `replace`. `socket_name` picks a private tmux server (`tmux -L`).
@@ -126,10 +128,10 @@ def launch_tmux(
                                     "or choose another name")
         server.kill_session(session)
     cuda = cuda_device_count() > 0 if cuda is None else cuda
-    logs_dir = (Path(output_dir) / "logs").resolve()
+    logs_dir = run_files.logs_dir(output_dir).resolve()
     logs_dir.mkdir(parents=True, exist_ok=True)
     port_file = logs_dir / RENDEZVOUS_PORT_FILE
-    for stale in [*logs_dir.glob("rank*.exitcode"), *logs_dir.glob("rank*.pid"), port_file]:
+    for stale in [*run_files.rank_files_in(logs_dir, "exitcode"), *run_files.rank_files_in(logs_dir, "pid"), port_file]:
         stale.unlink(missing_ok=True)  # a previous run's exit codes would make the monitor finish at once
     main = _window_command(_main_script(logs_dir, gpus, grace_s))
     tmux_session = server.new_session(
@@ -139,7 +141,7 @@ def launch_tmux(
         port = _wait_for_port(port_file, tmux_session)
         specs = build_worker_specs(config_path, gpus, output_dir, port=port, cuda=cuda, worker_argv=worker_argv)
         for spec in specs:
-            tmux_session.new_window(window_name=f"rank{spec.rank}", start_directory=os.getcwd(),
+            tmux_session.new_window(window_name=run_files.rank_name(spec.rank), start_directory=os.getcwd(),
                                     window_shell=_window_command(_rank_script(spec, logs_dir)), attach=False)
     except BaseException:
         tmux_session.kill()
@@ -170,16 +172,14 @@ def _hold_rendezvous(port_file: Path):
     from HyperSloth.dist import host_store
 
     store = host_store(MASTER_ADDR)
-    tmp = port_file.with_suffix(".tmp")
-    tmp.write_text(f"{store.port}\n")
-    tmp.rename(port_file)
+    run_files.atomic_write_text(port_file, f"{store.port}\n")
     return store
 
 
 def _read_exit_codes(logs_dir: Path, world_size: int) -> dict[int, int]:
     codes = {}
     for rank in range(world_size):
-        path = logs_dir / f"rank{rank}.exitcode"
+        path = rank_file_in(logs_dir, rank, "exitcode")
         if path.is_file():
             codes[rank] = int(path.read_text().strip() or 1)
     return codes
@@ -187,10 +187,10 @@ def _read_exit_codes(logs_dir: Path, world_size: int) -> dict[int, int]:
 
 def _stop_tmux_ranks(logs_dir: Path, ranks: Sequence[int], grace_s: float) -> dict[int, int]:
     """Stop the given ranks' panes (process groups); ranks not done after the grace are SIGKILLed (-9)."""
-    pid_files = {rank: logs_dir / f"rank{rank}.pid" for rank in ranks}
+    pid_files = {rank: rank_file_in(logs_dir, rank, "pid") for rank in ranks}
     pgid_rank = {int(path.read_text()): rank for rank, path in pid_files.items() if path.is_file()}
     def done(pgid: int) -> bool:
-        return (logs_dir / f"rank{pgid_rank[pgid]}.exitcode").is_file()
+        return rank_file_in(logs_dir, pgid_rank[pgid], "exitcode").is_file()
     stop_process_groups(list(pgid_rank), grace_s, done)
     codes = _read_exit_codes(logs_dir, max(ranks, default=-1) + 1)
     return {rank: codes.get(rank, -signal.SIGKILL) for rank in pgid_rank.values()}
@@ -235,15 +235,15 @@ def monitor_tmux_run(logs_dir: str | os.PathLike, gpus: Sequence[int], grace_s: 
 
 def _follow_ranks(logs: Path, gpus: Sequence[int], grace_s: float, poll_s: float) -> int:
     world = len(gpus)
-    print(f"HyperSloth: {world} rank(s) on gpus {list(gpus)}; windows rank0..rank{world - 1} "
-          f"(Ctrl-b n: next window). Following {logs / 'rank0.log'}\n", flush=True)
-    follower, codes, failed = _LogFollower(logs / "rank0.log"), {}, None
+    print(f"HyperSloth: {world} rank(s) on gpus {list(gpus)}; windows {run_files.rank_name(0)}..{run_files.rank_name(world - 1)} "
+          f"(Ctrl-b n: next window). Following {rank_file_in(logs, 0, 'log')}\n", flush=True)
+    follower, codes, failed = _LogFollower(rank_file_in(logs, 0, "log")), {}, None
     while len(codes) < world:
         follower.pump()
         codes.update(_read_exit_codes(logs, world))
         if failed is None and (failed := next((r for r, c in sorted(codes.items()) if c != 0), None)) is not None:
             print(f"\n[rank {failed} (gpu {gpus[failed]}) failed with exit code {codes[failed]}; stopping the others]")
-            print("\n".join("    " + line for line in _log_tail(logs / f"rank{failed}.log")), flush=True)
+            print("\n".join("    " + line for line in _log_tail(rank_file_in(logs, failed, "log"))), flush=True)
         if failed is not None:  # again each round: a rank whose window had not started yet has no pid before
             codes.update(_stop_tmux_ranks(logs, [r for r in range(world) if r not in codes], grace_s))
         time.sleep(poll_s)

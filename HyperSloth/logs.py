@@ -32,7 +32,7 @@ class _OwnProcessGroupFilter(logging.Filter):
 
 
 def configure(rank: int, output_dir: str | Path, *, console_all_ranks: bool = False) -> Path:
-    """Send loguru output to `{output_dir}/logs/rank{rank}.log` (a fresh file), and to stderr on rank 0.
+    """Send loguru output to its rank's log file (run_files.rank_file; a fresh file), and to stderr on rank 0.
 
     On ranks other than 0, warnings and transformers' info/warning messages are silenced: they repeat
     the rank-0 ones word for word (errors still show).

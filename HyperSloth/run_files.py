@@ -3,6 +3,8 @@
 A run directory (`training_config_model.output_dir`) holds:
 
     run.json                        the resolved run description (HyperSloth.run); workers read it
+    run_resolved.json               what the workers settled at start: the token budget ("auto" measured,
+                                    min over ranks, with its inputs) and gradient checkpointing (rank 0)
     hypersloth_config.json          the resolved config (export reads the base model name from it)
     train_summary.json              numbers of the finished run (rank 0)
     report.md, report.png           the run report (HyperSloth.report)
@@ -13,7 +15,7 @@ A run directory (`training_config_model.output_dir`) holds:
     logs/rank{r}.stderr/.stdout     what the launcher captured of rank r
     logs/rank{r}.failure.json       when rank r's exception was raised (names the first failure)
     logs/rank{r}.final.json         hash of rank r's trained weights (all ranks must agree)
-    logs/rank{r}.pid/.exitcode      tmux mode only
+    logs/rank{r}.pid/.exitcode      tmux mode only (and logs/rendezvous.port)
 
 Nothing else in HyperSloth spells these names, the environment variable names or `os.replace`
 (tests/unit/test_run_files.py checks that).
@@ -36,6 +38,8 @@ REPORT_PNG = "report.png"
 LOGS_DIR = "logs"
 CHECKPOINT_PREFIX = "checkpoint-"
 RANK_RNG_FILE = "rng_state_rank{rank}.pth"
+RESOLVED_FILE = "run_resolved.json"  # what the workers settled at start (measured token budget, checkpointing)
+RENDEZVOUS_PORT_FILE = "rendezvous.port"  # tmux mode: in logs/, the port the monitor's store holds
 
 # What rank 0's final save writes next to the summary (PEFT adapter or full model, tokenizer, card).
 _MODEL_FILES = (
@@ -47,7 +51,7 @@ _MODEL_FILES = (
 _MODEL_GLOBS = ("model-*-of-*.safetensors",)
 # The results of a finished run: removed when a new run (or a resume) starts in the folder, so a run
 # that fails never leaves an earlier run's report or adapter looking like its own.
-RESULT_FILES = (SUMMARY_FILE, REPORT_MD, REPORT_PNG, CONFIG_FILE, *_MODEL_FILES)
+RESULT_FILES = (SUMMARY_FILE, REPORT_MD, REPORT_PNG, CONFIG_FILE, RESOLVED_FILE, *_MODEL_FILES)
 TENSORBOARD_DIR = "runs"
 
 # Environment of a worker started by the HyperSloth launcher (read by dist.DistInfo.from_env).
@@ -67,20 +71,39 @@ TORCHRUN_VARS = (
 )  # fmt: skip
 
 
+def resolved_file(output_dir: str | os.PathLike) -> Path:
+    """`{output_dir}/run_resolved.json`."""
+    return Path(output_dir) / RESOLVED_FILE
+
+
 def logs_dir(output_dir: str | os.PathLike) -> Path:
     """`{output_dir}/logs`."""
     return Path(output_dir) / LOGS_DIR
 
 
+def rank_name(rank: int) -> str:
+    """`rank{rank}`: the stem of a rank's files and the name of its tmux window."""
+    return f"rank{rank}"
+
+
+def rank_file_in(logs: str | os.PathLike, rank: int, kind: str) -> Path:
+    """`{logs}/rank{rank}.{kind}`, kind one of log, stderr, stdout, failure.json, final.json, pid, exitcode."""
+    return Path(logs) / f"{rank_name(rank)}.{kind}"
+
+
 def rank_file(output_dir: str | os.PathLike, rank: int, kind: str) -> Path:
-    """`{output_dir}/logs/rank{rank}.{kind}`, kind one of log, stderr, stdout, failure.json, final.json,
-    pid, exitcode."""
-    return logs_dir(output_dir) / f"rank{rank}.{kind}"
+    """`{output_dir}/logs/rank{rank}.{kind}` (see `rank_file_in`)."""
+    return rank_file_in(logs_dir(output_dir), rank, kind)
+
+
+def rank_files_in(logs: str | os.PathLike, kind: str) -> list[Path]:
+    """Every `{logs}/rank*.{kind}` present, in no particular order."""
+    return list(Path(logs).glob(f"rank*.{kind}"))
 
 
 def rank_files(output_dir: str | os.PathLike, kind: str) -> list[Path]:
-    """Every `logs/rank*.{kind}` present, in no particular order."""
-    return list(logs_dir(output_dir).glob(f"rank*.{kind}"))
+    """Every `{output_dir}/logs/rank*.{kind}` present, in no particular order."""
+    return rank_files_in(logs_dir(output_dir), kind)
 
 
 def run_file(output_dir: str | os.PathLike) -> Path:
@@ -183,6 +206,26 @@ def atomic_write_json(path: str | os.PathLike, content: Any) -> Path:
 
 
 def replace_path(source: str | os.PathLike, target: str | os.PathLike) -> None:
-    """Rename `source` to `target` in one step (os.replace), e.g. a staged folder into place; the
-    one spelling of os.replace outside `atomic_write_text`."""
+    """Rename `source` to `target` in one step (os.replace); the one spelling of os.replace besides
+    `atomic_write_text` and `replace_dir`."""
     os.replace(source, target)
+
+
+def replace_dir(staging: str | os.PathLike, dest: str | os.PathLike) -> None:
+    """Put the finished folder `staging` at `dest`: an old `dest` (folder or file) is renamed aside
+    first and deleted only after the swap, so a failure leaves the old one in place."""
+    staging, dest = Path(staging), Path(dest)
+    if dest.is_dir() and not any(dest.iterdir()):
+        dest.rmdir()
+    if not dest.exists():
+        os.replace(staging, dest)
+        return
+    trash = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
+    os.replace(dest, trash / dest.name)
+    try:
+        os.replace(staging, dest)
+    except BaseException:
+        os.replace(trash / dest.name, dest)
+        raise
+    finally:
+        shutil.rmtree(trash, ignore_errors=True)

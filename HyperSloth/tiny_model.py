@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -24,6 +23,8 @@ from typing import TYPE_CHECKING
 from filelock import FileLock
 from loguru import logger
 from pydantic import BaseModel, ConfigDict, Field
+
+from HyperSloth import run_files
 
 if TYPE_CHECKING:  # heavy imports stay lazy: the CLI and the launcher import this module
     from transformers import PreTrainedTokenizerFast
@@ -303,12 +304,4 @@ def _use_portable_tokenizer_class(tokenizer_config: Path) -> None:
 
 def _replace_dir(staging: Path, out_dir: Path) -> None:
     """Move ``staging`` to ``out_dir``; an old ``out_dir`` is swapped out first, then deleted."""
-    if out_dir.is_dir() and not any(out_dir.iterdir()):
-        out_dir.rmdir()
-    if not out_dir.exists():
-        os.replace(staging, out_dir)
-        return
-    trash = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-    os.replace(out_dir, trash / out_dir.name)
-    os.replace(staging, out_dir)
-    shutil.rmtree(trash, ignore_errors=True)
+    run_files.replace_dir(staging, out_dir)

@@ -33,7 +33,7 @@ usage: hypersloth-train CONFIG [--overwrite] [--tmux SESSION] [--y] [--dry-run]
 Fine-tune with one worker process per entry of `training.gpus` in CONFIG (a Python config file,
 see `hypersloth-init`). Each worker sees only its GPU (CUDA_VISIBLE_DEVICES); without CUDA the same
 number of CPU workers train over gloo. If any worker fails, the others are stopped and the failing
-rank's last stderr lines are shown. Logs: OUTPUT_DIR/logs/rank{r}.log and rank{r}.stderr.
+rank's last stderr lines are shown. Logs: OUTPUT_DIR/logs/rankN.log and rankN.stderr (N = rank).
 
 arguments:
   CONFIG            the config file (defines hyper_config_model and training_config_model)
@@ -118,9 +118,11 @@ def machine_notes(description: RunDescription, machine: MachineFacts) -> list[st
     beyond the cores."""
     gpus = list(description.gpus)
     if description.device == "cuda":
-        return []
-    notes = [f"no CUDA: {len(gpus)} CPU worker(s) over gloo, one per entry of gpus={gpus} "
-             "(on CPU the ids only count workers)"]
+        return []  # ids beyond the visible GPUs are a config problem (config.runtime_problems)
+    notes = []
+    if gpus != list(range(len(gpus))):
+        notes.append(f"no CUDA: {len(gpus)} CPU worker(s) over gloo, one per entry of gpus={gpus} "
+                     "(on CPU the ids only count workers)")
     if len(gpus) > machine.cpu_count:
         notes.append(f"{len(gpus)} CPU workers share {machine.cpu_count} core(s): each gets 1 thread, "
                      f"slower than {machine.cpu_count} worker(s) would be")
@@ -188,7 +190,7 @@ def _start_tmux(run: CheckedRun, session: str, replace: bool) -> int:
             raise LaunchError(f"left tmux session '{session}' as it is; nothing started") from err
         attach = launch_tmux(run.run_path, run.gpus, run.output_dir, session, replace=True)
     print(f"hypersloth-train: started {len(run.gpus)} rank(s) in tmux session '{session}' "
-          f"(windows: main, rank0..rank{len(run.gpus) - 1}); logs in {run.output_dir / 'logs'}")
+          f"(windows: main, rank0..rank{len(run.gpus) - 1}); logs in {run_files.logs_dir(run.output_dir)}")
     print(f"hypersloth-train: attach with: {attach}")
     return 0
 

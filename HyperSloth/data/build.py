@@ -31,6 +31,7 @@ from loguru import logger
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tqdm.auto import tqdm
 
+from HyperSloth import run_files
 from HyperSloth.data import formats, masking, registry, summary
 from HyperSloth.data.formats import DataInputError, RawRecord, RecordError
 
@@ -494,15 +495,15 @@ def _swap_in(tmp: Path, target: Path, entry: dict[str, Any], opts: BuildOptions)
         raise DataInputError(f"dataset {opts.name!r} is already registered: pass --overwrite")
     backup = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}") if target.exists() else None
     if backup:
-        os.replace(target, backup)
+        run_files.replace_path(target, backup)
     try:
-        os.replace(tmp, target)
+        run_files.replace_path(tmp, target)
         current["datasets"][opts.name] = entry
         registry.write_registry_unlocked(current, opts.data_dir)
     except BaseException:
         shutil.rmtree(target, ignore_errors=True)
         if backup:
-            os.replace(backup, target)
+            run_files.replace_path(backup, target)
         raise
     if backup:
         shutil.rmtree(backup, ignore_errors=True)

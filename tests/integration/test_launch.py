@@ -91,9 +91,10 @@ def test_env_contract_on_cuda_maps_gpus_and_strips_torchrun_vars(fake, tmp_path,
     for rank, env, gpu in ((0, rank0, "2"), (1, rank1, "5")):
         assert env["HYPERSLOTH_RANK"] == env["HYPERSLOTH_LOCAL_RANK"] == str(rank)
         assert env["HYPERSLOTH_WORLD_SIZE"] == "2"
-        assert env["HYPERSLOTH_GPU"] == env["CUDA_VISIBLE_DEVICES"] == gpu
+        assert env["CUDA_VISIBLE_DEVICES"] == gpu
         assert env["HYPERSLOTH_MASTER_ADDR"] == "127.0.0.1"
-        assert env["HYPERSLOTH_RUN_DIR"] == str(out)
+        # Nothing the worker never reads: it learns its GPU from CUDA_VISIBLE_DEVICES, its folder from run.json.
+        assert "HYPERSLOTH_GPU" not in env and "HYPERSLOTH_RUN_DIR" not in env
         assert env["NCCL_DEBUG"] == "INFO" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
         assert not set(TORCHRUN_VARS) & set(env)
     assert rank0["HYPERSLOTH_MASTER_PORT"] == rank1["HYPERSLOTH_MASTER_PORT"]
@@ -109,19 +110,18 @@ def test_env_contract_on_cuda_maps_gpus_and_strips_torchrun_vars(fake, tmp_path,
 
 def test_cpu_env_hides_gpus_and_splits_threads(monkeypatch):
     base = {"PATH": "/bin", "RANK": "3"}
-    env = worker_env(base, rank=1, gpus=[0, 1], port=1234, run_dir="o", cuda=False)
+    env = worker_env(base, rank=1, gpus=[0, 1], port=1234, cuda=False)
     assert env["CUDA_VISIBLE_DEVICES"] == ""
     assert env["OMP_NUM_THREADS"] == str(max(1, len(os.sched_getaffinity(0)) // 2))
     assert "RANK" not in env and env["PATH"] == "/bin"
-    user_set = worker_env({**base, "OMP_NUM_THREADS": "3"}, rank=0, gpus=[0, 1], port=1, run_dir="o", cuda=False)
+    user_set = worker_env({**base, "OMP_NUM_THREADS": "3"}, rank=0, gpus=[0, 1], port=1, cuda=False)
     assert user_set["OMP_NUM_THREADS"] == "3"
 
 
 def test_gpu_ids_count_within_parent_cuda_visible_devices():
     base = {"CUDA_VISIBLE_DEVICES": "4,6,7"}
-    envs = [worker_env(base, rank=r, gpus=[1, 2], port=1, run_dir="o", cuda=True) for r in range(2)]
+    envs = [worker_env(base, rank=r, gpus=[1, 2], port=1, cuda=True) for r in range(2)]
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["6", "7"]
-    assert [e["HYPERSLOTH_GPU"] for e in envs] == ["1", "2"]
 
 
 def test_specs_use_python_m_worker_by_default(tmp_path):

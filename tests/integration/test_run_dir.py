@@ -1,0 +1,167 @@
+"""The run directory through the real CLI: one run per folder, --overwrite, resume checks, the notes and
+the one-line Hub error the launcher prints before any worker starts (workers faked: nothing trains)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+import HyperSloth.cli.train as train_cli
+from HyperSloth.config import load_config
+from HyperSloth.run import MachineFacts, resolve_run, write_run
+from HyperSloth.run_files import TORCHRUN_VARS
+
+
+def write_config(tmp_path: Path, *, gpus: str = "[0, 1]", model: str | None = None, extra_targs: str = "",
+                 per_device: int = 4, name: str = "config.py") -> Path:
+    """A config whose registered dataset (metadata only) and model folder exist."""
+    data_dir = tmp_path / "data"
+    folder = data_dir / "built_dataset" / "chat"
+    folder.mkdir(parents=True, exist_ok=True)
+    features = {c: {} for c in ("input_ids", "labels", "length", "num_trainable", "text")}
+    (folder / "dataset_info.json").write_text(json.dumps({"features": features}))
+    (folder / "state.json").write_text(json.dumps({"_fingerprint": "f"}))
+    entry = {"name": "chat", "path": "built_dataset/chat", "num_samples": 3, "stats": {"max_tokens": 100}}
+    (data_dir / "data_config.json").write_text(json.dumps({"version": 1, "datasets": {"chat": entry}}))
+    (tmp_path / "model").mkdir(exist_ok=True)
+    model = model or str(tmp_path / "model")
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(f'''
+        from HyperSloth.config import *
+        hyper_config_model = HyperConfig(
+            data=DataConfig(dataset_name="chat", data_dir={str(data_dir)!r}),
+            training=TrainingConfig(gpus={gpus}),
+            fast_model_args=FastModelArgs(model_name={model!r}, backend="transformers", dtype="float32"),
+        )
+        training_config_model = TrainingArgsConfig(output_dir={str(tmp_path / "out")!r},
+                                                   per_device_train_batch_size={per_device},
+                                                   gradient_accumulation_steps=2{extra_targs})
+    '''))
+    return path
+
+
+@pytest.fixture
+def cli(monkeypatch):
+    """The CLI in-process on a CPU machine; `launch` recorded instead of run."""
+    calls = []
+    monkeypatch.setattr(train_cli, "cuda_device_count", lambda: 0)
+    monkeypatch.setattr(train_cli, "launch", lambda *a, **k: calls.append(a) or 0)
+    for name in TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+    def run(argv: list[str]) -> int:
+        with pytest.raises(SystemExit) as exit_info:
+            train_cli.main(argv)
+        return exit_info.value.code
+
+    return types.SimpleNamespace(run=run, calls=calls)
+
+
+def earlier_run_files(out: Path) -> list[Path]:
+    """What a finished 16-worker run leaves behind."""
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    files = [out / "logs" / f"rank{r}.{kind}" for r in range(16) for kind in ("log", "stderr", "final.json")]
+    files += [out / n for n in ("report.md", "train_summary.json", "adapter_model.safetensors", "adapter_config.json")]
+    for path in files:
+        path.write_text("earlier run")
+    (out / "checkpoint-3").mkdir(exist_ok=True)
+    return files
+
+
+def test_second_run_into_the_same_output_dir_is_refused(cli, tmp_path, capsys):
+    config = write_config(tmp_path)
+    assert cli.run([str(config)]) == 0 and len(cli.calls) == 1
+    run_json = (tmp_path / "out" / "run.json").read_text()
+    earlier_run_files(tmp_path / "out")
+    assert cli.run([str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "holds an earlier run" in err and "--overwrite" in err and "resume_from_checkpoint" in err
+    assert "Traceback" not in err and len(cli.calls) == 1  # no worker started
+    assert (tmp_path / "out" / "run.json").read_text() == run_json  # nothing touched
+    assert (tmp_path / "out" / "logs" / "rank15.log").read_text() == "earlier run"
+
+
+def test_overwrite_removes_the_earlier_run_and_keeps_other_files(cli, tmp_path):
+    out = tmp_path / "out"
+    stale = earlier_run_files(out)
+    (out / "notes.txt").write_text("mine")
+    assert cli.run([str(write_config(tmp_path)), "--overwrite"]) == 0 and len(cli.calls) == 1
+    assert not any(p.exists() for p in stale) and not (out / "checkpoint-3").exists()
+    assert (out / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in out.iterdir()) == ["logs", "notes.txt", "run.json"]
+
+
+def test_resume_keeps_checkpoints_but_not_the_earlier_results_or_logs(cli, tmp_path):
+    out = tmp_path / "out"
+    stale = earlier_run_files(out)
+    first = resolve_run(load_config(write_config(tmp_path, name="first.py")), world_size=2,
+                        machine=MachineFacts(0, False, 2))
+    write_run(first, out / "checkpoint-3" / "run.json")
+    config = write_config(tmp_path, extra_targs=f", resume_from_checkpoint={str(out / 'checkpoint-3')!r}")
+    assert cli.run([str(config)]) == 0 and len(cli.calls) == 1
+    assert not any(p.exists() for p in stale)  # a failed resume cannot pass the old report off as its own
+    assert (out / "checkpoint-3" / "run.json").is_file()
+
+
+def test_resume_with_another_step_size_is_refused_before_any_worker(cli, tmp_path, capsys):
+    out = tmp_path / "out"
+    first = resolve_run(load_config(write_config(tmp_path, name="first.py")), world_size=2,
+                        machine=MachineFacts(0, False, 2))
+    write_run(first, out / "checkpoint-3" / "run.json")
+    # One worker instead of two: 4 x 2 x 1 = 8 samples per step instead of 16.
+    config = write_config(tmp_path, gpus="[0]", extra_targs=f", resume_from_checkpoint={str(out / 'checkpoint-3')!r}")
+    assert cli.run([str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot resume from" in err and "samples per step 16 -> 8" in err and cli.calls == []
+
+
+def test_gpu_ids_on_cpu_are_explained(cli, tmp_path, capsys):
+    assert cli.run([str(write_config(tmp_path, gpus="[5]"))]) == 0
+    err = capsys.readouterr().err
+    assert "no CUDA: 1 CPU worker(s) over gloo, one per entry of gpus=[5] (on CPU the ids only count workers)" in err
+    cores = len(os.sched_getaffinity(0))
+    many = list(range(cores + 1))
+    assert cli.run([str(write_config(tmp_path, gpus=repr(many))), "--overwrite"]) == 0
+    assert f"{cores + 1} CPU workers share {cores} core(s)" in capsys.readouterr().err
+
+
+def test_the_start_line_states_the_derived_batch(cli, tmp_path, capsys):
+    assert cli.run([str(write_config(tmp_path, gpus="[0, 1, 2]", per_device=2))]) == 0
+    line = next(x for x in capsys.readouterr().err.splitlines() if "global batch" in x)
+    assert "world size 3" in line and "4 samples per rank per step" in line and "global batch 12 samples" in line
+
+
+def _cli_subprocess(config: Path, **env: str) -> tuple[subprocess.CompletedProcess, float]:
+    environ = {k: v for k, v in os.environ.items() if k not in (*TORCHRUN_VARS, "HF_HUB_OFFLINE")}
+    environ.update(CUDA_VISIBLE_DEVICES="", **env)
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "HyperSloth.cli.train", str(config)], capture_output=True,
+                            text=True, timeout=120, env=environ)
+    return result, time.monotonic() - start
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"HF_ENDPOINT": "http://127.0.0.1:9"}, "cannot reach the Hugging Face Hub at http://127.0.0.1:9"),
+        ({"HF_HUB_OFFLINE": "1"}, "is not in the local Hugging Face cache and HF_HUB_OFFLINE=1"),
+    ],
+    ids=["unreachable-endpoint", "offline"],
+)
+def test_unreachable_hub_model_is_one_line_before_any_worker(tmp_path, env, expected):
+    config = write_config(tmp_path, model="hypersloth-test/not-cached-anywhere")
+    result, seconds = _cli_subprocess(config, HF_HOME=str(tmp_path / "hf"), **env)
+    print(f"hub check answered in {seconds:.1f} s")  # measured; not asserted (no timed tests)
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("hypersloth-train: error:")]
+    assert len(errors) == 1 and expected in errors[0] and "hypersloth-test/not-cached-anywhere" in errors[0]
+    assert "Traceback" not in result.stderr and not (tmp_path / "out" / "run.json").exists()
