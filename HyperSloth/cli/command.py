@@ -6,22 +6,18 @@ reported *after* the function had run: `hypersloth-init x.py --templat lora-2gpu
 default template, then complained. Here each CLI declares its arguments once (`Command`); `run`
 checks argv against that table first (unknown flags exit 2 naming the closest valid one, nothing
 written), prints our own plain help (no pager, no type noise), normalises argv to `--name=value`
-form and only then lets fire make the call.
-
-Standard library only: the console scripts (`train`, `init`, ... below) take over Ctrl-C before the
-CLI modules, and their heavier imports, are loaded.
+form and only then lets fire make the call, with Ctrl-C ending in one line (HyperSloth.cli.console).
 """
 
 from __future__ import annotations
 
 import difflib
-import importlib
-import signal
 import sys
 import textwrap
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from HyperSloth.cli.console import interrupts_end_quietly
 
 HELP_FLAGS = ("-h", "--help")
 _TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")
@@ -230,56 +226,3 @@ def _is_number(arg: str) -> bool:
 
 def _looks_like_flag(arg: str) -> bool:
     return arg.startswith("-") and not _is_number(arg)
-
-
-# ---------------------------------------------------------------------- Ctrl-C and the console scripts
-
-
-@contextmanager
-def interrupts_end_quietly(prog: str) -> Iterator[None]:
-    """Turn a KeyboardInterrupt into one line on stderr and exit code 130 (128 + SIGINT)."""
-    try:
-        yield
-    except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C while exiting: no traceback either
-        try:
-            print(f"{prog}: interrupted", file=sys.stderr, flush=True)
-        except (OSError, ValueError):
-            pass
-        raise SystemExit(128 + signal.SIGINT) from None
-
-
-def _console(module: str, prog: str) -> None:
-    # The CLI module is imported inside the guard: its imports take long enough to be interrupted.
-    with interrupts_end_quietly(prog):
-        importlib.import_module(module).main()
-
-
-def train() -> None:
-    """Console script `hypersloth-train`."""
-    _console("HyperSloth.cli.train", "hypersloth-train")
-
-
-def init() -> None:
-    """Console script `hypersloth-init`."""
-    _console("HyperSloth.cli.init", "hypersloth-init")
-
-
-def build_dataset() -> None:
-    """Console script `hypersloth-build-dataset`."""
-    _console("HyperSloth.cli.build_dataset", "hypersloth-build-dataset")
-
-
-def plan() -> None:
-    """Console script `hypersloth-plan`."""
-    _console("HyperSloth.cli.plan", "hypersloth-plan")
-
-
-def export() -> None:
-    """Console script `hypersloth-export`."""
-    _console("HyperSloth.cli.export", "hypersloth-export")
-
-
-def tiny_model() -> None:
-    """Console script `hypersloth-tiny-model`."""
-    _console("HyperSloth.cli.tiny_model", "hypersloth-tiny-model")

@@ -17,10 +17,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import fire
 import numpy as np
 
 from HyperSloth.batching import EpochPlan, PlanSpec, PlanStats, adaptive_partition_batches
+from HyperSloth.cli.command import Command, Flag, Positional
 from HyperSloth.config import ConfigError, load_config
 from HyperSloth.plan_inputs import dataset_lengths, plan_spec_for
 from HyperSloth.run import MachineFacts, resolve_run
@@ -151,9 +151,24 @@ def plan(config: str, gpus: int | None = None) -> None:
         raise SystemExit(2) from None
 
 
-def main() -> None:
-    """Entry point of `hypersloth-plan`."""
-    fire.Fire(plan)
+COMMAND = Command(
+    prog="hypersloth-plan",
+    summary="""Preview the batch plan of CONFIG: no model and no GPU needed. Reads the registered dataset's
+`length` and `num_trainable` columns, builds epoch 0's plan for the configured GPUs (or N of them, for
+a what-if) exactly as the workers will, and prints a summary that ends with one machine-readable line:
+    plan: steps=S micro_batches_per_rank=M padding_pct=P random_padding_pct=R imbalance=I plan_seconds=T
+`hypersloth-train CONFIG --dry-run` prints the same summary.""",
+    positionals=(Positional("config", "CONFIG", "the config file (see `hypersloth-init`)"),),
+    flags=(Flag("gpus", "plan for N GPUs instead of len(training.gpus)", value="N"),),
+    examples=("hypersloth-plan examples/tiny_cpu_demo.py",
+              "hypersloth-plan my_config.py --gpus 8          # the same run on 8 GPUs"),
+    notes="exit codes: 0 planned, 2 a problem in the config or its dataset (one line)",
+)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of `hypersloth-plan` (console script via HyperSloth.cli.command)."""
+    COMMAND.run(plan, argv)
 
 
 if __name__ == "__main__":
