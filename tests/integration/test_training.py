@@ -114,6 +114,16 @@ def test_two_workers_match_one_worker_with_the_same_global_batch(runs, pair):
     assert error <= RTOL, f"final adapters differ: relative error {error:.3g}"
 
 
+@needs("packed-2w")
+def test_only_all_rank_throughput_is_printed(runs):
+    run = runs.get("packed-2w").check_ok()
+    # HF's per-process samples/s would be 4x too small here (2 workers x 2 micro-batches): dropped.
+    assert "train_samples_per_second" not in run.output and "train_steps_per_second" not in run.output
+    assert "train_tokens_per_second_all_ranks" in run.output
+    assert "world size 2, micro-batch 4 samples, 8 samples per rank per step" in run.output
+    assert "global batch 16 samples per optimizer step" in (run.out / "logs" / "rank0.log").read_text()
+
+
 # ---------------------------------------------------------------- 2. ranks stay in lockstep
 
 
