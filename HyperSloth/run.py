@@ -17,6 +17,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -37,7 +38,28 @@ from HyperSloth.eval_set import EvalSet, resolve_eval_set
 from HyperSloth.plan_inputs import attention_coef
 
 REQUIRED_COLUMNS = ("input_ids", "labels", "length", "num_trainable")
-BUILD_HINT = "hypersloth-build-dataset --local_path FILE_OR_DIR --tokenizer MODEL --name {name}"
+
+
+def rebuild_command(entry: dict[str, Any], name: str, data_dir: str, max_seq_length: int | None = None) -> str:
+    """The `hypersloth-build-dataset` command that builds `name` again from what its registry entry
+    recorded (source, tokenizer, split, sample), replacing the registered one (--overwrite)."""
+    source, tokenizer = entry.get("source"), entry.get("tokenizer")
+    stats = entry.get("stats") if isinstance(entry.get("stats"), dict) else {}
+    if source:
+        flag = "--local_path" if Path(str(source)).exists() else "--hf_dataset"
+        parts = [flag, shlex.quote(str(source))]
+    else:
+        parts = ["--local_path", "FILE_OR_DIR"]
+    parts += ["--tokenizer", shlex.quote(str(tokenizer)) if tokenizer else "MODEL", "--name", shlex.quote(name),
+              "--data_dir", shlex.quote(str(data_dir))]
+    if entry.get("split") not in (None, "train"):
+        parts += ["--split", shlex.quote(str(entry["split"]))]
+    if stats.get("n"):
+        parts += ["-n", str(stats["n"]), "--seed", str(stats.get("seed", 42))]
+    length = max_seq_length or entry.get("max_seq_length")
+    if length:
+        parts += ["--max_seq_length", str(length)]
+    return "hypersloth-build-dataset " + " ".join(parts) + " --overwrite"
 
 
 @dataclass(frozen=True)
@@ -101,6 +123,10 @@ class RunDescription(BaseModel):
         "(as many as the token budget needs)."
     )
     token_budget: int = Field(gt=0, description="Packed mode: most tokens in one micro-batch.")
+    token_budget_auto: bool = Field(
+        False, description="tokens_per_micro_batch='auto' on a GPU: token_budget is only the preview's stand-in "
+        "(per_device_train_batch_size x max_seq_length); each worker measures its GPU at start and all plan "
+        "with the minimum over ranks (HyperSloth.budget.settle).")
     max_seq_length: int
     attention_coef: float | None = Field(description="Planner cost-model coefficient (None = planner default).")
     seed: int
@@ -128,7 +154,8 @@ class RunDescription(BaseModel):
 
     def batch_line(self) -> str:
         """The derived batch numbers in one line, like torchtitan's start-up log."""
-        per_step = ("packed into micro-batches of <= " f"{self.token_budget:,} tokens"
+        budget = "an automatic budget (measured at start)" if self.token_budget_auto else f"{self.token_budget:,} tokens"
+        per_step = (f"packed into micro-batches of <= {budget}"
                     if self.micro_batches_per_step is None else f"{self.micro_batches_per_step} micro-batches")
         return (f"world size {self.world_size}, micro-batch {self.micro_batch_size} samples, "
                 f"{self.samples_per_rank_per_step} samples per rank per step ({per_step}), "
@@ -198,27 +225,25 @@ def dataset_facts(hyper: HyperConfig, problems: list[str]) -> DatasetFacts | Non
         return None
     folder = data.dataset_path().resolve()
     info = _read_json(folder / "dataset_info.json")
+    rebuild = rebuild_command(entry, name, data.data_dir)
     if not folder.is_dir() or not info:
-        problems.append(f"dataset '{name}' is registered but its folder {folder} is missing or incomplete: rebuild "
-                        f"it with `{BUILD_HINT.format(name=name)} --data_dir {data.data_dir} --overwrite`")
+        problems.append(f"dataset '{name}' is registered but its folder {folder} is missing or incomplete: "
+                        f"rebuild it with `{rebuild}`")
         return None
     columns = tuple((info.get("features") or {}).keys())
     missing = [c for c in REQUIRED_COLUMNS if c not in columns]
     if missing:
-        problems.append(f"dataset '{name}' ({folder}) has no column(s) {missing}: rebuild it with "
-                        f"`{BUILD_HINT.format(name=name)} --data_dir {data.data_dir} --overwrite`")
+        problems.append(f"dataset '{name}' ({folder}) has no column(s) {missing}: rebuild it with `{rebuild}`")
         return None
-    return DatasetFacts(name=name, path=str(folder), columns=columns, num_samples=int(entry.get("num_samples", 0)),
-                        built_max_length=_built_max_length(folder, entry), fingerprint=dataset_fingerprint(folder))
-
-
-def _length_problem(facts: DatasetFacts, max_seq_length: int, data_dir: str) -> str | None:
-    if facts.built_max_length <= max_seq_length:
-        return None
-    return (f"dataset '{facts.name}' holds samples of up to {facts.built_max_length} tokens but "
-            f"fast_model_args.max_seq_length is {max_seq_length}: set max_seq_length >= {facts.built_max_length}, "
-            f"or rebuild the dataset with `{BUILD_HINT.format(name=facts.name)} --data_dir {data_dir} "
-            f"--max_seq_length {max_seq_length} --overwrite`")
+    facts = DatasetFacts(name=name, path=str(folder), columns=columns, num_samples=int(entry.get("num_samples", 0)),
+                         built_max_length=_built_max_length(folder, entry), fingerprint=dataset_fingerprint(folder))
+    if facts.built_max_length > hyper.fast_model_args.max_seq_length:
+        length = hyper.fast_model_args.max_seq_length
+        problems.append(
+            f"dataset '{name}' holds samples of up to {facts.built_max_length} tokens but "
+            f"fast_model_args.max_seq_length is {length}: set max_seq_length >= {facts.built_max_length}, "
+            f"or rebuild the dataset with `{rebuild_command(entry, name, data.data_dir, length)}`")
+    return facts
 
 
 def _json_problem(training_args: TrainingArgsConfig) -> str | None:
@@ -256,8 +281,6 @@ def resolve_run(loaded: LoadedConfig, *, world_size: int, machine: MachineFacts)
     problems = runtime_problems(hyper, targs, cuda_device_count=machine.cuda_device_count,
                                 unsloth_available=machine.unsloth_available)
     facts = dataset_facts(hyper, problems)
-    if facts is not None:
-        problems.append(_length_problem(facts, fast.max_seq_length, hyper.data.data_dir))
     problems.append(_json_problem(targs))
     eval_set = _eval_set(hyper, targs, facts, problems)
     problems = [p for p in problems if p]
@@ -275,7 +298,10 @@ def resolve_run(loaded: LoadedConfig, *, world_size: int, machine: MachineFacts)
         loss_type=training.loss_type,
         **batch_numbers(targs.per_device_train_batch_size, targs.gradient_accumulation_steps, world_size,
                         training.batching),
-        token_budget=training.tokens_per_micro_batch or targs.per_device_train_batch_size * fast.max_seq_length,
+        # "auto": measured by the workers on a GPU (this is the stand-in), fixed at this value on CPU.
+        token_budget=(targs.per_device_train_batch_size * fast.max_seq_length
+                      if training.tokens_per_micro_batch == "auto" else training.tokens_per_micro_batch),
+        token_budget_auto=training.tokens_per_micro_batch == "auto" and cuda,
         max_seq_length=fast.max_seq_length,
         attention_coef=attention_coef(fast.model_name),
         seed=targs.seed,

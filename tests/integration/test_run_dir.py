@@ -165,3 +165,44 @@ def test_unreachable_hub_model_is_one_line_before_any_worker(tmp_path, env, expe
     errors = [line for line in lines if line.startswith("hypersloth-train: error:")]
     assert len(errors) == 1 and expected in errors[0] and "hypersloth-test/not-cached-anywhere" in errors[0]
     assert "Traceback" not in result.stderr and not (tmp_path / "out" / "run.json").exists()
+
+
+def test_the_rebuild_command_for_a_deleted_dataset_works(tmp_path, monkeypatch):
+    import re
+    import shlex
+    import shutil
+
+    from HyperSloth.cli import build_dataset as build_cli
+    from HyperSloth.config import ConfigError
+    from HyperSloth.data.build import build_dataset
+    from HyperSloth.tiny_model import build_tiny_tokenizer
+
+    chats = [{"messages": [{"role": "user", "content": f"say {i} please"},
+                           {"role": "assistant", "content": f"number {i} it is"}]} for i in range(8)]
+    tokenizer_dir = tmp_path / "tok"
+    build_tiny_tokenizer([c["messages"][0]["content"] + c["messages"][1]["content"] for c in chats],
+                         vocab_size=300).save_pretrained(tokenizer_dir)
+    source = tmp_path / "chats.jsonl"
+    source.write_text("".join(json.dumps(c) + "\n" for c in chats))
+    data_dir = tmp_path / "data"
+    build_dataset(str(source), name="chat", tokenizer=str(tokenizer_dir), data_dir=str(data_dir), num_proc=1,
+                  max_seq_length=64, n=6, seed=3)
+    config = tmp_path / "config.py"
+    config.write_text(textwrap.dedent(f'''
+        from HyperSloth.config import *
+        hyper_config_model = HyperConfig(data=DataConfig(dataset_name="chat", data_dir={str(data_dir)!r}),
+                                         fast_model_args=FastModelArgs(model_name={str(tokenizer_dir)!r}))
+    '''))
+    before = json.loads((data_dir / "data_config.json").read_text())["datasets"]["chat"]
+    shutil.rmtree(data_dir / "built_dataset" / "chat")
+    with pytest.raises(ConfigError) as info:
+        resolve_run(load_config(config), world_size=1, machine=MachineFacts(0, False, 2))
+    command = re.search(r"rebuild it with `([^`]+)`", str(info.value)).group(1)
+    assert command.endswith("--overwrite") and "-n 6 --seed 3" in command and "--max_seq_length 64" in command
+    argv = shlex.split(command)
+    assert argv[0] == "hypersloth-build-dataset"
+    build_cli.main(argv[1:])  # the suggested command, as typed
+    after = json.loads((data_dir / "data_config.json").read_text())["datasets"]["chat"]
+    assert after["num_samples"] == before["num_samples"] == 6 and after["stats"]["n"] == 6
+    run = resolve_run(load_config(config), world_size=1, machine=MachineFacts(0, False, 2))
+    assert run.dataset.num_samples == 6
