@@ -103,7 +103,7 @@ def main() -> None:
     config.write_text(CONFIG.format(work=work, fraction=a.fraction, budget=a.token_budget, checkpoint=checkpoint,
                                     four_bit=four_bit(a.model), seed=SEED, out=out, batch=a.batch, steps=a.steps,
                                     eval_steps=a.eval_steps))
-    subprocess.run([sys.executable, "-m", "HyperSloth.cli.train", str(config)], check=True)
+    subprocess.run([sys.executable, "-m", "HyperSloth.cli.train", str(config), "--overwrite"], check=True)
     summary = json.loads((out / "train_summary.json").read_text())
     report(summary, step_tokens(lengths, a.fraction, a.batch, a.steps), a)
 

@@ -265,7 +265,7 @@ def rank_phases(out: Path) -> dict[int, list[dict]]:
 def run_hypersloth(a) -> dict:
     out = Path(a.work) / f"out_{a.system}"
     cfg = hypersloth_config(a, out)
-    subprocess.run([sys.executable, "-m", "HyperSloth.cli.train", str(cfg)], check=True)
+    subprocess.run([sys.executable, "-m", "HyperSloth.cli.train", str(cfg), "--overwrite"], check=True)
     summary = json.loads((out / "train_summary.json").read_text())
     peaks = [json.loads((out / "logs" / f"rank{r}.final.json").read_text())["peak_gpu_gb"] for r in range(a.gpus)]
     return {"step_seconds": summary["step_seconds"], "losses": summary["step_losses"], "peak_gb": peaks,

@@ -54,7 +54,7 @@ def train(work: Path, workers: int, a) -> dict:
                                  per_device=a.global_batch // workers, steps=a.steps))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     started = time.time()
-    subprocess.run([sys.executable, "-m", "HyperSloth.cli.train", str(cfg)], check=True, env=env,
+    subprocess.run([sys.executable, "-m", "HyperSloth.cli.train", str(cfg), "--overwrite"], check=True, env=env,
                    stdout=subprocess.DEVNULL)
     summary = json.loads((out / "train_summary.json").read_text())
     summary["elapsed_s"] = time.time() - started

@@ -11,7 +11,7 @@ hypersloth-tiny-model build/tiny-qwen3
 hypersloth-build-dataset --local_path data/sample_chat.jsonl --name sample-chat \
   --tokenizer build/tiny-qwen3 --max_seq_length 1024 --overwrite
 hypersloth-plan "$config"
-hypersloth-train "$config"
+hypersloth-train "$config" --overwrite   # the demo starts clean each time
 echo
 echo "demo done: outputs/tiny-demo holds the adapter, checkpoints, report.md/report.png and per-rank logs."
 echo "next: hypersloth-export outputs/tiny-demo --merge   (a merged Hugging Face model in outputs/tiny-demo/export)"
