@@ -101,9 +101,14 @@ def prepare_output_dir(description: RunDescription, *, overwrite: bool, keep_ran
     resume keep the checkpoints but drop the earlier results and logs (a failed resume must not leave
     them looking like its own)."""
     out = Path(description.output_dir)
+    checkpoint = description.resume_from_checkpoint
+    resumes_this_dir = checkpoint is not None and Path(checkpoint).resolve().is_relative_to(out)
+    if overwrite and resumes_this_dir:
+        raise LaunchError(f"--overwrite would delete {checkpoint}, the checkpoint this run resumes from: drop "
+                          "--overwrite to continue the run in its folder, or set another output_dir")
     if overwrite:
         run_files.clear_run(out)
-    elif description.resume_from_checkpoint is not None:
+    elif resumes_this_dir or (checkpoint is not None and not run_files.holds_a_run(out)):
         run_files.clear_results(out)
     elif run_files.holds_a_run(out):
         raise LaunchError(

@@ -206,3 +206,21 @@ def test_the_rebuild_command_for_a_deleted_dataset_works(tmp_path, monkeypatch):
     assert after["num_samples"] == before["num_samples"] == 6 and after["stats"]["n"] == 6
     run = resolve_run(load_config(config), world_size=1, machine=MachineFacts(0, False, 2))
     assert run.dataset.num_samples == 6
+
+
+def test_resume_into_a_folder_of_another_run_is_refused_and_overwrite_cannot_delete_the_checkpoint(cli, tmp_path,
+                                                                                                    capsys):
+    out = tmp_path / "out"
+    first = resolve_run(load_config(write_config(tmp_path, name="first.py")), world_size=2,
+                        machine=MachineFacts(0, False, 2))
+    elsewhere = tmp_path / "earlier" / "checkpoint-3"
+    write_run(first, elsewhere / "run.json")
+    earlier_run_files(out)  # an unrelated run lives in output_dir
+    resume = f", resume_from_checkpoint={str(elsewhere)!r}"
+    assert cli.run([str(write_config(tmp_path, extra_targs=resume))]) == 2
+    assert "holds an earlier run" in capsys.readouterr().err and (out / "report.md").is_file()
+    own = out / "checkpoint-3"
+    write_run(first, own / "run.json")
+    config = write_config(tmp_path, extra_targs=f", resume_from_checkpoint={str(own)!r}")
+    assert cli.run([str(config), "--overwrite"]) == 2
+    assert "would delete" in capsys.readouterr().err and (own / "run.json").is_file() and cli.calls == []
