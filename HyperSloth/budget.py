@@ -20,7 +20,9 @@ How "auto" is decided on a GPU, once per run, after the model is loaded and befo
    fit: the worker turns on Unsloth's gradient checkpointing and measures again (`needs_checkpointing`).
 
 The probe leaves the model as it found it: no optimizer step, every gradient set back to None, the
-caching allocator emptied. On CPU there is nothing to measure: "auto" is `CPU_AUTO_TOKENS`.
+caching allocator emptied. On CPU there is nothing to measure: "auto" is the fixed value
+per_device_train_batch_size x max_seq_length (room for a micro-batch of the longest samples; resolved
+in `HyperSloth.run`, so the CPU plan is known before any worker starts).
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from typing import Any
 
 import numpy as np
 
-CPU_AUTO_TOKENS = 8192  # CPU: small enough for a laptop's RAM, large enough that packing pays off
 SAFETY_FRACTION = 0.08  # of the GPU's total memory, left unplanned (fragmentation, allocator slack)
 PROBE_TOKENS = (2048, 8192)  # the two probe sizes the line is fitted through
 ROUND_TO = 256
@@ -105,6 +106,7 @@ class BudgetDecision:
 
     tokens: int
     source: str  # "auto" (measured), "auto-cpu" (fixed CPU value) or "explicit"
+    checkpointing_switched_on: bool = False  # the longest sample did not fit without checkpointing
     local_tokens: int | None = None  # this rank's measurement before the minimum over ranks
     points: list[tuple[int, int]] = field(default_factory=list)
     fit: dict[str, float] | None = None
@@ -126,13 +128,19 @@ class BudgetDecision:
         if self.source != "auto":
             return f"tokens_per_micro_batch={self.tokens:,} ({self.source})"
         gib = 2.0**30
-        return (f"tokens_per_micro_batch=auto -> {self.tokens:,} (min over ranks; this rank {self.local_tokens:,}): "
-                f"peak = {self.fit['base_bytes'] / gib:.2f} GiB + {self.fit['per_token_bytes'] / 2**20:.3f} MiB x tokens "
-                f"from probes {[(t, round(b / gib, 2)) for t, b in self.points]}, limit {self.limit_bytes / gib:.1f} GiB "
-                f"of {self.total_bytes / gib:.1f} GiB ({self.safety_fraction:.0%} kept free, optimizer "
-                f"{self.optimizer_bytes / gib:.2f} GiB), cap {self.cap_tokens:,}, longest sample {self.longest_sample:,}, "
-                f"checkpointing {self.gradient_checkpointing}, verified peak {self.verified_peak_bytes / gib:.1f} GiB, "
-                f"probe {self.probe_seconds:.1f} s")
+        parts = [f"tokens_per_micro_batch=auto -> {self.tokens:,} (min over ranks; this rank {self.local_tokens or 0:,})"]
+        if self.fit:
+            parts.append(f"peak = {self.fit['base_bytes'] / gib:.2f} GiB + {self.fit['per_token_bytes'] / 2**20:.3f} "
+                         f"MiB x tokens from probes {[(t, round(b / gib, 2)) for t, b in self.points]}")
+        if self.limit_bytes is not None:
+            parts.append(f"limit {self.limit_bytes / gib:.1f} GiB of {self.total_bytes / gib:.1f} GiB "
+                         f"({self.safety_fraction:.0%} kept free, optimizer state {self.optimizer_bytes / gib:.2f} GiB)")
+        if self.verified_peak_bytes is not None:
+            parts.append(f"verified peak {self.verified_peak_bytes / gib:.1f} GiB, probe {self.probe_seconds:.1f} s")
+        parts.append(f"cap {self.cap_tokens}, longest sample {self.longest_sample}, "
+                     f"gradient checkpointing {self.gradient_checkpointing!r}"
+                     + (" (switched on: the longest sample did not fit without)" if self.checkpointing_switched_on else ""))
+        return "; ".join(parts)
 
 
 # ---------------------------------------------------------------- measuring (GPU)
@@ -142,7 +150,7 @@ PeakFn = Callable[[int], int]  # tokens -> peak allocated bytes of one forward+b
 
 
 def measure(peak_of: PeakFn, *, limit_bytes: int, cap: int, probe_tokens: Sequence[int] = PROBE_TOKENS,
-            is_oom: Callable[[BaseException], bool] = lambda e: False, max_checks: int = 4) -> dict[str, Any]:
+            is_oom: Callable[[BaseException], bool] = lambda e: False, max_checks: int = 8) -> dict[str, Any]:
     """Probe, fit, choose and verify, with the measuring function injected (tests pass a fake).
 
     Returns the points, the fit, the chosen tokens and the verified peak. The probe sizes are capped at
@@ -152,7 +160,6 @@ def measure(peak_of: PeakFn, *, limit_bytes: int, cap: int, probe_tokens: Sequen
     points = [(t, int(peak_of(t))) for t in sizes]
     fit = fit_memory(points)
     tokens = choose_tokens(fit, limit_bytes, cap)
-    verified = None
     for _ in range(max_checks):
         try:
             verified = int(peak_of(tokens))
@@ -164,12 +171,14 @@ def measure(peak_of: PeakFn, *, limit_bytes: int, cap: int, probe_tokens: Sequen
         if verified <= limit_bytes or tokens <= MIN_BUDGET:
             break
         # Shrink by the overshoot measured at this size, as if memory per token were the whole peak.
-        shrunk = int(tokens * limit_bytes / verified) - ROUND_TO
-        tokens = max(MIN_BUDGET, (shrunk // ROUND_TO) * ROUND_TO)
+        tokens = max(MIN_BUDGET, ((int(tokens * limit_bytes / verified) - ROUND_TO) // ROUND_TO) * ROUND_TO)
+    else:
+        raise RuntimeError(f"no micro-batch size verified to fit {limit_bytes / 2**30:.1f} GiB after {max_checks} "
+                           "probes: set training.tokens_per_micro_batch to a number of tokens")
     return {"points": points, "fit": fit, "tokens": tokens, "verified_peak_bytes": verified}
 
 
-def probe_batch(tokens: int, seq_len: int, vocab_size: int, seed: int = 0) -> dict[str, Any]:
+def probe_batch(tokens: int, seq_len: int, vocab_size: int, seed: int = 0, with_lengths: bool = True) -> dict[str, Any]:
     """A packed row of `tokens` random tokens cut into samples of at most `seq_len`, as the trainer feeds
     (restarting position ids, `packed_seq_lengths` for Unsloth's varlen path, labels = inputs)."""
     from HyperSloth.collate import collate_packed
@@ -177,7 +186,7 @@ def probe_batch(tokens: int, seq_len: int, vocab_size: int, seed: int = 0) -> di
     rng = np.random.default_rng(seed)
     sizes = [seq_len] * (tokens // seq_len) + ([tokens % seq_len] if tokens % seq_len else [])
     samples = [(ids, ids.copy()) for ids in (rng.integers(0, vocab_size, size=n) for n in sizes)]
-    return collate_packed(samples, with_lengths=True)
+    return collate_packed(samples, with_lengths=with_lengths)
 
 
 def forward_backward(model, batch: dict[str, Any], num_items: int) -> None:
@@ -187,7 +196,7 @@ def forward_backward(model, batch: dict[str, Any], num_items: int) -> None:
     loss.backward()
 
 
-def peak_of_forward_backward(model, seq_len: int, vocab_size: int) -> PeakFn:
+def peak_of_forward_backward(model, seq_len: int, vocab_size: int, with_lengths: bool = True) -> PeakFn:
     """The measuring function for `measure`: one forward+backward of a probe row on the model's device,
     returning the peak allocated bytes; gradients are set back to None and the cache emptied after."""
     import torch
@@ -195,7 +204,7 @@ def peak_of_forward_backward(model, seq_len: int, vocab_size: int) -> PeakFn:
     device = next(model.parameters()).device
 
     def peak(tokens: int) -> int:
-        batch = probe_batch(tokens, seq_len, vocab_size)
+        batch = probe_batch(tokens, seq_len, vocab_size, with_lengths=with_lengths)
         batch = {k: v if k == "packed_seq_lengths" else v.to(device) for k, v in batch.items()}
         release_memory(model)
         torch.cuda.reset_peak_memory_stats(device)
@@ -220,7 +229,7 @@ def release_memory(model) -> None:
 
 
 def measure_on_gpu(model, *, seq_len: int, vocab_size: int, cap: int, longest_sample: int,
-                   gradient_checkpointing: bool | str) -> BudgetDecision:
+                   gradient_checkpointing: bool | str, with_lengths: bool = True) -> BudgetDecision:
     """Run the probe on this process's GPU and return this rank's decision (before `agree_min`)."""
     import time
 
@@ -236,7 +245,7 @@ def measure_on_gpu(model, *, seq_len: int, vocab_size: int, cap: int, longest_sa
     was_training = model.training
     model.train()
     try:
-        result = measure(peak_of_forward_backward(model, seq_len, vocab_size), limit_bytes=limit, cap=cap,
+        result = measure(peak_of_forward_backward(model, seq_len, vocab_size, with_lengths), limit_bytes=limit, cap=cap,
                          is_oom=lambda e: isinstance(e, torch.cuda.OutOfMemoryError))
     finally:
         model.train(was_training)
@@ -267,29 +276,61 @@ def agree_min(tokens: int) -> int:
     return int(value.item())
 
 
-def fixed_decision(setting: int | str, cuda: bool) -> BudgetDecision | None:
-    """The decision when nothing is measured: an explicit integer, or "auto" on CPU; None = measure."""
-    if setting != "auto":
-        return BudgetDecision(tokens=int(setting), source="explicit")
-    if not cuda:
-        return BudgetDecision(tokens=CPU_AUTO_TOKENS, source="auto-cpu")
-    return None
-
-
-def decide(setting: int | str, *, model, lengths: Sequence[int] | np.ndarray, samples_per_step: int,
-           vocab_size: int, gradient_checkpointing: bool | str, cuda: bool) -> BudgetDecision:
-    """This run's micro-batch budget: explicit, the CPU default, or measured and agreed over ranks.
-
-    Every rank must call it (the measured value is all-reduced). The caller checks
-    `needs_checkpointing(decision.tokens, decision.longest_sample)` and, if so, reloads the model with
-    checkpointing and calls again; the decision is the same on every rank, so all ranks do it together.
-    """
-    fixed = fixed_decision(setting, cuda)
-    if fixed is not None:
-        return fixed
+def measure_auto(model, *, lengths: Sequence[int] | np.ndarray, samples_per_step: int,
+                 gradient_checkpointing: bool | str, with_lengths: bool = True) -> BudgetDecision:
+    """Measure on this rank's GPU and take the minimum over ranks (every rank must call it)."""
     longest = int(np.max(lengths))
-    decision = measure_on_gpu(model, seq_len=longest, vocab_size=vocab_size,
+    decision = measure_on_gpu(model, seq_len=longest, vocab_size=int(model.config.vocab_size),
                               cap=useful_cap(lengths, samples_per_step), longest_sample=longest,
-                              gradient_checkpointing=gradient_checkpointing)
+                              gradient_checkpointing=gradient_checkpointing, with_lengths=with_lengths)
     decision.tokens = agree_min(decision.tokens)
     return decision
+
+
+def settle(description, load: Callable[[Any], Any], lengths: Sequence[int] | np.ndarray):
+    """Load the model and fix the run's micro-batch budget: (description with the budget, loaded model,
+    decision). `load(gradient_checkpointing)` loads the model (None = as configured).
+
+    An explicit budget, or "auto" on CPU, was already fixed by `HyperSloth.run`; "auto" on a GPU is
+    measured here and agreed over ranks. If the longest sample does not fit one micro-batch without
+    checkpointing, the model is loaded again with Unsloth's gradient checkpointing, the budget is
+    measured again, and the description records checkpointing on.
+    """
+    from loguru import logger
+
+    loaded = load(None)
+    if not description.token_budget_auto:
+        auto = description.hyper_config["training"]["tokens_per_micro_batch"] == "auto"
+        return description, loaded, BudgetDecision(tokens=description.token_budget,
+                                                   source="auto-cpu" if auto else "explicit")
+    fast = description.hyper_config["fast_model_args"]
+    unsloth = loaded.backend == "unsloth"
+
+    def measure_model(model_loaded, gc_mode) -> BudgetDecision:
+        return measure_auto(model_loaded.model, lengths=lengths, samples_per_step=description.global_batch_size,
+                            gradient_checkpointing=gc_mode, with_lengths=unsloth)
+
+    gc_mode = fast["use_gradient_checkpointing"]
+    decision = measure_model(loaded, gc_mode)
+    if not gc_mode and needs_checkpointing(decision.tokens, decision.longest_sample):
+        gc_mode = "unsloth" if unsloth else True
+        logger.warning(f"the longest sample ({decision.longest_sample:,} tokens) does not fit one micro-batch "
+                       f"without gradient checkpointing (measured budget {decision.tokens:,} tokens): turning on "
+                       f"gradient checkpointing ({gc_mode!r}) for this run")
+        loaded = None  # drop the first model before loading the second
+        gc.collect()
+        _empty_cuda_cache()
+        loaded = load(gc_mode)
+        decision = measure_model(loaded, gc_mode)
+        decision.checkpointing_switched_on = True
+    hyper_config = {**description.hyper_config, "fast_model_args": {**fast, "use_gradient_checkpointing": gc_mode}}
+    logger.info(decision.summary())
+    settled = description.model_copy(update={"token_budget": decision.tokens, "hyper_config": hyper_config})
+    return settled, loaded, decision
+
+
+def _empty_cuda_cache() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -99,11 +99,15 @@ def collate_packed(
 
 def collate(
     samples: Sequence[tuple[np.ndarray, np.ndarray]], mode: str, pad_token_id: int, *, with_lengths: bool = False,
-    bucket: bool = False,
+    bucket: bool = False, bucket_limit: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Dispatch on the planner mode ("packed" or "sorted-pad"); `bucket` pads packed rows to `bucket_tokens`."""
+    """Dispatch on the planner mode ("packed" or "sorted-pad"); `bucket` pads packed rows to `bucket_tokens`,
+    never past `bucket_limit` (the token budget the memory was measured for) unless the row already is."""
     if mode == "packed":
-        pad_to = bucket_tokens(sum(len(ids) for ids, _ in samples)) if bucket else None
+        pad_to = None
+        if bucket:
+            real = sum(len(ids) for ids, _ in samples)
+            pad_to = bucket_tokens(real) if bucket_limit is None else min(bucket_tokens(real), max(real, bucket_limit))
         return collate_packed(samples, with_lengths=with_lengths, pad_to=pad_to, pad_token_id=pad_token_id)
     if mode == "sorted-pad":
         return collate_sorted_pad(samples, pad_token_id)

@@ -19,7 +19,7 @@ import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -213,9 +213,11 @@ class TrainingConfig(BaseModel):
     batching: Literal["packed", "sorted-pad"] = Field(
         "packed", description="'packed' concatenates samples per row (no padding); 'sorted-pad' pads length-sorted rows."
     )
-    tokens_per_micro_batch: int | None = Field(
-        None, gt=0,
-        description="Packed mode: token budget per micro-batch; None = per_device_train_batch_size * max_seq_length.",
+    tokens_per_micro_batch: Annotated[int, Field(gt=0)] | Literal["auto"] = Field(
+        "auto",
+        description="Packed mode: most tokens in one micro-batch. 'auto' = on a GPU, the largest that fits this "
+        "GPU's free memory, measured at start for this model and settings (HyperSloth.budget); on CPU, "
+        "per_device_train_batch_size * max_seq_length. A number overrides it.",
     )
     group_by_length: bool = Field(False, description="Group similar lengths into the same optimizer steps.")
     group_window_steps: int = Field(64, gt=0, description="How many steps one length-grouping window spans.")

@@ -87,16 +87,6 @@ def test_measure_with_a_small_cap_probes_within_it():
     assert seen[:2] == [256, 1000] and out["tokens"] == 1024
 
 
-def test_explicit_budget_wins_and_cpu_auto_is_fixed():
-    assert budget.fixed_decision(4096, cuda=True).tokens == 4096
-    assert budget.fixed_decision(4096, cuda=True).source == "explicit"
-    cpu = budget.fixed_decision("auto", cuda=False)
-    assert (cpu.tokens, cpu.source) == (budget.CPU_AUTO_TOKENS, "auto-cpu")
-    assert budget.fixed_decision("auto", cuda=True) is None
-    assert budget.decide(512, model=None, lengths=[3], samples_per_step=1, vocab_size=10,
-                         gradient_checkpointing=False, cuda=True).tokens == 512
-
-
 def test_needs_checkpointing_when_the_longest_sample_exceeds_the_budget():
     assert budget.needs_checkpointing(budget_tokens=30000, longest_sample=65536)
     assert not budget.needs_checkpointing(budget_tokens=30000, longest_sample=30000)
@@ -172,3 +162,56 @@ def test_decision_summary_names_value_and_inputs():
     assert "auto -> 30,720" in line and "this rank 31,744" in line and "4.000 MiB x tokens" in line
     assert d.as_record()["points"] == [(2048, 10 * GIB)]
     assert np.isfinite(d.as_record()["fit"]["base_bytes"])
+
+
+class _Description:
+    """The few fields of a RunDescription that settle reads, with pydantic's model_copy(update=...)."""
+
+    def __init__(self, auto: bool, setting, budget=4096, gc=False):
+        self.token_budget, self.token_budget_auto, self.global_batch_size = budget, auto, 32
+        self.hyper_config = {"training": {"tokens_per_micro_batch": setting},
+                             "fast_model_args": {"use_gradient_checkpointing": gc}}
+
+    def model_copy(self, update):
+        copy = _Description(self.token_budget_auto, None)
+        copy.__dict__.update({**self.__dict__, **update})
+        return copy
+
+
+def _fake_measure(budgets):
+    """measure_auto stand-in: the budget measured for each checkpointing mode."""
+    def measure_auto(model, *, lengths, samples_per_step, gradient_checkpointing, with_lengths):
+        return budget.BudgetDecision(tokens=budgets[gradient_checkpointing], source="auto",
+                                     longest_sample=int(max(lengths)), gradient_checkpointing=gradient_checkpointing)
+    return measure_auto
+
+
+class _Loaded:
+    backend = "unsloth"
+    model = None
+
+
+def test_settle_keeps_explicit_and_cpu_budgets_without_measuring(monkeypatch):
+    monkeypatch.setattr(budget, "measure_auto", lambda *a, **k: pytest.fail("nothing to measure"))
+    loads = []
+    for setting, source in ((2048, "explicit"), ("auto", "auto-cpu")):
+        d, loaded, decision = budget.settle(_Description(False, setting, budget=2048), lambda gc: loads.append(gc) or _Loaded(), [10, 20])
+        assert (d.token_budget, decision.tokens, decision.source) == (2048, 2048, source)
+    assert loads == [None, None]
+
+
+def test_settle_plans_with_the_measured_budget(monkeypatch):
+    monkeypatch.setattr(budget, "measure_auto", _fake_measure({False: 30720, "unsloth": 300000}))
+    loads = []
+    d, _, decision = budget.settle(_Description(True, "auto"), lambda gc: loads.append(gc) or _Loaded(), [100, 4096])
+    assert (d.token_budget, decision.tokens, decision.checkpointing_switched_on) == (30720, 30720, False)
+    assert loads == [None] and d.hyper_config["fast_model_args"]["use_gradient_checkpointing"] is False
+
+
+def test_settle_turns_checkpointing_on_when_the_longest_sample_does_not_fit(monkeypatch):
+    monkeypatch.setattr(budget, "measure_auto", _fake_measure({False: 30720, "unsloth": 300000}))
+    loads = []
+    d, _, decision = budget.settle(_Description(True, "auto"), lambda gc: loads.append(gc) or _Loaded(), [100, 65536])
+    assert loads == [None, "unsloth"]  # loaded again, with Unsloth's checkpointing
+    assert (d.token_budget, decision.checkpointing_switched_on, decision.gradient_checkpointing) == (300000, True, "unsloth")
+    assert d.hyper_config["fast_model_args"]["use_gradient_checkpointing"] == "unsloth"

@@ -112,3 +112,12 @@ def test_bucketed_row_gives_the_same_loss_and_gradients(attn):
     torch.testing.assert_close(loss_b, loss_a, rtol=1e-7, atol=1e-7)
     for a, b in zip(grads_a, grads_b):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+
+
+def test_bucketing_never_pads_past_the_budget():
+    from HyperSloth.collate import collate
+
+    samples = _samples(lengths=(600, 400, 33))  # 1,033 tokens: the bucket would be 1,152
+    assert collate(samples, "packed", 0, bucket=True)["input_ids"].shape[1] == 1152
+    assert collate(samples, "packed", 0, bucket=True, bucket_limit=1100)["input_ids"].shape[1] == 1100
+    assert collate(samples, "packed", 0, bucket=True, bucket_limit=1000)["input_ids"].shape[1] == 1033

@@ -209,3 +209,15 @@ def test_rank_seeds_are_distinct_and_rank0_keeps_the_seed():
     assert seeds[0] == 42 and len(set(seeds)) == 8
     assert seeds == [rank_seed(42, r) for r in range(8)]  # deterministic
     assert rank_seed(43, 1) != seeds[1]
+
+
+def test_token_budget_auto_is_fixed_on_cpu_and_measured_on_gpus(setup):
+    gpus = MachineFacts(cuda_device_count=2, unsloth_available=True, cpu_count=2)
+    cpu_auto, gpu_auto = resolve(write_config(setup)), resolve(write_config(setup), machine=gpus)
+    assert (cpu_auto.token_budget, cpu_auto.token_budget_auto) == (4 * 512, False)  # per_device x max_seq
+    assert (gpu_auto.token_budget, gpu_auto.token_budget_auto) == (4 * 512, True)  # a stand-in until measured
+    assert "automatic budget" in gpu_auto.batch_line()
+    explicit = resolve(write_config(setup, extra=", tokens_per_micro_batch=1000"), machine=gpus)
+    assert (explicit.token_budget, explicit.token_budget_auto) == (1000, False)
+    with pytest.raises(ConfigError, match="tokens_per_micro_batch"):
+        resolve(write_config(setup, extra=", tokens_per_micro_batch=0"))
