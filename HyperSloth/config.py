@@ -475,7 +475,10 @@ def _validate(path: Path, names: tuple[str, str], namespace: dict[str, Any], mod
 
 
 def load_config(path: str | os.PathLike) -> LoadedConfig:
-    """Import a Python config file and validate it; every problem raises ConfigError naming the file."""
+    """Import a Python config file and validate it; every problem raises ConfigError naming the file.
+
+    The file is executed: it runs with the caller's rights, like any script (load only configs you trust).
+    """
     path = Path(path).resolve()
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found (create one with `hypersloth-init {path.name}`)")

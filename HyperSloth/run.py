@@ -308,7 +308,7 @@ def resolve_run(loaded: LoadedConfig, *, world_size: int, machine: MachineFacts)
         dataset=facts,
         eval_set=eval_set,
         output_dir=str(Path(targs.output_dir).resolve()),
-        resume_from_checkpoint=targs.resume_from_checkpoint or None,
+        resume_from_checkpoint=str(Path(targs.resume_from_checkpoint).resolve()) if targs.resume_from_checkpoint else None,
         hyper_config=config["hyper_config"],
         training_config=config["training_config"],
     )
