@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -34,12 +35,11 @@ import torch.distributed as torch_dist
 from loguru import logger
 from transformers import EarlyStoppingCallback, TrainerCallback
 
+from HyperSloth import run_files
 from HyperSloth.batching import EpochPlan, PlanSpec
 from HyperSloth.collate import LossType, collate, count_trainable, sample_labels
 from HyperSloth.eval_set import plan_eval
 
-BEST_ADAPTER_DIR = "best_adapter"
-BEST_EVAL_FILE = "best_eval.json"  # inside best_adapter/: {"step", "eval_loss", "eval_tokens"}
 FINAL_ONLY_EVAL_STEPS = 2**31 - 1  # eval_steps=None: HF's loop then evaluates after the last step only
 
 
@@ -153,6 +153,11 @@ def evaluate_in_trainer(trainer, evaluator: Evaluator, metric_key_prefix: str = 
                 f"tokens ({result.seconds:.2f} s)")
     trainer.log(dict(metrics))
     trainer.control = trainer.callback_handler.on_evaluate(trainer.args, trainer.state, trainer.control, metrics)
+    if trainer.state.global_step == 0:
+        # HF updates best_metric after evaluations inside its loop only, not after `eval_on_start`'s:
+        # count that one too, or the first evaluation in training would always look like an improvement.
+        best = trainer.state.best_metric
+        trainer.state.best_metric = result.loss if best is None else min(best, result.loss)
     return metrics
 
 
@@ -168,13 +173,15 @@ def eval_sft_kwargs(eval_steps: int | None) -> dict[str, Any]:
 
 
 def save_adapter_atomically(model, folder: Path, record: Mapping[str, Any]) -> None:
-    """`model.save_pretrained(folder)` plus `record` as BEST_EVAL_FILE, replacing the folder only when complete."""
-    partial = folder.with_name(folder.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(str(partial))
-    (partial / BEST_EVAL_FILE).write_text(json.dumps(dict(record), indent=2))
-    shutil.rmtree(folder, ignore_errors=True)
-    partial.rename(folder)
+    """`model.save_pretrained(folder)` plus `record` as best_eval.json, swapped in only when complete
+    (a crash mid-save leaves the previous best adapter)."""
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.partial-", dir=folder.parent))
+    try:
+        model.save_pretrained(str(staging))
+        run_files.atomic_write_json(staging / run_files.BEST_EVAL_FILE, dict(record))
+        run_files.replace_dir(staging, folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 class BestAdapterCallback(TrainerCallback):
@@ -185,7 +192,7 @@ class BestAdapterCallback(TrainerCallback):
     """
 
     def __init__(self, output_dir: str | Path):
-        self.folder = Path(output_dir) / BEST_ADAPTER_DIR
+        self.folder = run_files.best_adapter_dir(output_dir)
 
     def on_evaluate(self, args, state, control, metrics=None, model=None, **kwargs):
         loss = (metrics or {}).get("eval_loss")
@@ -246,9 +253,9 @@ def eval_summary(log_history: Sequence[Mapping[str, Any]], eval_set: Any | None,
     history = eval_history(log_history)
     best = best_eval(history)
     if best is not None and output_dir is not None:
-        folder = Path(output_dir) / BEST_ADAPTER_DIR
+        folder = run_files.best_adapter_dir(output_dir)
         try:
-            saved = json.loads((folder / BEST_EVAL_FILE).read_text())
+            saved = json.loads((folder / run_files.BEST_EVAL_FILE).read_text())
         except (OSError, ValueError):
             saved = {}
         if saved.get("step") == best["step"]:

@@ -9,6 +9,8 @@ A run directory (`training_config_model.output_dir`) holds:
     train_summary.json              numbers of the finished run (rank 0)
     report.md, report.png           the run report (HyperSloth.report)
     adapter_*.safetensors, ...      the trained adapter / model, saved by rank 0 at the end
+    best_adapter/                   with an eval set: the adapter of the lowest eval loss (a PEFT folder)
+                                    and best_eval.json ({"step", "eval_loss", "eval_tokens"}); rank 0
     checkpoint-N/                   HF checkpoints; each also holds run.json, hypersloth_config.json
                                     and rng_state_rank{r}.pth (one RNG state per rank)
     logs/rank{r}.log                the worker's own log
@@ -40,6 +42,8 @@ CHECKPOINT_PREFIX = "checkpoint-"
 RANK_RNG_FILE = "rng_state_rank{rank}.pth"
 RESOLVED_FILE = "run_resolved.json"  # what the workers settled at start (measured token budget, checkpointing)
 RENDEZVOUS_PORT_FILE = "rendezvous.port"  # tmux mode: in logs/, the port the monitor's store holds
+BEST_ADAPTER_DIR = "best_adapter"  # HyperSloth.evaluation keeps the lowest eval loss's adapter here
+BEST_EVAL_FILE = "best_eval.json"  # inside best_adapter/: {"step", "eval_loss", "eval_tokens"}
 
 # What rank 0's final save writes next to the summary (PEFT adapter or full model, tokenizer, card).
 _MODEL_FILES = (
@@ -126,6 +130,11 @@ def compile_cache_dir(rank: int) -> str:
     return f"unsloth_compiled_cache_rank{rank}"
 
 
+def best_adapter_dir(output_dir: str | os.PathLike) -> Path:
+    """`{output_dir}/best_adapter`."""
+    return Path(output_dir) / BEST_ADAPTER_DIR
+
+
 def holds_a_run(output_dir: str | os.PathLike) -> bool:
     """True when `output_dir` holds files of an earlier run (its description, logs, results or checkpoints)."""
     out = Path(output_dir)
@@ -162,7 +171,7 @@ def clear_run(output_dir: str | os.PathLike) -> list[Path]:
     (`clear_rank_files`, which a torchrun rank 0 must not do for its peers); other files stay."""
     out = Path(output_dir)
     removed = clear_results(out)
-    folders = [out / TENSORBOARD_DIR, *out.glob(f"{CHECKPOINT_PREFIX}*")]
+    folders = [out / TENSORBOARD_DIR, *out.glob(f"{CHECKPOINT_PREFIX}*"), best_adapter_dir(out)]
     for folder in folders:
         if folder.is_dir():
             shutil.rmtree(folder)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from HyperSloth.evaluation import BEST_ADAPTER_DIR, BEST_EVAL_FILE, eval_summary
+from HyperSloth.evaluation import eval_summary
+from HyperSloth.run_files import BEST_ADAPTER_DIR, BEST_EVAL_FILE
 from HyperSloth.report import format_console, write_report
 
 EVALS = [{"step": 0, "eval_loss": 3.2, "eval_tokens": 1500}, {"step": 2, "eval_loss": 2.75, "eval_tokens": 1500},
@@ -73,3 +74,13 @@ def test_eval_summary_points_at_the_best_adapter_only_when_it_holds_the_best(tmp
     assert summary["eval_seconds"] == [0.5] * 4 and summary["eval"] == EVALS
     (folder / BEST_EVAL_FILE).write_text(json.dumps({"step": 4}))
     assert "adapter" not in eval_summary(log, None, tmp_path)["best_eval"]
+
+
+def test_overwrite_removes_an_earlier_runs_best_adapter(tmp_path):
+    from HyperSloth import run_files
+
+    (tmp_path / BEST_ADAPTER_DIR).mkdir()
+    (tmp_path / BEST_ADAPTER_DIR / BEST_EVAL_FILE).write_text("{}")
+    assert run_files.clear_results(tmp_path) == [] and (tmp_path / BEST_ADAPTER_DIR).is_dir()  # a resume keeps it
+    assert tmp_path / BEST_ADAPTER_DIR in run_files.clear_run(tmp_path)
+    assert not (tmp_path / BEST_ADAPTER_DIR).exists()

@@ -15,8 +15,6 @@ from HyperSloth import dist
 from HyperSloth.batching import PlanSpec
 from HyperSloth.collate import IGNORE_INDEX
 from HyperSloth.evaluation import (
-    BEST_ADAPTER_DIR,
-    BEST_EVAL_FILE,
     BestAdapterCallback,
     EarlyStopping,
     Evaluator,
@@ -25,6 +23,7 @@ from HyperSloth.evaluation import (
     eval_sft_kwargs,
 )
 from HyperSloth.eval_set import eval_plan_spec, plan_eval
+from HyperSloth.run_files import BEST_ADAPTER_DIR, BEST_EVAL_FILE
 
 VOCAB = 97
 
@@ -239,7 +238,7 @@ def test_best_adapter_is_the_lowest_eval_loss_and_loads_with_peft(peft_model, tm
     assert any(torch.all(w == 4) for n, w in weights.items() if "lora_B" in n)
     loaded = PeftModel.from_pretrained(Qwen3ForCausalLM(peft_model.base_model.model.config), str(tmp_path / BEST_ADAPTER_DIR))
     assert any(torch.all(p == 4) for n, p in loaded.named_parameters() if "lora_B" in n)
-    assert not (tmp_path / f"{BEST_ADAPTER_DIR}.partial").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [BEST_ADAPTER_DIR]  # no staging folder left
 
 
 @pytest.mark.parametrize(("patience", "stop_step"), [(1, 6), (2, 8), (3, None)])
@@ -294,3 +293,48 @@ def test_bucketed_packed_rows_give_the_same_loss(tiny_model):
     assert any(a["input_ids"].shape != b["input_ids"].shape for a, b in zip(plain.micro_batches(), bucketed.micro_batches()))
     a, b = (ev.run(_model_loss_sum(tiny_model), "cpu") for ev in (plain, bucketed))
     assert a.tokens == b.tokens and abs(a.loss - b.loss) / a.loss <= 1e-6
+
+
+class _FakeTrainer:
+    """What evaluate_in_trainer uses of HF's Trainer: model, args.device, state, control, log, callbacks."""
+
+    def __init__(self, model):
+        from contextlib import nullcontext
+        from types import SimpleNamespace
+
+        self.model, self.args = model, SimpleNamespace(device="cpu")
+        self.state, self.control, self.logged, self.seen = TrainerState(), TrainerControl(), [], []
+        self.callback_handler = SimpleNamespace(on_evaluate=self._on_evaluate)
+        self.compute_loss_context_manager = nullcontext
+
+    def _on_evaluate(self, args, state, control, metrics):
+        self.seen.append((state.best_metric, dict(metrics)))
+        return control
+
+    def _prepare_inputs(self, batch):
+        return batch
+
+    def micro_batch_loss(self, model, batch, denominator):
+        assert denominator == 1 and not torch.is_grad_enabled() and not model.training
+        return model(**batch, num_items_in_batch=denominator, use_cache=False).loss
+
+    def log(self, logs):
+        self.logged.append(logs)
+
+
+def test_evaluate_in_trainer_logs_calls_back_and_counts_an_evaluation_before_training(tiny_model):
+    from HyperSloth.evaluation import evaluate_in_trainer
+
+    tiny_model.train()
+    trainer = _FakeTrainer(tiny_model)
+    evaluator = _evaluators(_rows(37), 1, "packed", "response_only")[0]
+    metrics = evaluate_in_trainer(trainer, evaluator)
+    assert tiny_model.training  # restored
+    assert set(metrics) == {"eval_loss", "eval_tokens", "eval_runtime"} and trainer.logged == [metrics]
+    assert trainer.seen == [(None, metrics)]  # callbacks see the best of the earlier evaluations
+    # eval_on_start (step 0) is outside HF's best tracking: counted here, so step 2 must beat it.
+    assert trainer.state.best_metric == metrics["eval_loss"]
+    trainer.state.global_step, trainer.state.best_metric = 2, 9.0
+    evaluate_in_trainer(trainer, evaluator)
+    assert trainer.state.best_metric == 9.0  # inside the loop HF updates it (Trainer._determine_best_metric)
+    tiny_model.eval()
