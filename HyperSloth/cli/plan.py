@@ -22,6 +22,7 @@ import numpy as np
 from HyperSloth.batching import EpochPlan, PlanSpec, PlanStats, adaptive_partition_batches
 from HyperSloth.cli.command import Command, Flag, Positional
 from HyperSloth.config import ConfigError, load_config
+from HyperSloth.eval_set import describe_eval_plan, eval_row_lengths, plan_eval, training_rows
 from HyperSloth.plan_inputs import dataset_lengths, plan_spec_for
 from HyperSloth.run import MachineFacts, resolve_run
 
@@ -40,6 +41,7 @@ class PlanSummary:
     stats: PlanStats
     max_micro_batch_tokens: int  # computed tokens of the largest micro-batch (padding included)
     plan_seconds: float
+    eval_lines: tuple[str, ...] = ()  # the eval set and one evaluation's plan (none without an eval set)
 
 
 def _dataset_columns(path: Path, loss_type: str, max_seq_length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -79,10 +81,13 @@ def preview(config_path: str, *, num_ranks: int | None = None) -> PlanSummary:
     description = resolve_run(loaded, world_size=world, machine=MachineFacts.assumed_for(loaded.hyper))
     path = Path(description.dataset.path)
     lengths, trainable = _dataset_columns(path, description.loss_type, description.max_seq_length)
+    rows = training_rows(description.eval_set, lengths.size)  # a hold-out is never trained on
+    lengths, trainable = lengths[rows], trainable[rows]
     start = time.perf_counter()
     try:
         spec = plan_spec_for(description)
         plan = adaptive_partition_batches(lengths, trainable, spec, epoch=0)
+        eval_lines = _eval_lines(description, spec)
     except ValueError as err:  # the planner's own checks, e.g. a negative seed
         raise ConfigError(f"{loaded.path}: cannot plan the batches: {err}") from None
     seconds = time.perf_counter() - start
@@ -93,7 +98,16 @@ def preview(config_path: str, *, num_ranks: int | None = None) -> PlanSummary:
         config_path=str(loaded.path), dataset_path=str(path), num_samples=int(lengths.size),
         trainable_tokens=int(trainable.sum()), spec=spec, steps_per_epoch=per_epoch, run_steps=run_steps,
         stats=plan.stats, max_micro_batch_tokens=_max_micro_batch_tokens(plan, lengths), plan_seconds=seconds,
+        eval_lines=eval_lines,
     )
+
+
+def _eval_lines(description, spec: PlanSpec) -> tuple[str, ...]:
+    """The eval set and the plan of one evaluation, planned as the workers will (HyperSloth.eval_set)."""
+    if description.eval_set is None:
+        return ()
+    eval_plan = plan_eval(*eval_row_lengths(description.eval_set, description.loss_type), spec)
+    return tuple(describe_eval_plan(description.eval_set, eval_plan))
 
 
 def summary_line(summary: PlanSummary) -> str:
@@ -137,6 +151,7 @@ def format_summary(summary: PlanSummary) -> str:
         f"one-sample bound {st.imbalance_bound:.4f})",
         f"                 rank load = tokens + {spec.attention_coef:.3g} x tokens^2 per sequence (attention term)",
         f"  planned in     {summary.plan_seconds:.3f} s",
+        *summary.eval_lines,
         summary_line(summary),
     ]
     return "\n".join(lines)

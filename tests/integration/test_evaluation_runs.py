@@ -55,8 +55,8 @@ class EvalRunSpec(RunSpec):
         config = super().training_config()
         config.update(eval_steps=self.eval_steps, early_stopping_patience=self.patience, report_to=self.report_to,
                       extra_args={"eval_on_start": True})
-        if self.learning_rate is not None:
-            config["learning_rate"] = self.learning_rate
+        if self.learning_rate is not None:  # at full strength from the first step
+            config.update(learning_rate=self.learning_rate, warmup_steps=0)
         return config
 
 

@@ -101,3 +101,21 @@ def test_the_eval_example_holds_out_five_percent_and_stops_early():
     args = loaded.training_args
     assert (args.eval_steps, args.early_stopping_patience, args.save_best_adapter) == (10, 3, True)
     assert "eval_holdout.py" in (root / "examples" / "README.md").read_text()
+
+
+def test_plan_preview_plans_the_training_rows_and_shows_the_eval_plan(tmp_path, data):
+    from HyperSloth.cli.plan import format_summary, preview
+    from HyperSloth.eval_set import eval_row_lengths, plan_eval
+
+    summary = preview(str(_config(tmp_path, ", eval_fraction=0.1", ", eval_steps=2")))
+    assert summary.num_samples == 54  # 60 rows, 6 held out
+    assert summary.trainable_tokens == sum(data["num_trainable"]) - sum(
+        data["num_trainable"][int(i)] for i in split_holdout(60, 0.1, 7)[1])
+    text = format_summary(summary)
+    assert "  eval set       6 conversations held out of 'chat' (eval_fraction 0.1, seed 7)" in text
+    run = _resolve(_config(tmp_path, ", eval_fraction=0.1", name="again.py"))
+    expected = plan_eval(*eval_row_lengths(run.eval_set, "response_only"), summary.spec).stats
+    assert f"  eval plan      {expected.micro_batches_per_rank} micro-batches per rank per evaluation" in text
+    assert text.splitlines()[-1].startswith("plan: steps=")
+    plain = format_summary(preview(str(_config(tmp_path, name="plain.py"))))
+    assert "eval set" not in plain
