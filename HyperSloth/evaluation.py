@@ -71,7 +71,7 @@ class Evaluator:
         self.loss_type = loss_type
         self.pad_token_id = pad_token_id
         self.packed_lengths = packed_lengths
-        self.bucket = bucket  # pad packed rows to a few lengths, as training does (fewer kernel shapes)
+        self.bucket = bucket  # pad packed rows to a few lengths (never past the budget), as training does
 
     @property
     def total_targets(self) -> int:
@@ -90,7 +90,7 @@ class Evaluator:
         samples = [(np.asarray(ids), sample_labels(np.asarray(ids), np.asarray(lab), self.loss_type))
                    for ids, lab in zip(rows["input_ids"], rows["labels"])]
         return collate(samples, self.plan.spec.mode, self.pad_token_id, with_lengths=self.packed_lengths,
-                       bucket=self.bucket)
+                       bucket=self.bucket, bucket_limit=self.plan.spec.token_budget)
 
     def local_sums(self, loss_sum: Callable[[dict[str, torch.Tensor]], torch.Tensor],
                    device: torch.device | str) -> torch.Tensor:

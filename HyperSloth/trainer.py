@@ -341,7 +341,8 @@ def build_trainer(description: RunDescription, loaded_model, dataset, info: Dist
     if eval_dataset is not None:  # planned with the training spec as resolved here (budget included)
         evaluator = build_evaluator(eval_dataset, spec, rank=info.rank, loss_type=description.loss_type,
                                     pad_token_id=loaded_model.tokenizer.pad_token_id,
-                                    packed_lengths=loaded_model.backend == "unsloth")
+                                    packed_lengths=loaded_model.backend == "unsloth",
+                                    bucket=loaded_model.backend == "unsloth")
         callbacks += eval_callbacks(description.output_dir, is_main=info.is_main,
                                     save_best_adapter=targs.save_best_adapter,
                                     early_stopping_patience=targs.early_stopping_patience)
