@@ -12,9 +12,11 @@ List lengths are skewed (many short, a few long) so padding and the batching pla
 
 The output is byte-for-byte reproducible: only ``random.Random(seed)`` integer draws are used
 (no float maths whose last bit could differ between libm builds), JSON is written with sorted
-keys and ``\\n`` line ends. Usage::
+keys and ``\\n`` line ends. ``--reasoning`` writes every reply as ``<think>\\n...\\n</think>\\n\\nANSWER``
+(the reasoning derived from the prompt, no extra random draws: the same conversations otherwise),
+for builds under templates that drop past reasoning, such as Qwen3's. Usage::
 
-    python scripts/make_sample_data.py [--n 2000] [--seed 0] [--out data/sample_chat.jsonl]
+    python scripts/make_sample_data.py [--n 2000] [--seed 0] [--out data/sample_chat.jsonl] [--reasoning]
 """
 
 from __future__ import annotations
@@ -132,10 +134,24 @@ def make_conversation(rng: random.Random) -> list[Message]:
     return messages
 
 
-def generate(n: int = 2000, seed: int = 0) -> list[dict[str, list[Message]]]:
+def with_reasoning(messages: list[Message]) -> list[Message]:
+    """Each reply preceded by a ``<think>`` block restating its prompt (deterministic, no draws)."""
+    out: list[Message] = []
+    for message in messages:
+        if message["role"] == "assistant":
+            task, _, items = out[-1]["content"].partition(":")
+            count = f" over {len(items.split())} item(s)" if items.strip() else ""
+            thought = f"The task is {task.strip()!r}{count}; answer with the result only."
+            message = {"role": "assistant", "content": f"<think>\n{thought}\n</think>\n\n{message['content']}"}
+        out.append(message)
+    return out
+
+
+def generate(n: int = 2000, seed: int = 0, reasoning: bool = False) -> list[dict[str, list[Message]]]:
     """Return ``n`` conversations as ``{"messages": [...]}`` records, fully determined by ``seed``."""
     rng = random.Random(seed)
-    return [{"messages": make_conversation(rng)} for _ in range(n)]
+    conversations = [make_conversation(rng) for _ in range(n)]
+    return [{"messages": with_reasoning(c) if reasoning else c} for c in conversations]
 
 
 def to_jsonl(records: list[dict[str, list[Message]]]) -> bytes:
@@ -150,10 +166,11 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--n", type=int, default=2000, help="number of conversations")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
     parser.add_argument("--out", type=Path, default=Path("data/sample_chat.jsonl"), help="output file")
+    parser.add_argument("--reasoning", action="store_true", help="every reply starts with a <think> block")
     args = parser.parse_args(argv)
     if args.n < 1:
         parser.error("--n must be at least 1")
-    payload = to_jsonl(generate(args.n, args.seed))
+    payload = to_jsonl(generate(args.n, args.seed, args.reasoning))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_bytes(payload)
     print(f"wrote {args.n} conversations ({len(payload)} bytes) to {args.out}")
