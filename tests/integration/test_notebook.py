@@ -49,6 +49,10 @@ def test_notebook_runs_end_to_end(tmp_path, monkeypatch):
     summary = json.loads((work / "outputs" / "tiny-demo" / "train_summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 30 and len(summary["step_losses"]) == 30
     assert summary["padding_pct"] == 0.0 and summary["random_padding_pct"] > 10  # packed rows never pad
+    # The eval curve: 10% of the chats held out, evaluated every 5 steps over both workers.
+    assert [e["step"] for e in summary["eval"]] == [5, 10, 15, 20, 25, 30]
+    assert summary["eval_set"]["num_rows"] == 40 and summary["best_eval"]["adapter"].endswith("best_adapter")
+    assert "best eval_loss" in cell_text(nb, "format_console(summary)")
     assert (work / "outputs" / "tiny-demo" / "report.md").read_text().startswith("# HyperSloth run report")
     assert "plan: steps=" in cell_text(nb, 'cli("hypersloth-plan"')
     assert "HyperSloth run: 30 step(s) on 2 worker(s)" in cell_text(nb, "format_console(summary)")
