@@ -313,7 +313,8 @@ def test_help_lists_flags_and_examples(capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     for text in ("--hf_dataset mlabonne/FineTome-100k -n 1000", "--local_path FILE_OR_DIR --name NAME",
-                 "--overlength", "--strict", "--print_samples", "--chat_template", "--data_dir", "--num_proc"):  # fmt: skip
+                 "--overlength", "--strict", "--print_samples", "--chat_template", "--data_dir", "--num_proc",
+                 "--history_rewrite MODE"):  # fmt: skip
         assert text in out
 
 
