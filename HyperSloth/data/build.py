@@ -451,6 +451,8 @@ def compute_stats(built: datasets.Dataset, collected: Collected, statuses: Count
         "records_read": collected.records_read,
         "formats": dict(collected.formats),
         "overlength": opts.overlength,
+        # The template file a rebuild needs (the entry's fingerprint alone cannot restore it).
+        "chat_template": str(Path(opts.chat_template).expanduser().resolve()) if opts.chat_template else None,
         "n": opts.n,
         "seed": opts.seed,
     }

@@ -305,6 +305,8 @@ def test_tokenizer_and_path_errors_exit_2(tmp_path, tok_dirs, capsys):
     assert "[[" in out and "<|im_end|>]]" in out and f"--- sample 0 from {src}:1:" in out
     assert "<|im_start|>user" in out.split("\n", 1)[1].split("[[")[0]  # the prompt is outside the markers
     assert not (tmp_path / "data" / "built_dataset" / "x").exists()
+    entry = json.loads((tmp_path / "data" / "data_config.json").read_text())["datasets"]["ok"]
+    assert entry["stats"]["chat_template"] == str(template.resolve())  # what a rebuild needs
 
 
 def test_help_lists_flags_and_examples(capsys):
