@@ -135,13 +135,15 @@ def best_adapter_dir(output_dir: str | os.PathLike) -> Path:
     return Path(output_dir) / BEST_ADAPTER_DIR
 
 
-def holds_a_run(output_dir: str | os.PathLike) -> bool:
-    """True when `output_dir` holds files of an earlier run (its description, logs, results or checkpoints)."""
+def holds_a_run(output_dir: str | os.PathLike, *, count_logs: bool = True) -> bool:
+    """True when `output_dir` holds files of an earlier run (its description, results, checkpoints or,
+    with `count_logs`, rank files). Under torchrun the other ranks may already be writing this run's
+    logs when rank 0 looks, so it passes count_logs=False."""
     out = Path(output_dir)
     if not out.is_dir():
         return False
     markers = [run_file(out), out / SUMMARY_FILE, out / CONFIG_FILE, out / REPORT_MD]
-    return (any(p.exists() for p in markers) or any(logs_dir(out).glob("rank*"))
+    return (any(p.exists() for p in markers) or (count_logs and any(logs_dir(out).glob("rank*")))
             or any(out.glob(f"{CHECKPOINT_PREFIX}*")))
 
 

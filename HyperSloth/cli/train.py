@@ -96,26 +96,28 @@ def _check_model(description: RunDescription) -> None:
             raise LaunchError(mismatch)
 
 
-def prepare_output_dir(description: RunDescription, *, overwrite: bool, keep_ranks: int = 0) -> None:
+def prepare_output_dir(description: RunDescription, *, overwrite: bool, peers_running: bool = False) -> None:
     """Refuse to mix two runs in one folder; with --overwrite remove the earlier run's files first; on a
     resume keep the checkpoints but drop the earlier results and logs (a failed resume must not leave
-    them looking like its own)."""
+    them looking like its own). `peers_running`: torchrun's rank 0, whose peers may already be writing
+    their logs: their rank files neither count as an earlier run nor get removed."""
     out = Path(description.output_dir)
     checkpoint = description.resume_from_checkpoint
     resumes_this_dir = checkpoint is not None and Path(checkpoint).resolve().is_relative_to(out)
     if overwrite and resumes_this_dir:
         raise LaunchError(f"--overwrite would delete {checkpoint}, the checkpoint this run resumes from: drop "
                           "--overwrite to continue the run in its folder, or set another output_dir")
+    earlier_run = run_files.holds_a_run(out, count_logs=not peers_running)
     if overwrite:
         run_files.clear_run(out)
-    elif resumes_this_dir or (checkpoint is not None and not run_files.holds_a_run(out)):
+    elif resumes_this_dir or (checkpoint is not None and not earlier_run):
         run_files.clear_results(out)
-    elif run_files.holds_a_run(out):
+    elif earlier_run:
         raise LaunchError(
             f"output_dir {out} holds an earlier run: add --overwrite to start clean (its files are removed "
             "first), set resume_from_checkpoint to continue it from one of its checkpoints, or choose "
             "another output_dir")
-    run_files.clear_rank_files(out, from_rank=keep_ranks)
+    run_files.clear_rank_files(out, from_rank=description.world_size if peers_running else 0)
 
 
 def machine_notes(description: RunDescription, machine: MachineFacts) -> list[str]:
@@ -170,7 +172,7 @@ def _run_under_torchrun(config_path: str, overwrite: bool) -> int:
     info = dist.DistInfo.from_env()
     description, _ = resolve_config(config_path, world_size=info.world_size)
     if info.is_main:
-        prepare_output_dir(description, overwrite=overwrite, keep_ranks=info.world_size)
+        prepare_output_dir(description, overwrite=overwrite, peers_running=True)
         write_run(description)
     # Other ranks never remove shared files: each worker starts its own log afresh (logs.configure),
     # and rank 0 removes only the files of ranks this run does not have.

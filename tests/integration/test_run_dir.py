@@ -224,3 +224,17 @@ def test_resume_into_a_folder_of_another_run_is_refused_and_overwrite_cannot_del
     config = write_config(tmp_path, extra_targs=f", resume_from_checkpoint={str(own)!r}")
     assert cli.run([str(config), "--overwrite"]) == 2
     assert "would delete" in capsys.readouterr().err and (own / "run.json").is_file() and cli.calls == []
+
+
+def test_torchrun_rank0_ignores_its_peers_fresh_logs(tmp_path):
+    from HyperSloth.launch import LaunchError
+
+    description = resolve_run(load_config(write_config(tmp_path)), world_size=2, machine=MachineFacts(0, False, 2))
+    logs = tmp_path / "out" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "rank1.log").write_text("this run's rank 1, already started")
+    (logs / "rank7.log").write_text("an earlier 8-worker run")
+    train_cli.prepare_output_dir(description, overwrite=False, peers_running=True)
+    assert sorted(p.name for p in logs.iterdir()) == ["rank1.log"]  # the peer's log stays, rank 7's goes
+    with pytest.raises(LaunchError, match="holds an earlier run"):  # the launcher: nothing of this run runs yet
+        train_cli.prepare_output_dir(description, overwrite=False)
