@@ -400,27 +400,9 @@ def encode_dataset(collected: Collected, tok: Any, opts: BuildOptions) -> tuple[
             err = RecordError(status, mapped[i]["error"])
             collected.skip(mapped[i]["location"], err, opts.strict)
     keep = [i for i, status in enumerate(status_list) if status in KEPT]
-    _record_samples(collected, mapped, status_list, keep)
+    summary.record_samples(collected, mapped, status_list, keep)
     kept = mapped.select(keep) if len(keep) < len(mapped) else mapped
     return kept.select_columns([*COLUMNS, *SAMPLE_INFO]), statuses
-
-
-def _record_samples(collected: Collected, mapped: datasets.Dataset, status_list: list[str], keep: list[int]) -> None:
-    """Count conversations a history rewrite split (or cut to the last reply), and name the first
-    few over-length samples: ``#i`` is the row in the built dataset (truncated) or the source."""
-    kinds = mapped["kind"][:]
-    locations = mapped["location"][:]
-    for kind in ("split", "last"):
-        collected.rewritten[kind] = len({loc for loc, k in zip(locations, kinds) if k == kind})
-    collected.rewritten["split_samples"] = sum(kinds[i] == "split" for i in keep)
-    row_of = {i: row for row, i in enumerate(keep)}
-    for status in ("truncated", "dropped_overlength"):
-        named = collected.overlength.setdefault(status, [])
-        for i in (i for i, s in enumerate(status_list) if s == status):
-            if len(named) == summary.SHOW_EXAMPLES:
-                break
-            where = f"sample #{row_of[i]}, " if i in row_of else ""
-            named.append(f"{where}{summary.origin(mapped[i])}: {mapped[i]['full_length']} tokens")
 
 
 # ---------------------------------------------------------------------------------------------

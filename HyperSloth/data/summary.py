@@ -31,6 +31,24 @@ def origin(row: dict[str, Any]) -> str:
     return str(row["location"])
 
 
+def record_samples(collected: Collected, mapped: datasets.Dataset, status_list: list[str], keep: list[int]) -> None:
+    """Count conversations a history rewrite split (or cut to the last reply), and name the first
+    few over-length samples (a truncated one also by its row ``#i`` in the built dataset)."""
+    kinds = mapped["kind"][:]
+    locations = mapped["location"][:]
+    for kind in ("split", "last"):
+        collected.rewritten[kind] = len({loc for loc, k in zip(locations, kinds) if k == kind})
+    collected.rewritten["split_samples"] = sum(kinds[i] == "split" for i in keep)
+    row_of = {i: row for row, i in enumerate(keep)}
+    for status in ("truncated", "dropped_overlength"):
+        named = collected.overlength.setdefault(status, [])
+        for i in (i for i, s in enumerate(status_list) if s == status):
+            if len(named) == SHOW_EXAMPLES:
+                break
+            where = f"sample #{row_of[i]}, " if i in row_of else ""
+            named.append(f"{where}{origin(mapped[i])}: {mapped[i]['full_length']} tokens")
+
+
 def log_summary(collected: Collected, statuses: Counter, stats: dict) -> None:
     """Log skips, trimmed turns, history rewrites, over-length samples and token statistics."""
     for reason in formats.SKIP_REASONS:
