@@ -1,5 +1,6 @@
 """Data: any chat format -> messages (formats), template render + response mask (masking),
-tokenise + length policy + save (build), the dataset registry (registry).
+tokenise + length policy + save (build), the build summary and --print_samples (summary), the
+dataset registry (registry).
 
 ``build_dataset`` is imported lazily: it pulls in ``datasets`` and ``transformers``, which a
 process that only reads the registry should not pay for.
