@@ -302,6 +302,9 @@ def sft_config_for(targs: TrainingArgsConfig, dtype: torch.dtype, rank: int, eva
     cuda = torch.cuda.is_available()
     kwargs.update(
         seed=rank_seed(targs.seed, rank),  # HF seeds torch with it: this rank's dropout stream
+        # One plan step per optimizer step. Said explicitly: Unsloth's patched SFTConfig defaults to 2, which
+        # made HF run two plan steps (two global batches) per optimizer step (seen on the H200, 2026-11-30).
+        gradient_accumulation_steps=1,
         dataset_kwargs={"skip_prepare_dataset": True},
         remove_unused_columns=False,
         packing=False,
