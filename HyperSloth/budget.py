@@ -250,6 +250,7 @@ def measure_on_gpu(model, *, seq_len: int, vocab_size: int, cap: int, longest_sa
     finally:
         model.train(was_training)
         release_memory(model)
+        torch.cuda.reset_peak_memory_stats(device)  # the run's peak should be training's, not the probe's
     fit: MemoryFit = result["fit"]
     return BudgetDecision(
         tokens=result["tokens"], source="auto", local_tokens=result["tokens"], points=result["points"],

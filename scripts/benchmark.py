@@ -233,7 +233,8 @@ def hypersloth_config(a, out: Path) -> Path:
 from HyperSloth.config import *
 hyper_config_model = HyperConfig(
     data=DataConfig(dataset_name="bench", data_dir="{a.work}/data"),
-    training=TrainingConfig(gpus={list(range(a.gpus))}, loss_type="all", batching="packed", profile={a.profile}),
+    training=TrainingConfig(gpus={list(range(a.gpus))}, loss_type="all", batching="packed", profile={a.profile},
+                            tokens_per_micro_batch={a.token_budget!r}),
     fast_model_args=FastModelArgs(model_name="{a.checkpoint}", max_seq_length={w.high}, dtype="bfloat16",
                                   load_in_4bit={w.four_bit}, backend="unsloth",
                                   use_gradient_checkpointing={a.gc!r}),
@@ -287,7 +288,8 @@ def child_env(gpu_ids: list[int]) -> dict[str, str]:
 def system_argv(name: str, workload: str, a, work: Path, model: str) -> list[str]:
     system = SYSTEMS[name]
     argv = [sys.executable, __file__, "--as-system", system["runner"], "--system", name, "--workload", workload,
-            "--work", str(work), "--checkpoint", str(Path(a.work) / f"ckpt_{model}"),
+            "--work", str(work), "--checkpoint", str(Path(a.ckpt_dir or a.work) / f"ckpt_{model}"),
+            "--token-budget", str(a.token_budget),
             "--steps", str(a.warmup + a.steps), "--micro", str(system.get("micro", 0)),
             "--accum", str(system.get("accum", 1)), "--gc", str(system["gc"]), "--gpus", str(system["gpus"]),
             "--shim", str(system.get("shim", False)), "--profile", str(system.get("profile", False)),
@@ -331,7 +333,7 @@ def run_slot(slot: list[str], workload: str, a, data: dict) -> list[dict]:
     work = Path(a.work) / workload
     next_gpu, procs = 0, []
     for name in slot:
-        gpus = list(range(next_gpu, next_gpu + SYSTEMS[name]["gpus"]))
+        gpus = list(range(a.first_gpu + next_gpu, a.first_gpu + next_gpu + SYSTEMS[name]["gpus"]))
         next_gpu += len(gpus)
         log = (work / "logs" / f"{name}.log")
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -364,9 +366,10 @@ def run_slot(slot: list[str], workload: str, a, data: dict) -> list[dict]:
 
 def build_checkpoints(models: list[str], a) -> None:
     """Build the missing checkpoints in child processes, one per GPU at a time."""
-    todo = [m for m in models if not (Path(a.work) / f"ckpt_{m}" / "config.json").exists()]
+    folder = Path(a.ckpt_dir or a.work)
+    todo = [m for m in models if not (folder / f"ckpt_{m}" / "config.json").exists()]
     procs = [subprocess.Popen([sys.executable, __file__, "--as-system", "build", "--model", m,
-                               "--checkpoint", str(Path(a.work) / f"ckpt_{m}")], env=child_env([k % a.num_gpus]))
+                               "--checkpoint", str(folder / f"ckpt_{m}")], env=child_env([k % a.num_gpus]))
              for k, m in enumerate(todo)]
     for m, p in zip(todo, procs):
         if p.wait() != 0:
@@ -425,6 +428,10 @@ def main() -> None:
     p.add_argument("--tag", default=time.strftime("%Y-%m-%d"), help="records file: records-TAG-WORKLOAD.json")
     p.add_argument("--budget-s", type=float, default=3600, help="stop starting slots after this many seconds")
     p.add_argument("--num-gpus", type=int, default=2)
+    p.add_argument("--first-gpu", type=int, default=0, help="slots use GPUs from this one on")
+    p.add_argument("--ckpt-dir", help="where the random checkpoints are (default: --work)")
+    p.add_argument("--token-budget", type=lambda s: s if s == "auto" else int(s), default="auto",
+                   help="HyperSloth's tokens_per_micro_batch (the product default is auto)")
     p.add_argument("--render", help="print the markdown table and write benchmarks.png for a records JSON file")
     # internal: run one system in this process
     p.add_argument("--as-system"), p.add_argument("--system"), p.add_argument("--workload")
