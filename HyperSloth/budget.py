@@ -326,6 +326,8 @@ def settle(description, load: Callable[[Any], Any], lengths: Sequence[int] | np.
         decision.checkpointing_switched_on = True
     hyper_config = {**description.hyper_config, "fast_model_args": {**fast, "use_gradient_checkpointing": gc_mode}}
     logger.info(decision.summary())
+    if unsloth:  # Unsloth's pre-train detector sees the probe's backward and resets its compile cache (safe)
+        logger.info("Unsloth will warn that a forward/backward ran before trainer.train(): that was this probe")
     settled = description.model_copy(update={"token_budget": decision.tokens, "hyper_config": hyper_config})
     return settled, loaded, decision
 
