@@ -56,6 +56,9 @@ def rebuild_command(entry: dict[str, Any], name: str, data_dir: str, max_seq_len
         parts += ["--split", shlex.quote(str(entry["split"]))]
     if stats.get("n"):
         parts += ["-n", str(stats["n"]), "--seed", str(stats.get("seed", 42))]
+    for flag, default in (("overlength", "truncate"), ("history_rewrite", "split"), ("chat_template", None)):
+        if stats.get(flag) not in (None, default):
+            parts += [f"--{flag}", shlex.quote(str(stats[flag]))]
     length = max_seq_length or entry.get("max_seq_length")
     if length:
         parts += ["--max_seq_length", str(length)]

@@ -186,7 +186,7 @@ def test_the_rebuild_command_for_a_deleted_dataset_works(tmp_path, monkeypatch):
     source.write_text("".join(json.dumps(c) + "\n" for c in chats))
     data_dir = tmp_path / "data"
     build_dataset(str(source), name="chat", tokenizer=str(tokenizer_dir), data_dir=str(data_dir), num_proc=1,
-                  max_seq_length=64, n=6, seed=3)
+                  max_seq_length=64, n=6, seed=3, overlength="drop")
     config = tmp_path / "config.py"
     config.write_text(textwrap.dedent(f'''
         from HyperSloth.config import *
@@ -199,6 +199,7 @@ def test_the_rebuild_command_for_a_deleted_dataset_works(tmp_path, monkeypatch):
         resolve_run(load_config(config), world_size=1, machine=MachineFacts(0, False, 2))
     command = re.search(r"rebuild it with `([^`]+)`", str(info.value)).group(1)
     assert command.endswith("--overwrite") and "-n 6 --seed 3" in command and "--max_seq_length 64" in command
+    assert "--overlength drop" in command
     argv = shlex.split(command)
     assert argv[0] == "hypersloth-build-dataset"
     build_cli.main(argv[1:])  # the suggested command, as typed
