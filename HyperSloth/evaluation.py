@@ -112,6 +112,9 @@ class Evaluator:
         start = time.perf_counter()
         totals = sum_over_ranks(self.local_sums(loss_sum, device), self.world_size)
         loss, tokens = totals.tolist()
+        if int(tokens) != self.total_targets:  # identical on every rank: all raise together, none hangs
+            raise RuntimeError(f"evaluation scored {int(tokens)} target tokens but the eval plan holds "
+                               f"{self.total_targets}: collation and planner disagree (a HyperSloth bug)")
         return EvalResult(loss=loss / max(tokens, 1.0), tokens=int(tokens), seconds=time.perf_counter() - start)
 
 
