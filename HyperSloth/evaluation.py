@@ -14,8 +14,11 @@ so every rank takes the same early-stopping decision. Per-rank means averaged wi
 counts (the usual multi-GPU eval bug) cannot happen: nothing is averaged before the all-reduce.
 
 HF's own loop schedules it: `eval_strategy="steps"` with `eval_steps` (or only at the end), and
-transformers evaluates once more after the last step; `metric_for_best_model="eval_loss"` keeps the best
-value in `TrainerState` (so it survives a resume). Our `Trainer.evaluate` override calls `evaluate_in_trainer`.
+transformers evaluates once more after the last step. Our `Trainer.evaluate` override calls
+`evaluate_in_trainer`, which keeps the lowest eval loss in `TrainerState.best_metric` (saved in every
+checkpoint, so it survives a resume). HF's `metric_for_best_model` is left unset on purpose: with it HF
+would also pin a "best" checkpoint against `save_total_limit` (and with a limit of 1 delete the last
+checkpoint at the end); the best adapter lives in OUTPUT_DIR/best_adapter/ instead.
 """
 
 from __future__ import annotations
@@ -155,24 +158,17 @@ def evaluate_in_trainer(trainer, evaluator: Evaluator, metric_key_prefix: str = 
     logger.info(f"step {trainer.state.global_step}: eval_loss {result.loss:.6f} over {result.tokens:,} target "
                 f"tokens ({result.seconds:.2f} s)")
     trainer.log(dict(metrics))
+    # Callbacks first: they compare with the best of the earlier evaluations (as HF's own order does).
     trainer.control = trainer.callback_handler.on_evaluate(trainer.args, trainer.state, trainer.control, metrics)
-    if trainer.state.global_step == 0:
-        # HF updates best_metric after evaluations inside its loop only, not after `eval_on_start`'s:
-        # count that one too, or the first evaluation in training would always look like an improvement.
-        best = trainer.state.best_metric
-        trainer.state.best_metric = result.loss if best is None else min(best, result.loss)
+    best = trainer.state.best_metric
+    trainer.state.best_metric = result.loss if best is None else min(best, result.loss)
     return metrics
 
 
 def eval_sft_kwargs(eval_steps: int | None) -> dict[str, Any]:
-    """SFTConfig arguments that make HF's loop call `evaluate` every `eval_steps` and after the last step,
-    and track the lowest eval_loss in its state (`best_metric`, kept across a resume)."""
-    return {
-        "eval_strategy": "steps",
-        "eval_steps": eval_steps or FINAL_ONLY_EVAL_STEPS,
-        "metric_for_best_model": "eval_loss",
-        "greater_is_better": False,
-    }
+    """SFTConfig arguments that make HF's loop call `evaluate` every `eval_steps` and after the last step
+    (no `metric_for_best_model`: see the module docstring)."""
+    return {"eval_strategy": "steps", "eval_steps": eval_steps or FINAL_ONLY_EVAL_STEPS}
 
 
 def save_adapter_atomically(model, folder: Path, record: Mapping[str, Any]) -> None:
@@ -190,8 +186,8 @@ def save_adapter_atomically(model, folder: Path, record: Mapping[str, Any]) -> N
 class BestAdapterCallback(TrainerCallback):
     """Keep the adapter of the lowest eval loss in OUTPUT_DIR/best_adapter/ (rank 0 only).
 
-    Runs in `on_evaluate`, before HF updates `state.best_metric` with this evaluation (the same order
-    HF's EarlyStoppingCallback relies on), so `state.best_metric` is still the best of the earlier ones.
+    Runs in `on_evaluate`, before `evaluate_in_trainer` updates `state.best_metric` with this evaluation,
+    so `state.best_metric` is still the best of the earlier ones.
     """
 
     def __init__(self, output_dir: str | Path):
@@ -208,18 +204,29 @@ class BestAdapterCallback(TrainerCallback):
 
 
 class EarlyStopping(EarlyStoppingCallback):
-    """HF's early stopping on eval_loss (stop after `patience` evaluations without a new lowest value).
+    """HF's early stopping on eval_loss: stop after `patience` evaluations in a row without a new lowest
+    value (HF's counter and comparison with `state.best_metric`; the counter is saved in checkpoints).
 
-    HF warns when `load_best_model_at_end` is off; here the best adapter is kept in best_adapter/ instead
-    (BestAdapterCallback), so the warning would be wrong. The checks it makes are kept.
+    HF's version reads the metric named by `metric_for_best_model` and warns without
+    `load_best_model_at_end`; here the metric is always eval_loss and the best adapter is kept in
+    best_adapter/ (BestAdapterCallback), so both hooks are replaced.
     """
 
     def __init__(self, patience: int):
         super().__init__(early_stopping_patience=patience, early_stopping_threshold=0.0)
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if args.metric_for_best_model != "eval_loss" or args.eval_strategy == "no":
+        if args.eval_strategy == "no":
             raise ValueError("early stopping needs an eval set: set data.eval_fraction or data.eval_dataset_name")
+        return control
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        loss = (metrics or {}).get("eval_loss")
+        if loss is None:
+            return control
+        self.check_metric_value(args, state, control, loss)  # lower is better: greater_is_better is unset
+        if self.early_stopping_patience_counter >= self.early_stopping_patience:
+            control.should_training_stop = True
         return control
 
 

@@ -205,15 +205,15 @@ def _evaluate(callbacks, state, losses, control=None):
         for callback in callbacks:
             control = callback.on_evaluate(_Args(), state, control, metrics={"eval_loss": loss, "eval_tokens": 50},
                                            model=callbacks[0].model if hasattr(callbacks[0], "model") else None) or control
-        if state.best_metric is None or loss < state.best_metric:  # Trainer._determine_best_metric
-            state.best_metric, state.best_global_step = loss, step
+        if state.best_metric is None or loss < state.best_metric:  # evaluate_in_trainer, after the callbacks
+            state.best_metric = loss
         if control.should_training_stop:
             return control, step
     return control, None
 
 
 class _Args:
-    metric_for_best_model, greater_is_better, eval_strategy = "eval_loss", False, "steps"
+    metric_for_best_model, greater_is_better, eval_strategy = None, None, "steps"  # as eval_sft_kwargs leaves them
 
 
 def test_best_adapter_is_the_lowest_eval_loss_and_loads_with_peft(peft_model, tmp_path):
@@ -271,7 +271,8 @@ def test_sft_arguments_evaluate_every_n_steps_and_track_the_lowest_loss(tmp_path
 
     args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **eval_sft_kwargs(eval_steps))
     assert args.eval_strategy == "steps" and args.eval_steps == expected
-    assert args.metric_for_best_model == "eval_loss" and args.greater_is_better is False
+    # No HF "best checkpoint" bookkeeping: it would change which checkpoints save_total_limit keeps.
+    assert args.metric_for_best_model is None and not args.load_best_model_at_end
 
 
 def test_eval_summary_holds_the_issue_format_seconds_and_best():
@@ -332,9 +333,11 @@ def test_evaluate_in_trainer_logs_calls_back_and_counts_an_evaluation_before_tra
     assert tiny_model.training  # restored
     assert set(metrics) == {"eval_loss", "eval_tokens", "eval_runtime"} and trainer.logged == [metrics]
     assert trainer.seen == [(None, metrics)]  # callbacks see the best of the earlier evaluations
-    # eval_on_start (step 0) is outside HF's best tracking: counted here, so step 2 must beat it.
-    assert trainer.state.best_metric == metrics["eval_loss"]
+    assert trainer.state.best_metric == metrics["eval_loss"]  # then it is updated (checkpointed with the state)
     trainer.state.global_step, trainer.state.best_metric = 2, 9.0
     evaluate_in_trainer(trainer, evaluator)
-    assert trainer.state.best_metric == 9.0  # inside the loop HF updates it (Trainer._determine_best_metric)
+    assert trainer.seen[-1][0] == 9.0 and trainer.state.best_metric == metrics["eval_loss"]
+    trainer.state.best_metric = 1.0
+    evaluate_in_trainer(trainer, evaluator)
+    assert trainer.state.best_metric == 1.0  # not an improvement: kept
     tiny_model.eval()
