@@ -205,19 +205,23 @@ class BestAdapterCallback(TrainerCallback):
 
 class EarlyStopping(EarlyStoppingCallback):
     """HF's early stopping on eval_loss: stop after `patience` evaluations in a row without a new lowest
-    value (HF's counter and comparison with `state.best_metric`; the counter is saved in checkpoints).
+    value (HF's counter and comparison with `state.best_metric`). A resumed run recounts from the
+    evaluations in the checkpoint's `log_history`, so it stops where the uninterrupted run would.
 
     HF's version reads the metric named by `metric_for_best_model` and warns without
     `load_best_model_at_end`; here the metric is always eval_loss and the best adapter is kept in
     best_adapter/ (BestAdapterCallback), so both hooks are replaced.
     """
 
-    def __init__(self, patience: int):
-        super().__init__(early_stopping_patience=patience, early_stopping_threshold=0.0)
+    def __init__(self, early_stopping_patience: int = 1, early_stopping_threshold: float = 0.0):
+        # HF's argument names: `restore_callback_states_from_checkpoint` rebuilds it from them.
+        super().__init__(early_stopping_patience, early_stopping_threshold)
 
     def on_train_begin(self, args, state, control, **kwargs):
         if args.eval_strategy == "no":
             raise ValueError("early stopping needs an eval set: set data.eval_fraction or data.eval_dataset_name")
+        losses = [h["eval_loss"] for h in eval_history(state.log_history)]
+        self.early_stopping_patience_counter = evaluations_without_improvement(losses)
         return control
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
@@ -240,6 +244,15 @@ def eval_callbacks(output_dir: str | Path, *, is_main: bool, save_best_adapter: 
     if early_stopping_patience:
         callbacks.append(EarlyStopping(early_stopping_patience))
     return callbacks
+
+
+def evaluations_without_improvement(losses: Sequence[float]) -> int:
+    """How many evaluations in a row, at the end of `losses`, did not lower the lowest loss before them."""
+    count, best = 0, None
+    for loss in losses:
+        count = 0 if best is None or loss < best else count + 1
+        best = loss if best is None else min(best, loss)
+    return count
 
 
 def eval_history(log_history: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

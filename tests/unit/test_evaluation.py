@@ -341,3 +341,17 @@ def test_evaluate_in_trainer_logs_calls_back_and_counts_an_evaluation_before_tra
     evaluate_in_trainer(trainer, evaluator)
     assert trainer.state.best_metric == 1.0  # not an improvement: kept
     tiny_model.eval()
+
+
+def test_a_resumed_run_continues_the_early_stopping_count():
+    from HyperSloth.evaluation import evaluations_without_improvement
+
+    assert [evaluations_without_improvement(x) for x in ([], [3.0], [3, 2, 2.5], [3, 2, 2.5, 2.0], [3, 2, 1])] == [0, 0, 1, 2, 0]
+    state = TrainerState()
+    state.log_history = [{"loss": 3.0, "step": 1}, {"eval_loss": 2.0, "step": 2}, {"eval_loss": 2.2, "step": 4}]
+    state.best_metric = 2.0
+    stopper = EarlyStopping(2)
+    stopper.on_train_begin(_Args(), state, TrainerControl())
+    assert stopper.early_stopping_patience_counter == 1
+    control = stopper.on_evaluate(_Args(), state, TrainerControl(), metrics={"eval_loss": 2.1})
+    assert control.should_training_stop  # the second evaluation without improvement, across the resume
