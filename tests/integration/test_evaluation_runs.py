@@ -63,6 +63,8 @@ class EvalRunSpec(RunSpec):
 SPECS = [
     EvalRunSpec("eval-2w", report_to="tensorboard"),
     EvalRunSpec("eval-1w", gpus=1, per_device=8),
+    # eval-2w's folder, resumed in place from its checkpoint-3.
+    EvalRunSpec("eval-resume", resume_from="eval-2w"),
     # A learning rate far too high: the eval loss soon stops improving, so patience 2 stops the run.
     EvalRunSpec("eval-stop", eval_steps=1, patience=2, learning_rate=0.5),
 ]
@@ -212,6 +214,19 @@ def test_early_stopping_stops_after_patience_evaluations_without_improvement(run
         streaks.append(without_improvement)
     assert streaks[-1] == 2 and max(streaks[:-1]) < 2, losses  # stopped at the first streak of `patience`
     assert run.summary["steps"] == run.summary["eval"][-1]["step"] < MAX_STEPS
+
+
+@needs("eval-2w", "eval-resume")
+def test_a_resumed_run_evaluates_like_the_uninterrupted_one(runs):
+    full, resumed = runs.get("eval-2w").check_ok().summary, runs.get("eval-resume").check_ok().summary
+    by_step = {e["step"]: e["eval_loss"] for e in full["eval"]}
+    # The checkpoint's evaluations are kept; eval_on_start evaluates again at the resume step (3).
+    assert [e["step"] for e in resumed["eval"]] == [0, 2, 3, 4, 6]
+    for entry in resumed["eval"]:
+        if entry["step"] in by_step:
+            assert rel(entry["eval_loss"], by_step[entry["step"]]) <= 1e-6, entry
+    assert resumed["best_eval"]["step"] == full["best_eval"]["step"] and resumed["best_eval"].get("adapter")
+    assert resumed["eval_set"] == full["eval_set"]
 
 
 def _refused(workdir: Path, model_dir: Path, spec: EvalRunSpec) -> str:
