@@ -359,3 +359,12 @@ def test_torchrun_launch_trains_like_the_launcher(runs):
     assert_close_per_step(torchrun.summary["grad_norms"], launcher.summary["grad_norms"], "grad norms")
     error = relative_error(flat_adapter(launcher.adapter()), flat_adapter(torchrun.adapter()))
     assert error <= RTOL, f"final adapters differ: relative error {error:.3g}"
+
+
+@needs("packed-2w")
+def test_the_planned_token_budget_is_recorded_with_its_source(runs):
+    run = runs.get("packed-2w").check_ok()
+    resolved = json.loads((run.out / "run_resolved.json").read_text())
+    assert resolved["token_budget"]["tokens"] == 512 and resolved["token_budget"]["source"] == "explicit"
+    assert resolved["gradient_checkpointing"] is False
+    assert run.summary["token_budget"] == resolved["token_budget"]
