@@ -12,9 +12,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import fire
-
 from HyperSloth import run_files
+from HyperSloth.cli.command import Command, Flag, Positional
 from HyperSloth.config import ConfigError, load_config
 from HyperSloth.launch import (
     LaunchError,
@@ -27,38 +26,6 @@ from HyperSloth.launch_tmux import launch_tmux
 from HyperSloth.model_source import hub_problem
 from HyperSloth.run import MachineFacts, RunDescription, resolve_run, write_run
 
-USAGE = """\
-usage: hypersloth-train CONFIG [--overwrite] [--tmux SESSION] [--y] [--dry-run]
-
-Fine-tune with one worker process per entry of `training.gpus` in CONFIG (a Python config file,
-see `hypersloth-init`). Each worker sees only its GPU (CUDA_VISIBLE_DEVICES); without CUDA the same
-number of CPU workers train over gloo. If any worker fails, the others are stopped and the failing
-rank's last stderr lines are shown. Logs: OUTPUT_DIR/logs/rankN.log and rankN.stderr (N = rank).
-
-arguments:
-  CONFIG            the config file (defines hyper_config_model and training_config_model)
-
-options:
-  --tmux SESSION    run each rank in its own window of tmux session SESSION (plus a `main`
-                    window that follows rank 0 and reports when all ranks are done); returns
-                    once the session exists. Attach with `tmux attach -t SESSION`.
-  --y               replace an existing tmux session of that name without asking
-  --overwrite       the output_dir holds an earlier run: remove its files first and start clean
-                    (without it such a run is refused; set resume_from_checkpoint to continue it)
-  --dry-run         start nothing: load the config and print the batch plan summary
-  -h, --help        show this help
-
-examples:
-  hypersloth-train examples/tiny_cpu_demo.py                 # 2 CPU workers, about a minute
-  hypersloth-train examples/tiny_cpu_demo.py --dry-run       # the plan only
-  hypersloth-train my_config.py --tmux train --y             # one tmux window per GPU
-  # two machines, N GPUs each (run on every node with its K = 0, 1):
-  torchrun --nnodes 2 --nproc_per_node N --node_rank K --rdzv_backend c10d \\
-      --rdzv_endpoint HOST0:29400 -m HyperSloth.cli.train my_config.py
-
-exit codes: 0 success, 1 a worker failed, 2 nothing started (a problem in the config or setup),
-130/143 stopped by Ctrl-C / SIGTERM (every worker stopped too). Details: docs/launcher.md
-"""
 
 @dataclass(frozen=True)
 class CheckedRun:
@@ -222,25 +189,41 @@ def train(config: str, tmux: str | None = None, y: bool = False, dry_run: bool =
     raise SystemExit(code)
 
 
-_FLAGS = {"config", "tmux", "y", "noy", "dry_run", "nodry_run", "overwrite", "nooverwrite"}
-
-
-def _check_flags(argv: list[str]) -> None:
-    """Reject unknown flags up front: fire only complains *after* calling train, i.e. after training."""
-    for arg in argv:
-        if arg.startswith("-") and arg.lstrip("-").split("=")[0].replace("-", "_") not in _FLAGS:
-            _fail(f"unknown option {arg}; see `hypersloth-train --help`")
+COMMAND = Command(
+    prog="hypersloth-train",
+    summary="""Fine-tune with one worker process per entry of `training.gpus` in CONFIG (a Python config file,
+see `hypersloth-init`). Each worker sees only its GPU (CUDA_VISIBLE_DEVICES); without CUDA the same
+number of CPU workers train over gloo. If any worker fails, the others are stopped and the failing
+rank's last stderr lines are shown. Logs: OUTPUT_DIR/logs/rankN.log and rankN.stderr (N = rank).""",
+    positionals=(Positional("config", "CONFIG", "the config file (defines hyper_config_model and "
+                            "training_config_model)"),),
+    flags=(
+        Flag("tmux", "run each rank in its own window of tmux session SESSION (plus a `main` window that "
+             "follows rank 0 and reports when all ranks are done); returns once the session exists. Attach "
+             "with `tmux attach -t SESSION`.", value="SESSION"),
+        Flag("y", "replace an existing tmux session of that name without asking"),
+        Flag("overwrite", "the output_dir holds an earlier run: remove its files first and start clean "
+             "(without it such a run is refused; set resume_from_checkpoint to continue it)"),
+        Flag("dry_run", "start nothing: load the config and print the batch plan summary", label="--dry-run"),
+    ),
+    examples=(
+        "hypersloth-train examples/tiny_cpu_demo.py                 # 2 CPU workers, about a minute",
+        "hypersloth-train examples/tiny_cpu_demo.py --dry-run       # the plan only",
+        "hypersloth-train my_config.py --tmux train --y             # one tmux window per GPU",
+        "# two machines, N GPUs each (run on every node with its K = 0, 1):",
+        "torchrun --nnodes 2 --nproc_per_node N --node_rank K --rdzv_backend c10d \\",
+        "    --rdzv_endpoint HOST0:29400 -m HyperSloth.cli.train my_config.py",
+    ),
+    notes="""exit codes: 0 success, 1 a worker failed, 2 nothing started (a problem in the config, setup or
+command line), 130/143/129 stopped by Ctrl-C / SIGTERM / SIGHUP (every worker stopped too).
+Details: docs/launcher.md""",
+)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of `hypersloth-train` and `python -m HyperSloth.cli.train`."""
-    argv = sys.argv[1:] if argv is None else argv
-    # Our own help instead of fire's: fire pages it and lists no examples.
-    if not argv or any(arg in ("-h", "--help") for arg in argv):
-        print(USAGE, end="")
-        raise SystemExit(0 if argv else 2)
-    _check_flags(argv)
-    fire.Fire(train, command=argv, name="hypersloth-train")
+    """Entry point of `hypersloth-train` (console script via HyperSloth.cli.console) and
+    `python -m HyperSloth.cli.train`: flags checked and help printed by HyperSloth.cli.command."""
+    COMMAND.run(train, argv)
 
 
 if __name__ == "__main__":

@@ -111,8 +111,8 @@ def test_help_and_no_arguments_print_the_help(capsys, argv, code):
 
 
 # CLI module -> the function its main() hands to fire.
-CLIS = {"init": "init", "build_dataset": "build_dataset_cli", "plan": "plan", "export": "export",
-        "tiny_model": "tiny_model"}
+CLIS = {"train": "train", "init": "init", "build_dataset": "build_dataset_cli", "plan": "plan",
+        "export": "export", "tiny_model": "tiny_model"}
 
 
 @pytest.mark.parametrize("name", sorted(CLIS))
