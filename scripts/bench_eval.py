@@ -31,15 +31,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
-from benchmark import SEED, VOCAB, four_bit, shape_of  # noqa: E402  (the speed benchmark's workload)
+from benchmark import FOUR_BIT, SEED, VOCAB  # noqa: E402  (the speed benchmark's shapes and seed)
 
 CONFIG = '''
 from HyperSloth.config import *
 hyper_config_model = HyperConfig(
     data=DataConfig(dataset_name="bench_eval", data_dir="{work}/data", eval_fraction={fraction}),
     training=TrainingConfig(gpus=[0], loss_type="all", batching="packed", tokens_per_micro_batch={budget}),
-    fast_model_args=FastModelArgs(model_name="{checkpoint}", max_seq_length=4096, dtype="bfloat16",
-                                  load_in_4bit={four_bit}, backend="unsloth", use_gradient_checkpointing=False),
+    fast_model_args=FastModelArgs(model_name="{checkpoint}", max_seq_length=4096, dtype="{dtype}",
+                                  load_in_4bit={four_bit}, backend="{backend}", use_gradient_checkpointing=False),
     lora_args=LoraArgs(r=16, lora_alpha=16, lora_dropout=0.0, random_state={seed}),
 )
 training_config_model = TrainingArgsConfig(
@@ -80,7 +80,7 @@ def step_tokens(lengths: np.ndarray, fraction: float, batch: int, steps: int) ->
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="0.6b")
+    p.add_argument("--model", default="0.6b", help="a shape of benchmark.py: 0.6b, 1.7b (bf16) or 8b (4-bit)")
     p.add_argument("--work", default="/tmp/hs_eval_bench")
     p.add_argument("--batch", type=int, default=32, help="samples per optimizer step")
     p.add_argument("--steps", type=int, default=20)
@@ -88,21 +88,25 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--fraction", type=float, default=0.2)
     p.add_argument("--token-budget", type=int, default=16384)
+    p.add_argument("--checkpoint", help="an existing model folder instead of building --model's shape (CPU smoke "
+                   "test: a tiny model with --backend transformers --dtype float32)")
+    p.add_argument("--backend", default="unsloth")
+    p.add_argument("--dtype", default="bfloat16")
     a = p.parse_args()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
-    checkpoint = work / f"ckpt_{shape_of(a.model)}"
-    # In a child process: a parent that built the model on the GPU would keep that memory reserved.
-    subprocess.run([sys.executable, "-c", f"import sys; sys.path[:0] = [{str(ROOT / 'scripts')!r}, {str(ROOT)!r}]; "
-                    f"from benchmark import build_checkpoint; from pathlib import Path; "
-                    f"build_checkpoint({a.model!r}, Path({str(checkpoint)!r}))"], check=True)
+    checkpoint = Path(a.checkpoint) if a.checkpoint else work / f"ckpt_{a.model}"
+    if not a.checkpoint:  # in a child process: a parent that built it on the GPU would keep that memory
+        subprocess.run([sys.executable, "-c", f"import sys; sys.path[:0] = [{str(ROOT / 'scripts')!r}, {str(ROOT)!r}]; "
+                        f"from benchmark import build_checkpoint; from pathlib import Path; "
+                        f"build_checkpoint({a.model!r}, Path({str(checkpoint)!r}))"], check=True)
     rows = int(np.ceil(a.batch * a.steps / (1 - a.fraction))) + a.batch
     lengths = build_data(work, rows)
     out = work / "out"
     config = work / "bench_eval_config.py"
     config.write_text(CONFIG.format(work=work, fraction=a.fraction, budget=a.token_budget, checkpoint=checkpoint,
-                                    four_bit=four_bit(a.model), seed=SEED, out=out, batch=a.batch, steps=a.steps,
-                                    eval_steps=a.eval_steps))
+                                    four_bit=FOUR_BIT[a.model] and not a.checkpoint, seed=SEED, out=out, batch=a.batch,
+                                    steps=a.steps, eval_steps=a.eval_steps, backend=a.backend, dtype=a.dtype))
     subprocess.run([sys.executable, "-m", "HyperSloth.cli.train", str(config), "--overwrite"], check=True)
     summary = json.loads((out / "train_summary.json").read_text())
     report(summary, step_tokens(lengths, a.fraction, a.batch, a.steps), a)
