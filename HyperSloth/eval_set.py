@@ -62,7 +62,8 @@ class EvalSet(BaseModel):
     def describe(self) -> str:
         """One line for logs and the plan preview."""
         if self.source == "holdout":
-            where = f"{self.num_rows:,} conversations held out of '{self.dataset_name}' (eval_fraction {self.fraction}, seed {self.seed})"
+            where = (f"{self.num_rows:,} conversations held out of '{self.dataset_name}' "
+                     f"(eval_fraction {self.fraction}, seed {self.seed})")
         else:
             where = f"dataset '{self.dataset_name}', {self.num_rows:,} conversations"
         return f"{where}; {self.tokens:,} tokens, {self.target_tokens:,} scored; fingerprint {self.fingerprint[:12]}"
