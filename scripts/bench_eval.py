@@ -14,6 +14,14 @@ held-out row plus the one all-reduce). Training: the steps after --warmup whose 
 evaluation (HF evaluates after a step's end stamp, so the step after an evaluation would include it),
 with each step's real tokens from the planner. The first evaluation is reported but not averaged
 (kernels compile for new shapes).
+
+    python scripts/bench_eval.py --direct --model 0.6b --steps 6
+
+`--direct` measures the same ratio in one process in under a minute (for a short device budget): the
+Qwen3-shaped model with a PEFT LoRA (transformers backend, SDPA, bf16), the benchmark's sample lengths,
+HyperSloth's planner and collation; training = forward + backward of every packed micro-batch of
+--steps optimizer steps plus an AdamW step per optimizer step; evaluation = HyperSloth's `Evaluator`
+over the same rows (forward only, no grad, eval mode). Each is run once to warm up, then timed.
 """
 
 from __future__ import annotations
@@ -80,7 +88,8 @@ def step_tokens(lengths: np.ndarray, fraction: float, batch: int, steps: int) ->
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="0.6b", help="a shape of benchmark.py: 0.6b, 1.7b (bf16) or 8b (4-bit)")
+    p.add_argument("--model", default="0.6b", help="a shape of benchmark.py: 0.6b, 1.7b (bf16) or 8b (4-bit); "
+                   "--direct also takes 'tiny' (a CPU smoke test)")
     p.add_argument("--work", default="/tmp/hs_eval_bench")
     p.add_argument("--batch", type=int, default=32, help="samples per optimizer step")
     p.add_argument("--steps", type=int, default=20)
@@ -92,7 +101,11 @@ def main() -> None:
                    "test: a tiny model with --backend transformers --dtype float32)")
     p.add_argument("--backend", default="unsloth")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--direct", action="store_true", help="one process, no launcher: see the docstring")
     a = p.parse_args()
+    if a.direct:
+        direct(a)
+        return
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     checkpoint = Path(a.checkpoint) if a.checkpoint else work / f"ckpt_{a.model}"
@@ -110,6 +123,76 @@ def main() -> None:
     subprocess.run([sys.executable, "-m", "HyperSloth.cli.train", str(config), "--overwrite"], check=True)
     summary = json.loads((out / "train_summary.json").read_text())
     report(summary, step_tokens(lengths, a.fraction, a.batch, a.steps), a)
+
+
+def direct(a) -> None:
+    """The eval/train cost ratio in this process (see the module docstring)."""
+    import time
+
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from benchmark import HEAD_DIM, PROJECTIONS, SHAPES
+    from HyperSloth.batching import PlanSpec, adaptive_partition_batches
+    from HyperSloth.collate import collate
+    from HyperSloth.eval_set import plan_eval
+    from HyperSloth.evaluation import Evaluator
+
+    torch.manual_seed(SEED)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    vocab, head_dim, shape = VOCAB, HEAD_DIM, SHAPES.get(a.model)
+    if shape is None:  # "tiny": a CPU smoke test of this function
+        vocab, head_dim, shape = 1000, 16, dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                                num_key_value_heads=2, intermediate_size=128)
+    config = Qwen3Config(vocab_size=vocab, head_dim=head_dim, max_position_embeddings=8192, rope_theta=1e6, **shape)
+    with torch.device(device):
+        base = Qwen3ForCausalLM(config).to(torch.bfloat16 if device == "cuda" else torch.float32)
+    model = get_peft_model(base, LoraConfig(r=16, lora_alpha=16, target_modules=PROJECTIONS, task_type="CAUSAL_LM"))
+    rng = np.random.default_rng(SEED)
+    lengths = np.clip(np.exp(rng.normal(6.2, 0.8, a.batch * a.steps)), 32, 4096).astype(np.int64)
+    ids = [rng.integers(3, vocab - 3, size=int(n)) for n in lengths]
+    rows = Dataset.from_dict({"input_ids": [x.tolist() for x in ids], "labels": [x.tolist() for x in ids]})
+    spec = PlanSpec(num_ranks=1, samples_per_step=a.batch, mode="packed", token_budget=a.token_budget, seed=SEED)
+    train_plan = adaptive_partition_batches(lengths, lengths - 1, spec)
+    evaluator = Evaluator(rows, plan_eval(lengths, lengths - 1, spec), rank=0, loss_type="all", pad_token_id=0)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-4)
+    cuda = lambda batch: {k: v.to(device) for k, v in batch.items()}  # noqa: E731
+
+    def train() -> None:
+        model.train()
+        for step in train_plan.steps:
+            for mb in step.ranks[0]:
+                batch = cuda(collate([(ids[i], ids[i]) for i in mb], "packed", 0))
+                model(**batch, num_items_in_batch=step.num_trainable, use_cache=False).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    def evaluate() -> None:
+        model.eval()
+        with torch.no_grad():
+            evaluator.run(lambda b: model(**cuda(b), num_items_in_batch=1, use_cache=False).loss, device)
+
+    def seconds(fn) -> float:
+        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - start
+
+    warm = (seconds(train), seconds(evaluate))
+    train_s, eval_s = seconds(train), seconds(evaluate)
+    tokens = int(lengths.sum())
+    print("EVAL_BENCH " + json.dumps({
+        "mode": "direct", "model": a.model, "backend": "transformers+peft sdpa bf16", "token_budget": a.token_budget,
+        "tokens": tokens, "train_s": train_s, "eval_s": eval_s, "warmup_s": warm,
+        "train_tokens_per_s": tokens / train_s, "eval_tokens_per_s": tokens / eval_s,
+        "eval_cost_vs_train_pct": 100 * eval_s / train_s,
+        "micro_batches": {"train": train_plan.stats.micro_batches_per_rank,
+                          "eval": evaluator.plan.stats.micro_batches_per_rank},
+        "peak_gb": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None}))
 
 
 def report(summary: dict, tokens: list[int], a) -> None:
