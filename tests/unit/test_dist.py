@@ -53,7 +53,9 @@ def _worker(rank: int, port: int, queue) -> None:
             params.append(p)
         sync = dist.GradientSync(params, world_size=2, bucket_mb=0)  # 0 MB: one parameter per bucket
         loss = sync.all_reduce(torch.tensor([float(rank + 1)]))
-        queue.put((rank, [p.grad.float() for p in params], float(loss[0])))
+        # Plain lists: a tensor on the queue is passed as a shared-memory fd, which fails when this
+        # process has exited before the parent unpickles it (ConnectionResetError).
+        queue.put((rank, [p.grad.float().tolist() for p in params], float(loss[0])))
     finally:
         dist.teardown()
 
@@ -71,12 +73,12 @@ def test_gradient_sync_sums_every_bucket_and_fills_missing_grads():
         assert p.exitcode == 0
     expected = [sum(g.float() for g in gs if g is not None) for gs in zip(_rank_grads(0), _rank_grads(1))]
     for rank in (0, 1):
-        grads, loss = results[rank]
+        grads, loss = [torch.tensor(g) for g in results[rank][0]], results[rank][1]
         assert loss == 3.0  # the scalars are summed too (1 + 2)
         for got, want in zip(grads, expected):
             bf16 = got.shape == (3,)  # the bf16 parameter: summed in bf16, one rounding
             torch.testing.assert_close(got, want, rtol=1e-2 if bf16 else 0, atol=1e-2 if bf16 else 0)
-    assert all(torch.equal(a, b) for a, b in zip(results[0][0], results[1][0]))  # identical on every rank
+    assert results[0][0] == results[1][0]  # identical on every rank
 
 
 def test_gradient_sync_is_a_no_op_for_one_process():
