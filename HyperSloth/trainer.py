@@ -143,6 +143,7 @@ class HyperSlothTrainer(SFTTrainer):
                  evaluator: Evaluator | None = None, **kwargs):
         self.rank = rank
         self.evaluator = evaluator
+        self.eval_seconds = 0.0  # this run's evaluations: kept out of the training throughput
         self.plan_steps = plan_steps
         self.grad_sync = grad_sync
         self.timer = PhaseTimer(profile)
@@ -220,7 +221,9 @@ class HyperSlothTrainer(SFTTrainer):
         """The exact held-out loss over all ranks (HyperSloth.evaluation); HF's loop calls it on every rank."""
         if self.evaluator is None:
             raise ValueError("this run has no eval set: set data.eval_fraction or data.eval_dataset_name")
-        return evaluate_in_trainer(self, self.evaluator, metric_key_prefix)
+        metrics = evaluate_in_trainer(self, self.evaluator, metric_key_prefix)
+        self.eval_seconds += metrics[f"{metric_key_prefix}_runtime"]
+        return metrics
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:
@@ -228,8 +231,9 @@ class HyperSlothTrainer(SFTTrainer):
         if "train_runtime" in logs:
             for key in _PER_PROCESS_SPEED_KEYS:
                 logs.pop(key, None)
-            if logs["train_runtime"] > 0:
-                logs["train_tokens_per_second_all_ranks"] = round(self.tokens_this_run / logs["train_runtime"], 1)
+            training_s = logs["train_runtime"] - self.eval_seconds  # HF's runtime includes the evaluations
+            if training_s > 0:
+                logs["train_tokens_per_second_all_ranks"] = round(self.tokens_this_run / training_s, 1)
         super().log(logs, start_time)
 
     # ---- one RNG stream per rank, saved and restored per rank --------------------------------

@@ -158,7 +158,8 @@ def _write_weight_digest(model, out_dir: Path, rank: int) -> None:
 
 def _summary(trainer, setup, result, wall_s: float, info: dist.DistInfo) -> dict[str, Any]:
     history = [h for h in trainer.state.log_history if "loss" in h and "step" in h]
-    runtime = result.metrics.get("train_runtime", wall_s)
+    # HF's train_runtime includes the evaluations; training time and throughput leave them out.
+    runtime = result.metrics.get("train_runtime", wall_s) - trainer.eval_seconds
     stats = setup.first_epoch_stats
     return {
         "world_size": info.world_size,
