@@ -216,18 +216,23 @@ class EarlyStopping(EarlyStoppingCallback):
     def __init__(self, early_stopping_patience: int = 1, early_stopping_threshold: float = 0.0):
         # HF's argument names: `restore_callback_states_from_checkpoint` rebuilds it from them.
         super().__init__(early_stopping_patience, early_stopping_threshold)
+        self._recounted = False
 
     def on_train_begin(self, args, state, control, **kwargs):
         if args.eval_strategy == "no":
             raise ValueError("early stopping needs an eval set: set data.eval_fraction or data.eval_dataset_name")
-        losses = [h["eval_loss"] for h in eval_history(state.log_history)]
-        self.early_stopping_patience_counter = evaluations_without_improvement(losses)
         return control
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         loss = (metrics or {}).get("eval_loss")
         if loss is None:
             return control
+        if not self._recounted:
+            # A resumed run's state (log_history) is loaded after on_train_begin: recount at its first
+            # evaluation, from the ones before it (the last entry of log_history is this one).
+            earlier = [h["eval_loss"] for h in eval_history(state.log_history)][:-1]
+            self.early_stopping_patience_counter = evaluations_without_improvement(earlier)
+            self._recounted = True
         self.check_metric_value(args, state, control, loss)  # lower is better: greater_is_better is unset
         if self.early_stopping_patience_counter >= self.early_stopping_patience:
             control.should_training_stop = True

@@ -348,10 +348,13 @@ def test_a_resumed_run_continues_the_early_stopping_count():
 
     assert [evaluations_without_improvement(x) for x in ([], [3.0], [3, 2, 2.5], [3, 2, 2.5, 2.0], [3, 2, 1])] == [0, 0, 1, 2, 0]
     state = TrainerState()
-    state.log_history = [{"loss": 3.0, "step": 1}, {"eval_loss": 2.0, "step": 2}, {"eval_loss": 2.2, "step": 4}]
+    # The checkpoint's history, then this process's first evaluation (logged before the callbacks run).
+    state.log_history = [{"loss": 3.0, "step": 1}, {"eval_loss": 2.0, "step": 2}, {"eval_loss": 2.2, "step": 4},
+                         {"eval_loss": 2.1, "step": 6}]
     state.best_metric = 2.0
     stopper = EarlyStopping(2)
     stopper.on_train_begin(_Args(), state, TrainerControl())
-    assert stopper.early_stopping_patience_counter == 1
     control = stopper.on_evaluate(_Args(), state, TrainerControl(), metrics={"eval_loss": 2.1})
     assert control.should_training_stop  # the second evaluation without improvement, across the resume
+    fresh = EarlyStopping(2)
+    assert not fresh.on_evaluate(_Args(), state, TrainerControl(), metrics={"eval_loss": 1.9}).should_training_stop
