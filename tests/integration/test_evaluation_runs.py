@@ -19,11 +19,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from training_fixtures import (
+    needs,
+    pool_fixtures,
     MAX_STEPS,
-    RunPool,
     RunSpec,
     _script,
-    build_inputs,
     run_env,
     write_config,
 )
@@ -70,37 +70,7 @@ SPECS = [
 ]
 
 
-def needs(*names: str):
-    def mark(test):
-        test.runs_needed = names
-        return test
-    return mark
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("evaluation")
-
-
-@pytest.fixture(scope="module")
-def model_dir(workdir):
-    return build_inputs(workdir)
-
-
-@pytest.fixture(scope="module")
-def runs(request, workdir, model_dir):
-    pool = RunPool(workdir, model_dir, SPECS)
-    selected = [item for item in request.session.items if getattr(item, "module", None) is request.module]
-    pool.submit(name for item in selected for name in getattr(item.function, "runs_needed", ()))
-    yield pool
-    pool.close()
-
-
-@pytest.fixture(scope="module")
-def dataset(workdir, model_dir):
-    from datasets import load_from_disk
-
-    return load_from_disk(str(workdir / "data" / "built_dataset" / "chat"))
+workdir, model_dir, runs, dataset = pool_fixtures("evaluation", SPECS)
 
 
 @pytest.fixture(scope="module")

@@ -16,14 +16,14 @@ from functools import partial
 import numpy as np
 import pytest
 from training_fixtures import (
+    needs,
+    pool_fixtures,
     FAILURE_MARK,
     MAX_SEQ_LENGTH,
     MAX_STEPS,
     SAVE_STEPS,
-    RunPool,
     RunResult,
     RunSpec,
-    build_inputs,
     flat_adapter,
     processes_mentioning,
     relative_error,
@@ -49,39 +49,7 @@ SPECS = [
 ]
 
 
-def needs(*names: str):
-    """Declare the runs a test reads, so the pool can start them all before the first test waits."""
-    def mark(test):
-        test.runs_needed = names
-        return test
-    return mark
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("training")
-
-
-@pytest.fixture(scope="module")
-def model_dir(workdir):
-    return build_inputs(workdir)
-
-
-@pytest.fixture(scope="module")
-def runs(request, workdir, model_dir):
-    """The pool, already running every run that the selected tests of this module need."""
-    pool = RunPool(workdir, model_dir, SPECS)
-    selected = [item for item in request.session.items if getattr(item, "module", None) is request.module]
-    pool.submit(name for item in selected for name in getattr(item.function, "runs_needed", ()))
-    yield pool
-    pool.close()
-
-
-@pytest.fixture(scope="module")
-def dataset(workdir, model_dir):
-    from datasets import load_from_disk
-
-    return load_from_disk(str(workdir / "data" / "built_dataset" / "chat"))
+workdir, model_dir, runs, dataset = pool_fixtures("training", SPECS)
 
 
 def assert_close_per_step(actual: list[float], expected: list[float], what: str) -> None:

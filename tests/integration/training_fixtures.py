@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+import pytest
 
 DATASET = "chat"
 SAMPLE_CHAT = Path(__file__).resolve().parents[2] / "data" / "sample_chat.jsonl"
@@ -295,3 +296,41 @@ def relative_error(a: np.ndarray, b: np.ndarray) -> float:
 def flat_adapter(weights: dict[str, np.ndarray]) -> np.ndarray:
     """All adapter tensors as one vector, in name order."""
     return np.concatenate([weights[name].astype(np.float64).ravel() for name in sorted(weights)])
+
+
+def needs(*names: str):
+    """Declare the runs a test reads, so the pool can start them all before the first test waits."""
+    def mark(test):
+        test.runs_needed = names
+        return test
+    return mark
+
+
+def pool_fixtures(name: str, specs) -> tuple:
+    """The module-scoped fixtures `workdir`, `model_dir`, `runs` and `dataset` of a test module whose
+    tests read runs of `specs`: assign them to those names at module level."""
+
+    @pytest.fixture(scope="module")
+    def workdir(tmp_path_factory):
+        return tmp_path_factory.mktemp(name)
+
+    @pytest.fixture(scope="module")
+    def model_dir(workdir):
+        return build_inputs(workdir)
+
+    @pytest.fixture(scope="module")
+    def runs(request, workdir, model_dir):
+        """The pool, already running every run that the selected tests of this module need."""
+        pool = RunPool(workdir, model_dir, specs)
+        selected = [item for item in request.session.items if getattr(item, "module", None) is request.module]
+        pool.submit(run for item in selected for run in getattr(item.function, "runs_needed", ()))
+        yield pool
+        pool.close()
+
+    @pytest.fixture(scope="module")
+    def dataset(workdir, model_dir):
+        from datasets import load_from_disk
+
+        return load_from_disk(str(workdir / "data" / "built_dataset" / "chat"))
+
+    return workdir, model_dir, runs, dataset
