@@ -528,13 +528,3 @@ def runtime_problems(
     if "8bit" in training_args.optim and not cuda:
         problems.append(f"optim='{training_args.optim}' needs CUDA (bitsandbytes); use optim='adamw_torch' on CPU")
     return problems
-
-
-def check_runtime(
-    hyper: HyperConfig, training_args: TrainingArgsConfig, *, cuda_device_count: int, unsloth_available: bool
-) -> None:
-    """Pre-launch checks against the machine's facts; ConfigError listing every problem found."""
-    problems = runtime_problems(hyper, training_args, cuda_device_count=cuda_device_count,
-                                unsloth_available=unsloth_available)
-    if problems:
-        raise ConfigError("config cannot run on this machine:\n" + "\n".join(f"  - {p}" for p in problems))

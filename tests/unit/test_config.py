@@ -1,4 +1,4 @@
-"""Config models, load_config messages, the dataset registry read and check_runtime."""
+"""Config models, load_config messages, the dataset registry read and runtime_problems."""
 
 import json
 import sys
@@ -15,7 +15,7 @@ from HyperSloth.config import (
     LoraArgs,
     TrainingArgsConfig,
     TrainingConfig,
-    check_runtime,
+    runtime_problems,
     config_to_dict,
     load_config,
 )
@@ -334,43 +334,44 @@ def test_corrupt_registry(tmp_path):
         DataConfig(dataset_name="x", data_dir=str(tmp_path)).registry_entry()
 
 
-# ---- check_runtime -------------------------------------------------------------------------------
+# ---- runtime_problems ----------------------------------------------------------------------------
 
 
 def runtime_error(config: HyperConfig, args: TrainingArgsConfig | None = None, **facts) -> str:
-    with pytest.raises(ConfigError) as info:
-        check_runtime(config, args or TrainingArgsConfig(), **facts)
-    return str(info.value)
+    problems = runtime_problems(config, args or TrainingArgsConfig(), **facts)
+    assert problems, "expected the machine check to find a problem"
+    return "\n".join(f"  - {p}" for p in problems)
 
 
-def test_check_runtime_cpu_plain_config_passes():
+def test_runtime_problems_cpu_plain_config_passes():
     config = hyper(training={"gpus": [0, 1, 2]}, fast_model_args={"model_name": "m", "dtype": "bfloat16"})
-    check_runtime(config, TrainingArgsConfig(), cuda_device_count=0, unsloth_available=False)
+    assert runtime_problems(config, TrainingArgsConfig(), cuda_device_count=0, unsloth_available=False) == []
 
 
-def test_check_runtime_4bit_on_cpu():
+def test_runtime_problems_4bit_on_cpu():
     config = hyper(fast_model_args={"model_name": "m", "load_in_4bit": True})
     message = runtime_error(config, cuda_device_count=0, unsloth_available=False)
     assert "load_in_4bit=True needs CUDA and bitsandbytes; set load_in_4bit=False to train on CPU" in message
 
 
-def test_check_runtime_gpu_ids_beyond_visible():
+def test_runtime_problems_gpu_ids_beyond_visible():
     config = hyper(training={"gpus": [0, 2, 3]})
     message = runtime_error(config, cuda_device_count=2, unsloth_available=True)
     assert "gpus [2, 3] not available: 2 GPU(s) visible" in message
-    check_runtime(hyper(training={"gpus": [1, 0]}), TrainingArgsConfig(), cuda_device_count=2, unsloth_available=True)
+    assert runtime_problems(hyper(training={"gpus": [1, 0]}), TrainingArgsConfig(), cuda_device_count=2,
+                            unsloth_available=True) == []
 
 
-def test_check_runtime_unsloth_backend():
+def test_runtime_problems_unsloth_backend():
     config = hyper(fast_model_args={"model_name": "m", "backend": "unsloth"})
     message = runtime_error(config, cuda_device_count=0, unsloth_available=False)
     assert "backend='unsloth' needs CUDA" in message and "unsloth is not importable" in message
     gpu_message = runtime_error(config, cuda_device_count=1, unsloth_available=False)
     assert "needs CUDA" not in gpu_message and "unsloth is not importable" in gpu_message
-    check_runtime(config, TrainingArgsConfig(), cuda_device_count=1, unsloth_available=True)
+    assert runtime_problems(config, TrainingArgsConfig(), cuda_device_count=1, unsloth_available=True) == []
 
 
-def test_check_runtime_lists_every_problem():
+def test_runtime_problems_lists_every_problem():
     config = hyper(fast_model_args={"model_name": "m", "load_in_8bit": True, "backend": "unsloth"})
     message = runtime_error(config, TrainingArgsConfig(optim="adamw_8bit"), cuda_device_count=0, unsloth_available=True)
     problems = [line for line in message.splitlines() if line.startswith("  - ")]
