@@ -260,7 +260,11 @@ class TrainingArgsConfig(BaseModel):
     max_steps: int | None = Field(None, gt=0, description="Optimizer steps to run; overrides num_train_epochs.")
     lr_scheduler_type: str = Field("linear", description="transformers scheduler name: linear, cosine, constant, ...")
     warmup_steps: int = Field(5, ge=0, description="Steps of linear warm-up from 0 to learning_rate.")
-    optim: str = Field("adamw_torch", description="transformers optimizer name; '*8bit' ones need CUDA.")
+    optim: str = Field(
+        "adamw_torch_fused",
+        description="transformers optimizer name (the default is transformers' own: AdamW in one fused kernel per "
+        "step); '*8bit' ones need CUDA.",
+    )
     weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
     max_grad_norm: float = Field(1.0, ge=0, description="Clip the global gradient norm to this; 0 disables clipping.")
     seed: int = Field(42, description="Seed for data order and dropout.")
@@ -271,7 +275,10 @@ class TrainingArgsConfig(BaseModel):
     resume_from_checkpoint: str | None = Field(
         None, description="Checkpoint folder to resume from (given to trainer.train, not to SFTConfig)."
     )
-    dataloader_num_workers: int = Field(0, ge=0, description="Worker processes per data loader.")
+    dataloader_num_workers: int | None = Field(
+        None, ge=0, description="Worker processes that collate the next steps while this one trains; None = 1 "
+        "when training on GPUs, 0 (in the training process) on CPU.",
+    )
     eval_steps: int | None = Field(
         None, gt=0, description="Evaluate every this many optimizer steps (needs an eval set: data.eval_fraction "
         "or data.eval_dataset_name); with an eval set there is always one evaluation after the last step.",

@@ -148,9 +148,11 @@ class GradientSync:
     """Sum the gradients of the trainable parameters (and a few scalars) over all ranks.
 
     One flat buffer per dtype and device, cut into buckets of at most `bucket_mb`: LoRA adapters fit in
-    a single bucket, so a step costs one collective. Parameters whose gradient is None on this rank
-    (a rank whose micro-batches were empty) contribute zeros, and afterwards hold the summed gradient,
-    so every rank steps its optimizer on identical gradients.
+    a single bucket, so a step costs one concatenation and one collective. Afterwards every gradient is
+    a view of the reduced buffer (assigned, not copied back: copying 392 LoRA tensors one by one cost
+    several milliseconds of launches per step on an H200). Parameters whose gradient is None on this
+    rank (a rank whose micro-batches were empty) contribute zeros, and afterwards hold the summed
+    gradient, so every rank steps its optimizer on identical gradients.
     """
 
     def __init__(self, params: Iterable[torch.nn.Parameter], world_size: int, bucket_mb: int = 256):
@@ -195,8 +197,8 @@ class GradientSync:
             torch_dist.all_reduce(flat, op=torch_dist.ReduceOp.SUM)
             offset = 0
             for p in bucket:
-                n = p.grad.numel()
-                p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+                n = p.numel()
+                p.grad = flat[offset : offset + n].view_as(p)
                 offset += n
             if extra:
                 reduced_carry = flat[offset:]

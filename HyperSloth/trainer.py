@@ -21,6 +21,7 @@ ranks load the same checkpoint when resuming, and the plan position follows from
 
 from __future__ import annotations
 
+import gc
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -136,6 +137,37 @@ def _only_item(batch: list[dict[str, Any]]) -> dict[str, Any]:
     return batch[0]
 
 
+class StepGarbageCollection(TrainerCallback):
+    """Python's cyclic garbage collector at fixed steps, the same steps on every rank.
+
+    A launch-bound step spends most of its time in Python; an automatic collection lands on a random
+    rank at a random moment and the other ranks wait for it in the all-reduce. So, as torchtitan and
+    Megatron-LM do: at the start of training everything built so far (model, data, libraries) is frozen
+    out of the collector's reach (`gc.freeze`), automatic collection is switched off, and a collection
+    of what training creates runs every `every` optimizer steps - on the same step everywhere, so no
+    rank waits for another's. Reference counting still frees everything that is not a cycle at once.
+    """
+
+    def __init__(self, every: int = 50):
+        self.every = every
+        self._was_enabled = True
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._was_enabled = gc.isenabled()
+        gc.collect()
+        gc.freeze()
+        gc.disable()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % self.every == 0:
+            gc.collect()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        gc.unfreeze()
+        if self._was_enabled:
+            gc.enable()
+
+
 class HyperSlothTrainer(SFTTrainer):
     """SFTTrainer whose steps come from the plan and whose gradients are summed over ranks."""
 
@@ -148,7 +180,7 @@ class HyperSlothTrainer(SFTTrainer):
         self.grad_sync = grad_sync
         self.timer = PhaseTimer(profile)
         self.clock = StepClock(self.timer)
-        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self.clock]
+        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self.clock, StepGarbageCollection()]
         self.tokens_this_run = 0  # for throughput; the cumulative count lives in the checkpointed state
         self._step_losses: list[torch.Tensor] = []
         super().__init__(*args, **kwargs)
@@ -317,6 +349,8 @@ def sft_config_for(targs: TrainingArgsConfig, dtype: torch.dtype, rank: int, eva
         bf16=cuda and dtype == torch.bfloat16,
         fp16=cuda and dtype == torch.float16,
     )
+    if kwargs.get("dataloader_num_workers") is None:  # collate ahead in a worker process when on GPUs
+        kwargs["dataloader_num_workers"] = 1 if cuda else 0
     if evaluate:
         kwargs.update(eval_sft_kwargs(targs.eval_steps))
     if rank != 0:  # one writer: rank 0 saves, reports and shows progress (others save their RNG only)

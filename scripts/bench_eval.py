@@ -96,7 +96,8 @@ def main() -> None:
     p.add_argument("--eval-steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--fraction", type=float, default=0.2)
-    p.add_argument("--token-budget", type=int, default=16384)
+    p.add_argument("--token-budget", type=lambda v: v if v == "auto" else int(v), default="auto",
+                   help="tokens_per_micro_batch of the run (the product default, auto); --direct takes 16384 for auto")
     p.add_argument("--checkpoint", help="an existing model folder instead of building --model's shape (CPU smoke "
                    "test: a tiny model with --backend transformers --dtype float32)")
     p.add_argument("--backend", default="unsloth")
@@ -117,7 +118,7 @@ def main() -> None:
     lengths = build_data(work, rows)
     out = work / "out"
     config = work / "bench_eval_config.py"
-    config.write_text(CONFIG.format(work=work, fraction=a.fraction, budget=a.token_budget, checkpoint=checkpoint,
+    config.write_text(CONFIG.format(work=work, fraction=a.fraction, budget=repr(a.token_budget), checkpoint=checkpoint,
                                     four_bit=FOUR_BIT[a.model] and not a.checkpoint, seed=SEED, out=out, batch=a.batch,
                                     steps=a.steps, eval_steps=a.eval_steps, backend=a.backend, dtype=a.dtype))
     subprocess.run([sys.executable, "-m", "HyperSloth.cli.train", str(config), "--overwrite"], check=True)
@@ -154,6 +155,7 @@ def direct(a) -> None:
     lengths = np.clip(np.exp(rng.normal(6.2, 0.8, a.batch * a.steps)), 32, 4096).astype(np.int64)
     ids = [rng.integers(3, vocab - 3, size=int(n)) for n in lengths]
     rows = Dataset.from_dict({"input_ids": [x.tolist() for x in ids], "labels": [x.tolist() for x in ids]})
+    a.token_budget = 16384 if a.token_budget == "auto" else a.token_budget  # no probe in this mode
     spec = PlanSpec(num_ranks=1, samples_per_step=a.batch, mode="packed", token_budget=a.token_budget, seed=SEED)
     train_plan = adaptive_partition_batches(lengths, lengths - 1, spec)
     evaluator = Evaluator(rows, plan_eval(lengths, lengths - 1, spec), rank=0, loss_type="all", pad_token_id=0)
@@ -205,7 +207,7 @@ def report(summary: dict, tokens: list[int], a) -> None:
     later = eval_seconds[1:] or eval_seconds
     eval_s_per_token = median(later) / eval_tokens
     result = {
-        "model": a.model, "token_budget": a.token_budget, "train_steps_timed": len(timed),
+        "model": a.model, "token_budget": summary.get("token_budget", a.token_budget), "train_steps_timed": len(timed),
         "train_tokens_per_s": 1 / train_s_per_token, "eval_tokens": eval_tokens,
         "eval_seconds": eval_seconds, "eval_tokens_per_s": 1 / eval_s_per_token,
         "eval_cost_vs_train_pct": 100 * eval_s_per_token / train_s_per_token,

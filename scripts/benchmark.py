@@ -23,7 +23,8 @@ Systems (every one sees the same global batches, in the same order, so per-step 
 
 Workloads: random-weight Qwen3-shaped checkpoints (built here, in a child process, so this process never
 holds GPU memory); synthetic samples with lognormal token lengths, loss on all tokens, global batch 32,
-LoRA r=16 alpha=16 on all seven projections, constant LR 2e-4, AdamW (torch), bf16.
+LoRA r=16 alpha=16 on all seven projections, constant LR 2e-4, fused AdamW (`adamw_torch_fused`:
+HyperSloth's default and transformers', given to the stock rows too), bf16.
 
 Per system: every optimizer step's wall time (a CUDA synchronise at each step end); the first step is the
 cold one (compilation); the first `--warmup` steps are left out of mean, median and p90.
@@ -207,7 +208,7 @@ def run_stock_unsloth(a) -> dict | None:
     extra = {"ddp_find_unused_parameters": False} if world > 1 else {}
     args = SFTConfig(output_dir=str(Path(a.work) / f"out_{a.system}"), per_device_train_batch_size=a.micro,
                      gradient_accumulation_steps=a.accum, max_steps=a.steps, learning_rate=LR,
-                     lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch", logging_steps=1,
+                     lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch_fused", logging_steps=1,
                      report_to="none", save_strategy="no", bf16=True, max_length=w.high,
                      train_sampling_strategy="sequential", seed=SEED, **extra)
     trainer = SFTTrainer(model=model, processing_class=tok, train_dataset=load_from_disk(a.work + "/stock_data"),
@@ -242,9 +243,9 @@ hyper_config_model = HyperConfig(
 )
 training_config_model = TrainingArgsConfig(
     output_dir="{out}", per_device_train_batch_size={per_device}, gradient_accumulation_steps=1,
-    learning_rate={LR}, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch", max_steps={a.steps},
+    learning_rate={LR}, lr_scheduler_type="constant", warmup_steps=0, max_steps={a.steps},
     logging_steps=1, save_steps=100000, report_to="none", seed={SEED}, num_train_epochs=None,
-    dataloader_num_workers=1, extra_args={{"save_strategy": "no"}},
+    extra_args={{"save_strategy": "no"}},
 )
 '''
     path = out.with_suffix(".py")

@@ -55,7 +55,11 @@ def _worker(rank: int, port: int, queue) -> None:
         loss = sync.all_reduce(torch.tensor([float(rank + 1)]))
         # Plain lists: a tensor on the queue is passed as a shared-memory fd, which fails when this
         # process has exited before the parent unpickles it (ConnectionResetError).
-        queue.put((rank, [p.grad.float().tolist() for p in params], float(loss[0])))
+        sums = [p.grad.float().tolist() for p in params]
+        # One bucket: afterwards the fp32 gradients are views of one reduced buffer (assigned, not copied).
+        dist.GradientSync(params, world_size=2).all_reduce(torch.tensor([0.0]))
+        storages = {p.grad.untyped_storage().data_ptr() for p in params if p.dtype == torch.float32}
+        queue.put((rank, sums, float(loss[0]), len(storages)))
     finally:
         dist.teardown()
 
@@ -67,7 +71,9 @@ def test_gradient_sync_sums_every_bucket_and_fills_missing_grads():
     procs = [ctx.Process(target=_worker, args=(r, port, queue)) for r in range(2)]
     for p in procs:
         p.start()
-    results = dict((rank, (grads, loss)) for rank, grads, loss in (queue.get(timeout=120) for _ in procs))
+    got = [queue.get(timeout=120) for _ in procs]
+    results = {rank: (grads, loss) for rank, grads, loss, _ in got}
+    assert [storages for *_, storages in got] == [1, 1]
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
