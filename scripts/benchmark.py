@@ -13,6 +13,7 @@ Systems (every one sees the same global batches, in the same order, so per-step 
   batch, measured 2026-11-30: 32 x 1 beat 16 x 2 and 8 x 4), gradient checkpointing off, with
   `HyperSloth.patches.enable_unsloth_torch_varlen()` applied in its process (torch >= 2.12 gives Unsloth
   this varlen path natively). `unsloth-best-gc`: the same with Unsloth's gradient checkpointing.
+  `unsloth-best-16x2`: 16 x 2 without checkpointing, for models where 32 x 1 does not fit (8B).
 - `unsloth-stock`: Unsloth's defaults (8 x 4, its checkpointing, no varlen shim): a secondary row.
 - `unsloth-ddp`: Unsloth's own multi-GPU path: torchrun, one process per GPU, each
   `FastLanguageModel.from_pretrained(device_map={"": local_rank})` + stock SFTTrainer (DDP), 16 x 1 per
@@ -94,6 +95,7 @@ WORKLOADS = {
 SYSTEMS = {
     "unsloth-best": dict(runner="unsloth", gpus=1, micro=32, accum=1, gc=False, shim=True),
     "unsloth-best-gc": dict(runner="unsloth", gpus=1, micro=32, accum=1, gc="unsloth", shim=True),
+    "unsloth-best-16x2": dict(runner="unsloth", gpus=1, micro=16, accum=2, gc=False, shim=True),
     "unsloth-stock": dict(runner="unsloth", gpus=1, micro=8, accum=4, gc="unsloth", shim=False),
     "unsloth-ddp": dict(runner="unsloth", gpus=2, micro=16, accum=1, gc=False, shim=True),
     "hypersloth-1": dict(runner="hypersloth", gpus=1, gc=False),

@@ -38,4 +38,17 @@ call2() {  # 8B 4-bit short chats: anchors (with and without checkpointing), DDP
   el "bench done"; show $L/bench.log
 }
 
+call3() {  # 8B on 1 GPU (HyperSloth; Unsloth at 16 x 2 without checkpointing), the rank-wait breakdown, stock defaults
+  machine
+  bench --workloads short-0.6b,short-8b --slots "" --out $L/rec > $L/build.log 2>&1; el "built: $(ls $W | tr '\n' ' ')"
+  bench --workloads short-8b --slots "unsloth-best-16x2+hypersloth-1" --tag s2-c3 --budget-s 200 > $L/bench-8b.log 2>&1
+  el "8b done"; show $L/bench-8b.log
+  bench --workloads short-0.6b,long-0.6b --slots "hypersloth-2-profile" --tag s2-c3 \
+    --budget-s $(( 450 - ($(date +%s) - T0) )) > $L/bench-prof.log 2>&1
+  el "profile done"; show $L/bench-prof.log
+  bench --workloads short-0.6b --slots "unsloth-stock" --tag s2-c3-stock --budget-s $(( 540 - ($(date +%s) - T0) )) \
+    > $L/bench-stock.log 2>&1
+  el "stock done"; show $L/bench-stock.log
+}
+
 "$@"
