@@ -20,3 +20,35 @@ def test_one_plan_step_per_optimizer_step_even_where_the_default_is_two(monkeypa
     args = trainer.sft_config_for(targs, torch.float32, rank=0)
     assert isinstance(args, _UnslothLikeSFTConfig)
     assert args.gradient_accumulation_steps == 1  # the step's 4 micro-batches run inside training_step
+
+
+def test_collating_workers_default_to_one_on_gpus_and_none_on_cpu(monkeypatch, tmp_path):
+    targs = TrainingArgsConfig(output_dir=str(tmp_path), report_to="none")
+    assert targs.dataloader_num_workers is None and targs.optim == "adamw_torch_fused"
+    assert trainer.sft_config_for(targs, torch.float32, rank=0).dataloader_num_workers == 0  # this CPU machine
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(trainer, "SFTConfig", lambda **kwargs: kwargs)  # SFTConfig itself would look for the GPU
+    assert trainer.sft_config_for(targs, torch.bfloat16, rank=0)["dataloader_num_workers"] == 1
+    explicit = targs.model_copy(update={"dataloader_num_workers": 3})
+    assert trainer.sft_config_for(explicit, torch.bfloat16, rank=0)["dataloader_num_workers"] == 3
+
+
+def test_garbage_collection_runs_at_fixed_steps_only(monkeypatch):
+    import gc
+
+    collected = []
+    monkeypatch.setattr(gc, "collect", lambda *a: collected.append(a) or 0)
+    state = dataclasses.make_dataclass("State", ["global_step"])(0)
+    callback = trainer.StepGarbageCollection(every=3)
+    assert gc.isenabled()
+    callback.on_train_begin(None, state, None)
+    try:
+        assert not gc.isenabled() and gc.get_freeze_count() > 0  # what existed before training is frozen
+        collected.clear()
+        for step in range(1, 8):
+            state.global_step = step
+            callback.on_step_end(None, state, None)
+        assert len(collected) == 2  # steps 3 and 6, the same steps on every rank
+    finally:
+        callback.on_train_end(None, state, None)
+    assert gc.isenabled() and gc.get_freeze_count() == 0
