@@ -19,10 +19,11 @@ How "auto" is decided on a GPU, once per run, after the model is loaded and befo
 5. Checkpointing: if the longest sample of the dataset exceeds the budget, one sample alone would not
    fit: the worker turns on Unsloth's gradient checkpointing and measures again (`needs_checkpointing`).
 
-The probe leaves the model as it found it: no optimizer step, every gradient set back to None, the
-caching allocator emptied. On CPU there is nothing to measure: "auto" is the fixed value
-per_device_train_batch_size x max_seq_length (room for a micro-batch of the longest samples; resolved
-in `HyperSloth.run`, so the CPU plan is known before any worker starts).
+The probe leaves the model as it found it: no optimizer step, every gradient set back to None, Unsloth's
+checkpointing buffers shrunk back (`model.release_checkpointing_buffers`), the caching allocator emptied.
+On CPU there is nothing to measure: "auto" is the fixed value per_device_train_batch_size x
+max_seq_length (room for a micro-batch of the longest samples; resolved in `HyperSloth.run`, so the CPU
+plan is known before any worker starts).
 """
 
 from __future__ import annotations
@@ -218,12 +219,17 @@ def peak_of_forward_backward(model, seq_len: int, vocab_size: int, with_lengths:
     return peak
 
 
-def release_memory(model) -> None:
-    """Drop every gradient (the state HF's zero_grad(set_to_none=True) leaves) and return cached blocks."""
+def release_memory(model, *, checkpointing_buffers: bool = False) -> None:
+    """Drop every gradient (the state HF's zero_grad(set_to_none=True) leaves) and return cached blocks;
+    with `checkpointing_buffers`, also shrink the Unsloth checkpointing buffers that the probe grew."""
     import torch
+
+    from HyperSloth.model import release_checkpointing_buffers
 
     for p in model.parameters():
         p.grad = None
+    if checkpointing_buffers:
+        release_checkpointing_buffers()
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -249,7 +255,7 @@ def measure_on_gpu(model, *, seq_len: int, vocab_size: int, cap: int, longest_sa
                          is_oom=lambda e: isinstance(e, torch.cuda.OutOfMemoryError))
     finally:
         model.train(was_training)
-        release_memory(model)
+        release_memory(model, checkpointing_buffers=bool(gradient_checkpointing))
         torch.cuda.reset_peak_memory_stats(device)  # the run's peak should be training's, not the probe's
     fit: MemoryFit = result["fit"]
     return BudgetDecision(

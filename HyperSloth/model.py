@@ -147,6 +147,27 @@ def _attach_peft(model, lora: LoraArgs):
     return get_peft_model(model, config)
 
 
+def release_checkpointing_buffers() -> bool:
+    """Shrink Unsloth's offloaded-checkpointing buffers back to their initial size; True if it did.
+
+    With `use_gradient_checkpointing="unsloth"`, unsloth_zoo stages every checkpointed activation through
+    a GPU buffer and keeps it in a pinned host buffer; both grow to the largest activation seen and stay.
+    The budget probe's verifying pass runs the largest micro-batch the run could ever hold (97k tokens for
+    Qwen3-8B on the benchmark: ~0.8 GB per GPU staging buffer and ~28 GB of pinned host memory per rank),
+    so without this the run would carry the probe's buffers instead of training's. unsloth_zoo's own
+    `reset_unsloth_gradient_checkpointing_buffers` does it (checked with unsloth_zoo 2026.10.9); nothing
+    happens when Unsloth's checkpointing was never imported (the transformers backend, CPU).
+    """
+    import sys
+
+    module = sys.modules.get("unsloth_zoo.gradient_checkpointing")
+    reset = getattr(module, "reset_unsloth_gradient_checkpointing_buffers", None)
+    if reset is None:
+        return False
+    reset()
+    return True
+
+
 def trainable_parameters(model) -> list[torch.nn.Parameter]:
     """The parameters the optimizer updates (and whose gradients are synced), in a fixed order."""
     return [p for p in model.parameters() if p.requires_grad]

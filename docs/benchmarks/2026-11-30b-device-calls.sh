@@ -51,4 +51,10 @@ call3() {  # 8B on 1 GPU (HyperSloth; Unsloth at 16 x 2 without checkpointing), 
   el "stock done"; show $L/bench-stock.log
 }
 
+call4() {  # after the probe's checkpointing buffers are released: hypersloth-2-gc again, then its anchor
+  bench --workloads short-8b --slots "" --out $L/rec > $L/build.log 2>&1; el "built: $(ls $W | tr '\n' ' ')"
+  bench --workloads short-8b --slots "hypersloth-2-gc,unsloth-best-gc" --tag s2-c4 --budget-s 250 > $L/bench.log 2>&1
+  el "bench done"; show $L/bench.log
+}
+
 "$@"

@@ -215,3 +215,30 @@ def test_settle_turns_checkpointing_on_when_the_longest_sample_does_not_fit(monk
     assert loads == [None, "unsloth"]  # loaded again, with Unsloth's checkpointing
     assert (d.token_budget, decision.checkpointing_switched_on, decision.gradient_checkpointing) == (300000, True, "unsloth")
     assert d.hyper_config["fast_model_args"]["use_gradient_checkpointing"] == "unsloth"
+
+
+def test_the_probe_shrinks_unsloths_checkpointing_buffers(monkeypatch):
+    """After the probe of a checkpointed model, release_memory resets unsloth_zoo's offload buffers when they
+    exist, and it never imports Unsloth itself (the transformers backend and CPU have none)."""
+    import sys
+    import types
+
+    import torch
+
+    from HyperSloth import budget
+    from HyperSloth.model import release_checkpointing_buffers
+
+    monkeypatch.delitem(sys.modules, "unsloth_zoo.gradient_checkpointing", raising=False)
+    assert release_checkpointing_buffers() is False
+    assert "unsloth_zoo.gradient_checkpointing" not in sys.modules
+    calls = []
+    fake = types.ModuleType("unsloth_zoo.gradient_checkpointing")
+    fake.reset_unsloth_gradient_checkpointing_buffers = lambda: calls.append("reset")
+    monkeypatch.setitem(sys.modules, "unsloth_zoo.gradient_checkpointing", fake)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    model = torch.nn.Linear(2, 2)
+    model.weight.grad = torch.ones(2, 2)
+    budget.release_memory(model)  # between probe passes: the buffers stay (training keeps them too)
+    assert calls == [] and model.weight.grad is None
+    budget.release_memory(model, checkpointing_buffers=True)
+    assert calls == ["reset"]
