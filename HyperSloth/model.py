@@ -150,13 +150,15 @@ def _attach_peft(model, lora: LoraArgs):
 def release_checkpointing_buffers() -> bool:
     """Shrink Unsloth's offloaded-checkpointing buffers back to their initial size; True if it did.
 
-    With `use_gradient_checkpointing="unsloth"`, unsloth_zoo stages every checkpointed activation through
-    a GPU buffer and keeps it in a pinned host buffer; both grow to the largest activation seen and stay.
-    The budget probe's verifying pass runs the largest micro-batch the run could ever hold (97k tokens for
-    Qwen3-8B on the benchmark: ~0.8 GB per GPU staging buffer and ~28 GB of pinned host memory per rank),
-    so without this the run would carry the probe's buffers instead of training's. unsloth_zoo's own
-    `reset_unsloth_gradient_checkpointing_buffers` does it (checked with unsloth_zoo 2026.10.9); nothing
-    happens when Unsloth's checkpointing was never imported (the transformers backend, CPU).
+    With `use_gradient_checkpointing="unsloth"`, unsloth_zoo can stage checkpointed activations through GPU
+    buffers and keep them in pinned host buffers; both grow to the largest activation offloaded and stay.
+    The budget probe's verifying pass runs the largest micro-batch the run could ever hold (97k tokens on
+    the 8B benchmark: by size, up to 0.8 GB per GPU staging buffer and 36 x 0.8 GB of pinned host memory
+    per rank, if Unsloth offloads it), so the probe gives them back before training starts, with
+    unsloth_zoo's own `reset_unsloth_gradient_checkpointing_buffers` (checked with unsloth_zoo 2026.10.9).
+    Measured on 2 x H200 (docs/benchmarks.md): the 8B checkpointed run's GPU peak was 13.55 GiB with and
+    without it, so there Unsloth kept the probe's pass on the GPU. Nothing happens when Unsloth's
+    checkpointing was never imported (the transformers backend, CPU).
     """
     import sys
 
