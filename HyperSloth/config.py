@@ -533,5 +533,6 @@ def runtime_problems(
         problems.append("backend='unsloth' but unsloth is not importable: pip install 'HyperSloth[gpu]' "
                         "or set backend='transformers'")
     if "8bit" in training_args.optim and not cuda:
-        problems.append(f"optim='{training_args.optim}' needs CUDA (bitsandbytes); use optim='adamw_torch' on CPU")
+        problems.append(f"optim='{training_args.optim}' needs CUDA (bitsandbytes); leave optim at its default "
+                        "('adamw_torch_fused') on CPU")
     return problems

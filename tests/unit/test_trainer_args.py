@@ -52,3 +52,34 @@ def test_garbage_collection_runs_at_fixed_steps_only(monkeypatch):
     finally:
         callback.on_train_end(None, state, None)
     assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_flop_estimate_is_hfs_with_the_parameter_count_taken_once():
+    class CountingModel:
+        main_input_name = "input_ids"
+        calls = 0
+
+        def num_parameters(self, exclude_embeddings=False):
+            assert exclude_embeddings
+            CountingModel.calls += 1
+            return 1000
+
+    hs = object.__new__(trainer.HyperSlothTrainer)  # the method needs only the model and its cache
+    hs.model, hs._flop_parameters = CountingModel(), None
+    item = {"micro_batches": [{"input_ids": torch.zeros(1, 7)}, {"input_ids": torch.zeros(1, 5)}]}
+    hf = sum(trainer.SFTTrainer.floating_point_ops(hs, mb) for mb in item["micro_batches"])  # HF's own
+    calls_by_hf = CountingModel.calls
+    assert [hs.floating_point_ops(item) for _ in range(3)] == [hf] * 3 == [6 * 1000 * 12] * 3
+    assert CountingModel.calls - calls_by_hf == 1
+
+
+def test_checkpointing_is_the_loaders_not_trls_default(tmp_path):
+    """TRL's SFTConfig defaults gradient_checkpointing to True, which made HF checkpoint every layer of a
+    transformers-backend model configured without it (the loader applies use_gradient_checkpointing)."""
+    targs = TrainingArgsConfig(output_dir=str(tmp_path), report_to="none")
+    assert SFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False).gradient_checkpointing is True  # the cause
+    assert trainer.sft_config_for(targs, torch.float32, rank=0).gradient_checkpointing is False
+    # Unsloth's trainer restores the mode the model was loaded with: its arguments stay TRL's.
+    assert trainer.sft_config_for(targs, torch.float32, rank=0, backend="unsloth").gradient_checkpointing is True
+    forced = targs.model_copy(update={"extra_args": {"gradient_checkpointing": True}})
+    assert trainer.sft_config_for(forced, torch.float32, rank=0).gradient_checkpointing is True
