@@ -149,8 +149,8 @@ class GradientSync:
 
     One flat buffer per dtype and device, cut into buckets of at most `bucket_mb`: LoRA adapters fit in
     a single bucket, so a step costs one concatenation and one collective. Afterwards every gradient is
-    a view of the reduced buffer (assigned, not copied back: copying 392 LoRA tensors one by one cost
-    several milliseconds of launches per step on an H200). Parameters whose gradient is None on this
+    a view of the reduced buffer (assigned, not copied back: for Qwen3 with LoRA on all seven
+    projections that saves 392 copy launches per step). Parameters whose gradient is None on this
     rank (a rank whose micro-batches were empty) contribute zeros, and afterwards hold the summed
     gradient, so every rank steps its optimizer on identical gradients.
     """
