@@ -410,8 +410,11 @@ def render(records_path: Path, out_dir: Path) -> None:
     workloads = list(dict.fromkeys(r["workload"] for r in records))
     fig, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 4))
     for ax, workload in zip(np.atleast_1d(axes), workloads):
-        rows = [r for r in records if r["workload"] == workload and not r["system"].endswith("-profile")]
-        rows = list({r["system"]: r for r in reversed(rows)}.values())[::-1]  # a system measured twice: its first row
+        first: dict[str, dict] = {}  # a system measured twice: its first row
+        for r in records:
+            if r["workload"] == workload and not r["system"].endswith("-profile"):
+                first.setdefault(r["system"], r)
+        rows = list(first.values())
         ax.barh([r["system"] for r in rows], [r["s_median"] for r in rows],
                 color=["tab:green" if r["system"].startswith("hypersloth") else "tab:gray" for r in rows])
         ax.set_title(f"{workload}, global batch 32")
