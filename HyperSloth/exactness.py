@@ -1,0 +1,134 @@
+"""Proof that packing is exact at length: a sample inside a packed row trains as it would alone.
+
+A packed micro-batch is one row of several samples with restarting position ids (`collate.collate_packed`);
+varlen attention (Unsloth) or the block-diagonal mask transformers builds from the position ids (SDPA)
+keeps every sample to itself. If either leaked, or positions did not restart, or the loss counted a
+boundary token, the long sample's loss and gradient inside the row would differ from the same sample
+fed alone as an ordinary unpacked [1, L] sequence. `packed_vs_alone` measures that difference on any
+model (the CPU test at the tiny model's longest length in fp32; the benchmark on the GPU at 32k-262k).
+
+`sample_losses` gives the other half of the benchmark's check: the summed token loss of each sample
+alone, unpacked, without gradients, from which the exact loss of a whole step follows (the reference a
+system's logged step-1 loss is compared with: a system that cut a long sample reports another number).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from HyperSloth.collate import IGNORE_INDEX, collate_packed
+
+
+@dataclass(frozen=True)
+class PackedVsAlone:
+    """The long sample's mean token loss and its gradient on the trainable parameters, packed and alone."""
+
+    sample_tokens: int
+    row_tokens: int  # the packed row: the sample and the others around it
+    position: int  # the sample's index among the row's segments
+    loss_packed: float
+    loss_alone: float
+    grad_max_abs_diff: float  # max over trainable parameters of |grad packed - grad alone|
+    grad_max_abs: float  # max |grad alone|, the scale the difference is judged against
+
+    @property
+    def loss_diff(self) -> float:
+        return abs(self.loss_packed - self.loss_alone)
+
+    @property
+    def grad_rel_diff(self) -> float:
+        return self.grad_max_abs_diff / max(self.grad_max_abs, 1e-30)
+
+    def exact(self, loss_tol: float, grad_tol: float) -> bool:
+        """Loss within `loss_tol` (absolute) and gradient within `grad_tol` (relative to its largest entry)."""
+        return self.loss_diff <= loss_tol and self.grad_rel_diff <= grad_tol
+
+    def as_record(self) -> dict[str, Any]:
+        return {**asdict(self), "loss_diff": self.loss_diff, "grad_rel_diff": self.grad_rel_diff}
+
+
+def _on_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    # Unsloth reads the packed lengths on the host (as the trainer passes them).
+    return {k: v if k == "packed_seq_lengths" else v.to(device) for k, v in batch.items()}
+
+
+def _loss_and_grad(model, batch: dict[str, torch.Tensor], targets: int) -> tuple[float, list[torch.Tensor]]:
+    """Mean token loss over `targets` (as the trainer scales it: sum / count) and the trainable gradients."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = None
+    loss = model(**batch, num_items_in_batch=targets, use_cache=False).loss
+    loss.backward()
+    grads = [p.grad.detach().float().clone() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32)
+             for p in params]
+    for p in params:
+        p.grad = None
+    return float(loss.detach().float()), grads
+
+
+def packed_vs_alone(model, sample: np.ndarray, others: Sequence[np.ndarray], *, position: int | None = None,
+                    with_lengths: bool = False) -> PackedVsAlone:
+    """Loss and gradient of `sample` inside a packed row with `others` (at segment `position`, default the
+    middle, so samples sit before and after it) against `sample` alone, unpacked.
+
+    In the packed row only the sample's own labels are targets (the others' are -100), so both passes
+    score the same len(sample) - 1 tokens; the others still flow through every layer, which is what could
+    leak. `with_lengths` adds `packed_seq_lengths` (Unsloth's varlen path). Leaves no gradient behind.
+    """
+    sample = np.asarray(sample, dtype=np.int64)
+    others = [np.asarray(o, dtype=np.int64) for o in others]
+    position = len(others) // 2 if position is None else position
+    if not 0 <= position <= len(others):
+        raise ValueError(f"position must be in [0, {len(others)}] (segments around the sample); got {position}")
+    if sample.size < 2:
+        raise ValueError(f"the sample needs two tokens or more to have a target; got {sample.size}")
+    ignored = [(o, np.full_like(o, IGNORE_INDEX)) for o in others]
+    segments = [*ignored[:position], (sample, sample.copy()), *ignored[position:]]
+    device = next(model.parameters()).device
+    packed = _on_device(collate_packed(segments, with_lengths=with_lengths), device)
+    alone = {"input_ids": torch.from_numpy(sample)[None].to(device), "labels": torch.from_numpy(sample)[None].to(device)}
+    targets = int(sample.size - 1)
+    was_training = model.training
+    model.train()
+    try:
+        loss_packed, grads_packed = _loss_and_grad(model, packed, targets)
+        loss_alone, grads_alone = _loss_and_grad(model, alone, targets)
+    finally:
+        model.train(was_training)
+    diff = max((float((a - b).abs().max()) for a, b in zip(grads_packed, grads_alone)), default=0.0)
+    scale = max((float(g.abs().max()) for g in grads_alone), default=0.0)
+    return PackedVsAlone(sample_tokens=int(sample.size), row_tokens=int(packed["input_ids"].shape[1]),
+                         position=position, loss_packed=loss_packed, loss_alone=loss_alone,
+                         grad_max_abs_diff=diff, grad_max_abs=scale)
+
+
+@torch.no_grad()
+def sample_losses(model, samples: Sequence[np.ndarray]) -> list[float]:
+    """Summed token loss of each sample alone, unpacked (all tokens targets but the first), no gradients.
+
+    The exact loss of a step whose samples train on all tokens is sum(sample_losses) / sum(len - 1).
+    """
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()  # no dropout: the reference of a step's first loss, where LoRA B is still zero
+    try:
+        sums = []
+        for ids in samples:
+            row = torch.as_tensor(np.asarray(ids, dtype=np.int64))[None].to(device)
+            loss = model(input_ids=row, labels=row, num_items_in_batch=1, use_cache=False).loss
+            sums.append(float(loss.float()))
+        return sums
+    finally:
+        model.train(was_training)
+
+
+def step_loss_reference(model, samples: Sequence[np.ndarray]) -> float:
+    """The exact loss of one step of `samples` (loss on all tokens): every sample alone, summed, divided by
+    the step's target count (what HyperSloth and a correct padding-free trainer both log at step 1)."""
+    total = sum(sample_losses(model, samples))
+    return total / sum(int(len(s)) - 1 for s in samples)
