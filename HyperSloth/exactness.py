@@ -107,12 +107,25 @@ def packed_vs_alone(model, sample: np.ndarray, others: Sequence[np.ndarray], *, 
                          grad_max_abs_diff=diff, grad_max_abs=scale)
 
 
+def _decoder_and_head(model):
+    """The transformer body (hidden states after the final norm) and the output projection of a causal LM,
+    under PEFT's wrapper or not."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.get_decoder(), base.get_output_embeddings()
+
+
 @torch.no_grad()
-def sample_losses(model, samples: Sequence[np.ndarray]) -> list[float]:
+def sample_losses(model, samples: Sequence[np.ndarray], chunk_tokens: int = 8192) -> list[float]:
     """Summed token loss of each sample alone, unpacked (all tokens targets but the first), no gradients.
 
-    The exact loss of a step whose samples train on all tokens is sum(sample_losses) / sum(len - 1).
+    The logits are built `chunk_tokens` rows at a time (fp32 cross-entropy), so a 262k-token sample never
+    holds a [tokens, vocab] tensor. The exact loss of a step whose samples train on all tokens is
+    sum(sample_losses) / sum(len - 1).
     """
+    config = model.config
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
+        raise ValueError("sample_losses computes plain logits (hidden @ lm_head); this model scales or caps them")
+    decoder, head = _decoder_and_head(model)
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()  # no dropout: the reference of a step's first loss, where LoRA B is still zero
@@ -120,8 +133,14 @@ def sample_losses(model, samples: Sequence[np.ndarray]) -> list[float]:
         sums = []
         for ids in samples:
             row = torch.as_tensor(np.asarray(ids, dtype=np.int64))[None].to(device)
-            loss = model(input_ids=row, labels=row, num_items_in_batch=1, use_cache=False).loss
-            sums.append(float(loss.float()))
+            hidden = decoder(input_ids=row, use_cache=False).last_hidden_state[0, :-1]
+            targets = row[0, 1:]
+            total = 0.0
+            for start in range(0, targets.numel(), chunk_tokens):
+                logits = head(hidden[start:start + chunk_tokens]).float()
+                total += float(torch.nn.functional.cross_entropy(logits, targets[start:start + chunk_tokens],
+                                                                 reduction="sum"))
+            sums.append(total)
         return sums
     finally:
         model.train(was_training)
