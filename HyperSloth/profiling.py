@@ -70,6 +70,7 @@ class StepClock(TrainerCallback):
     def __init__(self, timer: PhaseTimer):
         self.timer = timer
         self.stamps: list[float] = []
+        self.first_step_end_unix: float | None = None  # wall clock: start-up = this - the launch time
 
     def on_train_begin(self, args, state, control, **kwargs):
         _sync()
@@ -85,6 +86,8 @@ class StepClock(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         _sync()
         self.stamps.append(time.perf_counter())
+        if self.first_step_end_unix is None:
+            self.first_step_end_unix = time.time()
         self.timer.steps += 1
         self.timer.restart()  # what follows until the next forward is data loading
 

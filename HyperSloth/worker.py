@@ -183,6 +183,7 @@ def _summary(trainer, setup, result, wall_s: float, info: dist.DistInfo) -> dict
         "imbalance": stats["imbalance"],
         "wall_s": wall_s,
         "step_seconds": trainer.clock.step_seconds(),
+        "first_step_end_unix": trainer.clock.first_step_end_unix,  # start-up = this - the launch time
         "phase_seconds_per_step": trainer.timer.mean_per_step(),
         "peak_gpu_gb": _peak_gpu_gb(),
     }

@@ -18,6 +18,8 @@ Systems (every one sees the same global batches, in the same order, so per-step 
 - `unsloth-ddp`: Unsloth's own multi-GPU path: torchrun, one process per GPU, each
   `FastLanguageModel.from_pretrained(device_map={"": local_rank})` + stock SFTTrainer (DDP), 16 x 1 per
   GPU (the whole per-GPU share in one micro-batch), the same shim, checkpointing off.
+- `reference` (long-context workloads only): the exact step-1 loss and the attention floor, against which
+  every system's step 1 is judged (scripts/bench_longctx.py).
 - `hypersloth-N`: HyperSloth on N GPUs at product defaults (tokens_per_micro_batch="auto", no
   checkpointing); `hypersloth-2-gc`: with Unsloth's checkpointing; `hypersloth-2-profile`: the per-phase
   timer on (synchronises between phases: for the breakdown, not the headline).
@@ -26,6 +28,14 @@ Workloads: random-weight Qwen3-shaped checkpoints (built here, in a child proces
 holds GPU memory); synthetic samples with lognormal token lengths, loss on all tokens, global batch 32,
 LoRA r=16 alpha=16 on all seven projections, constant LR 2e-4, fused AdamW (`adamw_torch_fused`:
 HyperSloth's default and transformers', given to the stock rows too), bf16.
+
+Long-context workloads (`longctx-0.6b`, `longctx-8b`): step 1 holds one chat of `--long-tokens` tokens among
+31 short ones; every system gets max_seq_length = that length, and its record says whether it trained the
+chat whole (`longest_sample_tokens`, `ref_loss_diff`, `attention_floor_s`, `trained_whole`, `truncated`),
+besides `startup_s` (launch to the end of step 1) and `probe_s` (HyperSloth's budget probe). E.g.
+
+    python scripts/benchmark.py --workloads longctx-0.6b --long-tokens 131072 --warmup 0 --steps 1 \
+        --slots reference,hypersloth-1,unsloth-best-gc,unsloth-best --num-gpus 1
 
 Per system: every optimizer step's wall time (a CUDA synchronise at each step end); the first step is the
 cold one (compilation); the first `--warmup` steps are left out of mean, median and p90.
@@ -46,10 +56,12 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+
+import bench_longctx  # scripts/ is on sys.path when this file runs
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {  # hidden, layers, heads, kv heads, intermediate, tied embeddings (Qwen3 public configs)
@@ -74,6 +86,12 @@ class Workload:
     sigma: float
     low: int
     high: int
+    long_sample: int = 0  # > 0: the first sample of step 1 is this long (the long-context workloads)
+
+    @property
+    def max_len(self) -> int:
+        """The longest sample: every system is given it as max_seq_length (no system should cut it)."""
+        return max(self.high, self.long_sample)
 
     @property
     def four_bit(self) -> bool:
@@ -84,12 +102,16 @@ class Workload:
         return f"Qwen3-{self.model} " + ("4-bit" if self.four_bit else "bf16")
 
 
+LONG_TOKENS = 131072  # the long-context workloads' long sample; --long-tokens overrides (32k, 131k, 262k)
 SHORT, LONG = (6.2, 0.8, 32, 4096), (7.0, 0.6, 128, 8192)  # mean ~675 and ~1,310 tokens
 WORKLOADS = {
     "short-0.6b": Workload("0.6b", *SHORT),
     "short-8b": Workload("8b", *SHORT),
     "long-0.6b": Workload("0.6b", *LONG),
     "long-8b": Workload("8b", *LONG),
+    # One very long chat among 31 short ones in step 1 (its length: --long-tokens).
+    "longctx-0.6b": Workload("0.6b", *SHORT, long_sample=LONG_TOKENS),
+    "longctx-8b": Workload("8b", *SHORT, long_sample=LONG_TOKENS),
 }
 
 SYSTEMS = {
@@ -102,10 +124,19 @@ SYSTEMS = {
     "hypersloth-2": dict(runner="hypersloth", gpus=2, gc=False),
     "hypersloth-2-gc": dict(runner="hypersloth", gpus=2, gc="unsloth"),
     "hypersloth-2-profile": dict(runner="hypersloth", gpus=2, gc=False, profile=True),
+    # Long-context workloads: the exact step-1 loss (every sample alone, unpacked), the attention floor, and
+    # with --exactness the packed-vs-alone gradient check of the long sample (scripts/longctx.py).
+    "reference": dict(runner="reference", gpus=1, gc=False),
 }
 
 
 # ------------------------------------------------------------------ workload
+
+
+def workload_of(name: str, long_tokens: int | None = None) -> Workload:
+    """The named workload; a long-context one with its long sample set to `long_tokens` when given."""
+    w = WORKLOADS[name]
+    return replace(w, long_sample=long_tokens) if w.long_sample and long_tokens else w
 
 
 def sample_lengths(w: Workload, n: int) -> np.ndarray:
@@ -140,7 +171,7 @@ def build_data(work: Path, w: Workload, steps: int) -> dict:
     from HyperSloth.batching import PlanSpec, adaptive_partition_batches
 
     n = GLOBAL_BATCH * steps
-    lengths = sample_lengths(w, n)
+    lengths = bench_longctx.with_long_sample(sample_lengths(w, n), w.long_sample, GLOBAL_BATCH, SEED)
     rng = np.random.default_rng(SEED + 1)
     ids = [rng.integers(100, VOCAB - 100, size=int(L)).tolist() for L in lengths]
     ds = Dataset.from_dict({"input_ids": ids, "labels": ids, "length": lengths.tolist(),
@@ -200,8 +231,8 @@ def run_stock_unsloth(a) -> dict | None:
     shim = enable_unsloth_torch_varlen() if a.shim else False
     local = int(os.environ.get("LOCAL_RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    w = WORKLOADS[a.workload]
-    model, tok = FastLanguageModel.from_pretrained(a.checkpoint, max_seq_length=w.high, dtype=torch.bfloat16,
+    w = workload_of(a.workload, a.long_tokens)
+    model, tok = FastLanguageModel.from_pretrained(a.checkpoint, max_seq_length=w.max_len, dtype=torch.bfloat16,
                                                    load_in_4bit=w.four_bit, device_map={"": local})
     model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, lora_dropout=0, bias="none",
                                              target_modules=PROJECTIONS, random_state=SEED,
@@ -211,10 +242,12 @@ def run_stock_unsloth(a) -> dict | None:
     args = SFTConfig(output_dir=str(Path(a.work) / f"out_{a.system}"), per_device_train_batch_size=a.micro,
                      gradient_accumulation_steps=a.accum, max_steps=a.steps, learning_rate=LR,
                      lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch_fused", logging_steps=1,
-                     report_to="none", save_strategy="no", bf16=True, max_length=w.high,
+                     report_to="none", save_strategy="no", bf16=True, max_length=w.max_len,
                      train_sampling_strategy="sequential", seed=SEED, **extra)
     trainer = SFTTrainer(model=model, processing_class=tok, train_dataset=load_from_disk(a.work + "/stock_data"),
                          args=args, callbacks=[clock])
+    # What the stock trainer will feed: TRL cuts samples at max_length while preparing the dataset.
+    longest = max(len(ids) for ids in trainer.train_dataset["input_ids"])
     trainer.train()
     peak = torch.cuda.max_memory_allocated() / 2**30
     peaks = [peak]
@@ -226,11 +259,12 @@ def run_stock_unsloth(a) -> dict | None:
         if torch.distributed.get_rank() != 0:
             return None
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return {"step_seconds": clock.step_seconds(), "losses": losses, "peak_gb": peaks, "varlen_shim": shim}
+    return {"step_seconds": clock.step_seconds(), "losses": losses, "peak_gb": peaks, "varlen_shim": shim,
+            "first_step_end_unix": clock.first_step_end_unix, "longest_sample_tokens": longest}
 
 
 def hypersloth_config(a, out: Path) -> Path:
-    w = WORKLOADS[a.workload]
+    w = workload_of(a.workload, a.long_tokens)
     per_device = GLOBAL_BATCH // a.gpus
     text = f'''
 from HyperSloth.config import *
@@ -238,7 +272,7 @@ hyper_config_model = HyperConfig(
     data=DataConfig(dataset_name="bench", data_dir="{a.work}/data"),
     training=TrainingConfig(gpus={list(range(a.gpus))}, loss_type="all", batching="packed", profile={a.profile},
                             tokens_per_micro_batch={a.token_budget!r}),
-    fast_model_args=FastModelArgs(model_name="{a.checkpoint}", max_seq_length={w.high}, dtype="bfloat16",
+    fast_model_args=FastModelArgs(model_name="{a.checkpoint}", max_seq_length={w.max_len}, dtype="bfloat16",
                                   load_in_4bit={w.four_bit}, backend="unsloth",
                                   use_gradient_checkpointing={a.gc!r}),
     lora_args=LoraArgs(r=16, lora_alpha=16, lora_dropout=0.0, random_state={SEED}),
@@ -266,6 +300,11 @@ def rank_phases(out: Path) -> dict[int, list[dict]]:
     return phases
 
 
+def run_reference(a) -> dict:
+    w = workload_of(a.workload, a.long_tokens)
+    return bench_longctx.run_reference(a, w, SHAPES[w.model], HEAD_DIM, SEED, PROJECTIONS)
+
+
 def run_hypersloth(a) -> dict:
     out = Path(a.work) / f"out_{a.system}"
     cfg = hypersloth_config(a, out)
@@ -275,7 +314,10 @@ def run_hypersloth(a) -> dict:
     return {"step_seconds": summary["step_seconds"], "losses": summary["step_losses"], "peak_gb": peaks,
             "phases": summary.get("phase_seconds_per_step"), "rank_phases": rank_phases(out),
             "padding_pct": summary.get("padding_pct"), "token_budget": summary.get("token_budget"),
-            "gradient_checkpointing": summary.get("gradient_checkpointing")}
+            "gradient_checkpointing": summary.get("gradient_checkpointing"),
+            "first_step_end_unix": summary.get("first_step_end_unix"),
+            # HyperSloth never cuts a sample: one longer than max_seq_length is refused before training.
+            "longest_sample_tokens": (summary.get("token_budget") or {}).get("longest_sample")}
 
 
 # ------------------------------------------------------------------ orchestration
@@ -296,6 +338,7 @@ def system_argv(name: str, workload: str, a, work: Path, model: str) -> list[str
             "--steps", str(a.warmup + a.steps), "--micro", str(system.get("micro", 0)),
             "--accum", str(system.get("accum", 1)), "--gc", str(system["gc"]), "--gpus", str(system["gpus"]),
             "--shim", str(system.get("shim", False)), "--profile", str(system.get("profile", False)),
+            "--long-tokens", str(a.long_tokens), "--exactness", str(a.exactness),
             "--result", str(work / f"result_{name}.json")]
     if system["runner"] == "unsloth" and system["gpus"] > 1:
         port = 29600 + (os.getpid() % 200)
@@ -304,8 +347,8 @@ def system_argv(name: str, workload: str, a, work: Path, model: str) -> list[str
     return argv
 
 
-def record_for(name: str, workload: str, raw: dict, data: dict, a, wall_s: float) -> dict:
-    system, w = SYSTEMS[name], WORKLOADS[workload]
+def record_for(name: str, workload: str, raw: dict, data: dict, a, launched: float, wall_s: float) -> dict:
+    system, w = SYSTEMS[name], workload_of(workload, a.long_tokens)
     stats = step_stats(raw["step_seconds"], a.warmup)
     timed = raw["step_seconds"][a.warmup:]
     steps = range(a.warmup, a.warmup + len(timed))
@@ -327,6 +370,10 @@ def record_for(name: str, workload: str, raw: dict, data: dict, a, wall_s: float
         "token_budget": budget, "losses": raw["losses"], "step_seconds": raw["step_seconds"],
         "phases": raw.get("phases"), "rank_phases": raw.get("rank_phases"),
         "varlen_shim": raw.get("varlen_shim"), "padding_pct": raw.get("padding_pct", 0.0), "wall_s": wall_s,
+        "longest_sample_tokens": raw.get("longest_sample_tokens"),
+        # launch (this parent starting the system's process) to the end of its first optimizer step
+        "startup_s": raw["first_step_end_unix"] - launched if raw.get("first_step_end_unix") else None,
+        "probe_s": (budget or {}).get("probe_seconds") if isinstance(budget, dict) else None,
     }
 
 
@@ -358,7 +405,12 @@ def run_slot(slot: list[str], workload: str, a, data: dict) -> list[dict]:
             print(f"[{workload} {name}] FAILED ({rc}) after {wall:.0f}s; tail:\n{tail}", flush=True)
             records.append({"workload": workload, "system": name, "error": f"exit {rc}", "wall_s": wall})
             continue
-        record = record_for(name, workload, json.loads(result.read_text()), data, a, wall)
+        raw = json.loads(result.read_text())
+        if SYSTEMS[name]["runner"] == "reference":
+            records.append({"workload": workload, "system": name, "wall_s": wall, **raw})
+            print(f"[{workload} {name}] {json.dumps(raw)}", flush=True)
+            continue
+        record = record_for(name, workload, raw, data, a, started, wall)
         print(f"[{workload} {name}] mean {record['s_per_step']:.3f} median {record['s_median']:.3f} "
               f"p90 {record['s_p90']:.3f} first {record['first_step_s']:.2f} s/step, {record['tokens_per_s']:,.0f} tok/s, "
               f"MFU {record['mfu_pct']:.1f}%, peak {record['peak_gb']:.1f} GB, budget {record['token_budget']}, "
@@ -439,6 +491,10 @@ def main() -> None:
     p.add_argument("--ckpt-dir", help="where the random checkpoints are (default: --work)")
     p.add_argument("--token-budget", type=lambda s: s if s == "auto" else int(s), default="auto",
                    help="HyperSloth's tokens_per_micro_batch (the product default is auto)")
+    p.add_argument("--long-tokens", type=int, default=LONG_TOKENS,
+                   help="the long sample of the longctx-* workloads (e.g. 32768, 131072, 262144)")
+    p.add_argument("--exactness", type=lambda s: s == "True", default=False,
+                   help="longctx-*: the reference system also checks the long sample packed vs alone with gradients")
     p.add_argument("--render", help="print the markdown table and write benchmarks.png for a records JSON file")
     # internal: run one system in this process
     p.add_argument("--as-system"), p.add_argument("--system"), p.add_argument("--workload")
@@ -455,7 +511,7 @@ def main() -> None:
         build_checkpoint(a.model, Path(a.checkpoint))
         return
     if a.as_system:
-        result = {"unsloth": run_stock_unsloth, "hypersloth": run_hypersloth}[a.as_system](a)
+        result = {"unsloth": run_stock_unsloth, "hypersloth": run_hypersloth, "reference": run_reference}[a.as_system](a)
         if result is not None:
             Path(a.result).write_text(json.dumps(result))
         return
@@ -470,14 +526,19 @@ def main() -> None:
     for workload in workloads:
         work = Path(a.work) / workload
         work.mkdir(parents=True, exist_ok=True)
-        data = build_data(work, WORKLOADS[workload], a.warmup + a.steps)
+        data = build_data(work, workload_of(workload, a.long_tokens), a.warmup + a.steps)
         records = []
         for slot in slots:
             if time.time() > a.deadline - 30:
                 print(f"[{workload}] out of time: slot {slot} not run", flush=True)
                 continue
             records.extend(run_slot(slot, workload, a, data))
+            if WORKLOADS[workload].long_sample:
+                records = bench_longctx.annotate(records, a.long_tokens)
             Path(a.out, f"records-{a.tag}-{workload}.json").write_text(json.dumps(records, indent=2))
+        for r in records if WORKLOADS[workload].long_sample else []:
+            if "losses" in r:
+                print(bench_longctx.verdict_line(r), flush=True)
 
 
 if __name__ == "__main__":
