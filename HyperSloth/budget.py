@@ -3,7 +3,9 @@
 How "auto" is decided on a GPU, once per run, after the model is loaded and before the plan is built:
 
 1. Probe: one forward+backward of a packed row of random tokens at two sizes (`PROBE_TOKENS`), each
-   after `torch.cuda.reset_peak_memory_stats`, gives two points (tokens, peak allocated bytes).
+   after `torch.cuda.reset_peak_memory_stats`, gives two points (tokens, peak allocated bytes). A probe
+   row is cut into the dataset's longest samples, longest first (`probe_segments`): the heaviest
+   micro-batch the plan can form, so no probe pass costs more than the heaviest real one.
    Packed rows use varlen flash attention and a chunked loss, so memory grows linearly with tokens:
    peak = a + b x tokens (`fit_memory`).
 2. Limit: what this process may allocate = total x (1 - `SAFETY_FRACTION`) - memory outside torch's
@@ -12,12 +14,25 @@ How "auto" is decided on a GPU, once per run, after the model is loaded and befo
    GPU) covers allocator fragmentation between differently shaped micro-batches.
 3. Budget = the largest token count whose predicted peak fits the limit, capped at the most tokens one
    rank can ever receive in a step (`useful_cap`: more would never be used), rounded down to a multiple
-   of 256. A third probe at that size checks the prediction; if its real peak exceeds the limit, the
-   budget shrinks by the overshoot (and halves on an out-of-memory error) until it fits.
+   of 256. Then it is checked, at a cost bounded by `VERIFY_TOKENS` on the linear (varlen) path:
+   - a budget of at most `VERIFY_TOKENS`: one pass at the budget itself; if its real peak exceeds the
+     limit the budget shrinks by the overshoot (and halves on an out-of-memory error) until it fits;
+   - a larger one: one pass at `VERIFY_TOKENS` instead, and the budget is re-chosen on the line through
+     that verified point with the steeper of the two slopes measured, plus `EXTRAPOLATION_SLACK`. So no
+     pass at a whole long-context budget (131k tokens on 8B: 85 s) is run to protect a step that costs
+     the same (measured on the H200: the two-point line predicted training's peaks within 0.8 GiB on 0.6B
+     up to 71 GiB, and within 2.5-5 GiB on 8B, inside the 11 GiB safety margin; docs/benchmarks.md);
+   - the transformers backend (SDPA with a packed mask: memory not linear in tokens) always verifies at
+     the budget.
+   When the line already says the longest sample cannot fit and checkpointing is still off, nothing is
+   verified: the worker switches checkpointing on and measures again (`needs_checkpointing`).
 4. Ranks agree: every rank measures, then all take the minimum (`agree_min`, an all-reduce MIN), so
    the plan is identical everywhere.
-5. Checkpointing: if the longest sample of the dataset exceeds the budget, one sample alone would not
-   fit: the worker turns on Unsloth's gradient checkpointing and measures again (`needs_checkpointing`).
+5. Cache (`HyperSloth.probe_cache`): the measured points are kept per model, quantisation, LoRA settings,
+   checkpointing, GPU and library versions. A later start with the same key re-verifies one pass (the
+   smallest probe) and reuses the rest; a cached line that says the longest sample cannot fit without
+   checkpointing even on the whole GPU lets the worker load the model with checkpointing at once (no
+   second load). One log line says "measured" or "cached", the passes run and the seconds.
 
 The probe leaves the model as it found it: no optimizer step, every gradient set back to None, Unsloth's
 checkpointing buffers shrunk back (`model.release_checkpointing_buffers`), the caching allocator emptied.
@@ -35,8 +50,12 @@ from typing import Any
 
 import numpy as np
 
+from HyperSloth import probe_cache
+
 SAFETY_FRACTION = 0.08  # of the GPU's total memory, left unplanned (fragmentation, allocator slack)
 PROBE_TOKENS = (2048, 8192)  # the two probe sizes the line is fitted through
+VERIFY_TOKENS = 32768  # the largest pass on the linear path: 8B + checkpointing ~10 s (a 131k pass: 85 s)
+EXTRAPOLATION_SLACK = 0.10  # extra slope beyond the verified point
 ROUND_TO = 256
 MIN_BUDGET = 256
 
@@ -117,12 +136,22 @@ class BudgetDecision:
     optimizer_bytes: int | None = None
     cap_tokens: int | None = None
     verified_peak_bytes: int | None = None
+    verified_tokens: int | None = None  # the size the verifying pass ran at (below `tokens`: extrapolated)
     longest_sample: int | None = None
     gradient_checkpointing: bool | str | None = None
-    probe_seconds: float | None = None
+    probe_seconds: float | None = None  # every probe of this run (both, when checkpointing was switched on)
+    probe_passes: int = 0  # forward+backward passes run (cached points are not run again)
+    cache: str = "off"  # "measured", "cached" (one pass re-verified), "re-measured" (the cached pass disagreed)
+    reload_seconds: float | None = None  # loading the model again with checkpointing
 
     def as_record(self) -> dict[str, Any]:
         return asdict(self)
+
+    def probe_line(self) -> str:
+        """One log line: was the probe measured or cached, what it ran and what it cost."""
+        reload = f", reload with checkpointing {self.reload_seconds:.1f} s" if self.reload_seconds else ""
+        return (f"budget probe: {self.cache}, {self.probe_passes} forward+backward pass(es), "
+                f"{self.probe_seconds or 0.0:.1f} s{reload}")
 
     def summary(self) -> str:
         """One log line: the value and what it came from."""
@@ -137,7 +166,12 @@ class BudgetDecision:
             parts.append(f"limit {self.limit_bytes / gib:.1f} GiB of {self.total_bytes / gib:.1f} GiB "
                          f"({self.safety_fraction:.0%} kept free, optimizer state {self.optimizer_bytes / gib:.2f} GiB)")
         if self.verified_peak_bytes is not None:
-            parts.append(f"verified peak {self.verified_peak_bytes / gib:.1f} GiB, probe {self.probe_seconds:.1f} s")
+            own = self.local_tokens or self.tokens  # this rank's choice (the minimum over ranks may be lower)
+            where = ("at the budget" if self.verified_tokens is None or self.verified_tokens >= own
+                     else f"at {self.verified_tokens:,} tokens, extrapolated with {EXTRAPOLATION_SLACK:.0%} slack")
+            parts.append(f"verified peak {self.verified_peak_bytes / gib:.1f} GiB {where}")
+        elif self.points:
+            parts.append("not verified: the line leaves no room for the longest sample")
         parts.append(f"cap {self.cap_tokens}, longest sample {self.longest_sample}, "
                      f"gradient checkpointing {self.gradient_checkpointing!r}"
                      + (" (switched on: the longest sample did not fit without)" if self.checkpointing_switched_on else ""))
@@ -150,43 +184,101 @@ class BudgetDecision:
 PeakFn = Callable[[int], int]  # tokens -> peak allocated bytes of one forward+backward (may raise OOM)
 
 
-def measure(peak_of: PeakFn, *, limit_bytes: int, cap: int, probe_tokens: Sequence[int] = PROBE_TOKENS,
-            is_oom: Callable[[BaseException], bool] = lambda e: False, max_checks: int = 8) -> dict[str, Any]:
-    """Probe, fit, choose and verify, with the measuring function injected (tests pass a fake).
+def probe_sizes(cap: int, probe_tokens: Sequence[int] = PROBE_TOKENS) -> list[int]:
+    """The two sizes the line is fitted through, capped at `cap` (two distinct sizes are kept)."""
+    return sorted({max(ROUND_TO, min(t, cap)) for t in probe_tokens} | {ROUND_TO})[-2:]
 
-    Returns the points, the fit, the chosen tokens and the verified peak. The probe sizes are capped at
-    `cap` (two distinct sizes are kept). On an out-of-memory error during verification the budget halves.
-    """
-    sizes = sorted({max(ROUND_TO, min(t, cap)) for t in probe_tokens} | {ROUND_TO})[-2:]
-    points = [(t, int(peak_of(t))) for t in sizes]
-    fit = fit_memory(points)
-    tokens = choose_tokens(fit, limit_bytes, cap)
+
+def _round_down(tokens: float) -> int:
+    return max(MIN_BUDGET, (int(tokens) // ROUND_TO) * ROUND_TO)
+
+
+def _verify(peak_of: PeakFn, tokens: int, limit_bytes: int, is_oom: Callable[[BaseException], bool],
+            max_checks: int) -> tuple[int, int]:
+    """Run `tokens` and shrink until its real peak fits: (tokens, verified peak)."""
     for _ in range(max_checks):
         try:
             verified = int(peak_of(tokens))
         except BaseException as err:  # noqa: BLE001  (only out-of-memory is handled, the rest re-raised)
             if not is_oom(err) or tokens <= MIN_BUDGET:
                 raise
-            tokens = max(MIN_BUDGET, (tokens // 2 // ROUND_TO) * ROUND_TO)
+            tokens = _round_down(tokens // 2)
             continue
         if verified <= limit_bytes or tokens <= MIN_BUDGET:
-            break
+            return tokens, verified
         # Shrink by the overshoot measured at this size, as if memory per token were the whole peak.
-        tokens = max(MIN_BUDGET, ((int(tokens * limit_bytes / verified) - ROUND_TO) // ROUND_TO) * ROUND_TO)
-    else:
-        raise RuntimeError(f"no micro-batch size verified to fit {limit_bytes / 2**30:.1f} GiB after {max_checks} "
-                           "probes: set training.tokens_per_micro_batch to a number of tokens")
-    return {"points": points, "fit": fit, "tokens": tokens, "verified_peak_bytes": verified}
+        tokens = _round_down(int(tokens * limit_bytes / verified) - ROUND_TO)
+    raise RuntimeError(f"no micro-batch size verified to fit {limit_bytes / 2**30:.1f} GiB after {max_checks} "
+                       "probes: set training.tokens_per_micro_batch to a number of tokens")
 
 
-def probe_batch(tokens: int, seq_len: int, vocab_size: int, seed: int = 0, with_lengths: bool = True) -> dict[str, Any]:
-    """A packed row of `tokens` random tokens cut into samples of at most `seq_len`, as the trainer feeds
-    (restarting position ids, `packed_seq_lengths` for Unsloth's varlen path, labels = inputs)."""
+def _extrapolate(fit: MemoryFit, last: tuple[int, int], verified: tuple[int, int], limit_bytes: int,
+                 cap: int) -> tuple[MemoryFit, int]:
+    """The line through the verified point with the steeper of the two measured slopes plus the slack,
+    and the budget it allows (at least the verified size)."""
+    local = (verified[1] - last[1]) / max(verified[0] - last[0], 1)
+    slope = max(fit.per_token_bytes, local) * (1 + EXTRAPOLATION_SLACK)
+    bound = MemoryFit(base_bytes=verified[1] - slope * verified[0], per_token_bytes=slope)
+    return bound, max(verified[0], choose_tokens(bound, limit_bytes, cap))
+
+
+def measure(peak_of: PeakFn, *, limit_bytes: int, cap: int, probe_tokens: Sequence[int] = PROBE_TOKENS,
+            is_oom: Callable[[BaseException], bool] = lambda e: False, max_checks: int = 8,
+            must_fit: int | None = None, verify_at_most: int | None = None) -> dict[str, Any]:
+    """Probe, fit, choose and verify, with the measuring function injected (tests pass a fake).
+
+    Returns the points, the fit the budget was chosen on, the tokens, and the verified size and peak
+    (None when unverified). `must_fit`: when the line leaves fewer tokens than this, return unverified
+    (the caller changes the setup). `verify_at_most`: the largest verifying pass (None: at the budget,
+    whatever its size); a larger budget is extrapolated from a pass at this size (module docstring, 3).
+    """
+    points = [(t, int(peak_of(t))) for t in probe_sizes(cap, probe_tokens)]
+    fit = fit_memory(points)
+    tokens = choose_tokens(fit, limit_bytes, cap)
+    result = {"points": points, "fit": fit, "tokens": tokens, "verified_tokens": None, "verified_peak_bytes": None}
+    if must_fit is not None and tokens < must_fit:
+        return result
+    if verify_at_most is not None and tokens > verify_at_most > points[-1][0]:
+        size = _round_down(verify_at_most)
+        try:
+            peak = int(peak_of(size))
+        except BaseException as err:  # noqa: BLE001
+            if not is_oom(err):
+                raise
+            peak = None
+        if peak is not None and peak <= limit_bytes:
+            points.append((size, peak))
+            bound, tokens = _extrapolate(fit, points[-2], points[-1], limit_bytes, cap)
+            return {**result, "fit": bound, "tokens": tokens, "verified_tokens": size, "verified_peak_bytes": peak}
+        # Even the bounded pass did not fit: the budget lies below it; verify there as usual.
+        tokens = _round_down(size // 2 if peak is None else size * limit_bytes / peak - ROUND_TO)
+    tokens, verified = _verify(peak_of, tokens, limit_bytes, is_oom, max_checks)
+    return {**result, "tokens": tokens, "verified_tokens": tokens, "verified_peak_bytes": verified}
+
+
+def probe_segments(longest: Sequence[int], tokens: int) -> list[int]:
+    """The sample lengths of a probe row of `tokens`: the dataset's longest samples (`longest`, longest
+    first), the last one cut to fill the row; repeated from the start if they run out."""
+    if not len(longest) or min(longest) < 1:
+        raise ValueError(f"the probe needs sample lengths >= 1; got {list(longest)[:8]}")
+    segments, left, k = [], int(tokens), 0
+    while left > 0:
+        n = min(int(longest[k % len(longest)]), left)
+        segments.append(n)
+        left -= n
+        k += 1
+    return segments
+
+
+def probe_batch(tokens: int, longest: Sequence[int], vocab_size: int, seed: int = 0,
+                with_lengths: bool = True) -> dict[str, Any]:
+    """A packed row of `tokens` random tokens cut as `probe_segments`, as the trainer feeds it (restarting
+    position ids, `packed_seq_lengths` for Unsloth's varlen path, labels = inputs)."""
     from HyperSloth.collate import collate_packed
 
     rng = np.random.default_rng(seed)
-    sizes = [seq_len] * (tokens // seq_len) + ([tokens % seq_len] if tokens % seq_len else [])
-    samples = [(ids, ids.copy()) for ids in (rng.integers(0, vocab_size, size=n) for n in sizes)]
+    rows = (rng.integers(0, vocab_size, size=n) for n in probe_segments(longest, tokens))
+    samples = [(ids, ids.copy()) for ids in rows]
     return collate_packed(samples, with_lengths=with_lengths)
 
 
@@ -197,7 +289,7 @@ def forward_backward(model, batch: dict[str, Any], num_items: int) -> None:
     loss.backward()
 
 
-def peak_of_forward_backward(model, seq_len: int, vocab_size: int, with_lengths: bool = True) -> PeakFn:
+def peak_of_forward_backward(model, longest: Sequence[int], vocab_size: int, with_lengths: bool = True) -> PeakFn:
     """The measuring function for `measure`: one forward+backward of a probe row on the model's device,
     returning the peak allocated bytes; gradients are set back to None and the cache emptied after."""
     import torch
@@ -205,7 +297,7 @@ def peak_of_forward_backward(model, seq_len: int, vocab_size: int, with_lengths:
     device = next(model.parameters()).device
 
     def peak(tokens: int) -> int:
-        batch = probe_batch(tokens, seq_len, vocab_size, with_lengths=with_lengths)
+        batch = probe_batch(tokens, longest, vocab_size, with_lengths=with_lengths)
         batch = {k: v if k == "packed_seq_lengths" else v.to(device) for k, v in batch.items()}
         release_memory(model)
         torch.cuda.reset_peak_memory_stats(device)
@@ -234,39 +326,6 @@ def release_memory(model, *, checkpointing_buffers: bool = False) -> None:
     torch.cuda.empty_cache()
 
 
-def measure_on_gpu(model, *, seq_len: int, vocab_size: int, cap: int, longest_sample: int,
-                   gradient_checkpointing: bool | str, with_lengths: bool = True) -> BudgetDecision:
-    """Run the probe on this process's GPU and return this rank's decision (before `agree_min`)."""
-    import time
-
-    import torch
-
-    started = time.perf_counter()
-    device = next(model.parameters()).device
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    optimizer_bytes = 3 * 4 * trainable  # AdamW's two fp32 moments + the fp32 gradient-sync buffer
-    release_memory(model)
-    free, total = torch.cuda.mem_get_info(device)
-    limit = allocation_limit(total, free, torch.cuda.memory_reserved(device), optimizer_bytes)
-    was_training = model.training
-    model.train()
-    try:
-        result = measure(peak_of_forward_backward(model, seq_len, vocab_size, with_lengths), limit_bytes=limit, cap=cap,
-                         is_oom=lambda e: isinstance(e, torch.cuda.OutOfMemoryError))
-    finally:
-        model.train(was_training)
-        release_memory(model, checkpointing_buffers=bool(gradient_checkpointing))
-        torch.cuda.reset_peak_memory_stats(device)  # the run's peak should be training's, not the probe's
-    fit: MemoryFit = result["fit"]
-    return BudgetDecision(
-        tokens=result["tokens"], source="auto", local_tokens=result["tokens"], points=result["points"],
-        fit=asdict(fit), limit_bytes=limit, total_bytes=int(total), safety_fraction=SAFETY_FRACTION,
-        optimizer_bytes=optimizer_bytes, cap_tokens=cap, verified_peak_bytes=result["verified_peak_bytes"],
-        longest_sample=longest_sample, gradient_checkpointing=gradient_checkpointing,
-        probe_seconds=time.perf_counter() - started,
-    )
-
-
 # ---------------------------------------------------------------- agreeing
 
 
@@ -283,55 +342,152 @@ def agree_min(tokens: int) -> int:
     return int(value.item())
 
 
+
+# ---------------------------------------------------------------- one rank, then all ranks
+
+
+def _probe_key(setup, device, gc_mode, with_lengths: bool, longest: Sequence[int], cap: int) -> dict[str, Any]:
+    # Every row the probe can run is a prefix of the row at its largest reachable size.
+    reach = VERIFY_TOKENS if with_lengths else max(cap, ROUND_TO)
+    return setup.key(device, gc_mode, with_lengths, {reach: probe_segments(longest, reach)})
+
+
+def measure_on_gpu(model, *, lengths: Sequence[int] | np.ndarray, vocab_size: int, cap: int,
+                   gradient_checkpointing: bool | str, with_lengths: bool = True, must_fit: int | None = None,
+                   setup: probe_cache.ProbeSetup | None = None) -> BudgetDecision:
+    """Run the probe on this process's GPU and return this rank's decision (before `agree_min`)."""
+    import time
+
+    import torch
+
+    started = time.perf_counter()
+    device = next(model.parameters()).device
+    longest = np.sort(np.asarray(lengths, dtype=np.int64))[::-1][:4096].tolist()
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    optimizer_bytes = 3 * 4 * trainable  # AdamW's two fp32 moments + the fp32 gradient-sync buffer
+    release_memory(model)
+    free, total = torch.cuda.mem_get_info(device)
+    limit = allocation_limit(total, free, torch.cuda.memory_reserved(device), optimizer_bytes)
+    cache = setup.cache if setup is not None else None
+    key = _probe_key(setup, device, gradient_checkpointing, with_lengths, longest, cap) if cache else None
+    peaks = probe_cache.CachedPeaks(peak_of_forward_backward(model, longest, vocab_size, with_lengths),
+                                    cache.get(key) if cache else None)
+    was_training = model.training
+    model.train()
+    try:
+        peaks.reverify()
+        result = measure(peaks, limit_bytes=limit, cap=cap, must_fit=must_fit,
+                         is_oom=lambda e: isinstance(e, torch.cuda.OutOfMemoryError),
+                         verify_at_most=VERIFY_TOKENS if with_lengths else None)
+    finally:
+        model.train(was_training)
+        release_memory(model, checkpointing_buffers=bool(gradient_checkpointing))
+        torch.cuda.reset_peak_memory_stats(device)  # the run's peak should be training's, not the probe's
+    if cache:
+        cache.put(key, peaks.measured)
+    fit: MemoryFit = result["fit"]
+    return BudgetDecision(
+        tokens=result["tokens"], source="auto", local_tokens=result["tokens"], points=result["points"],
+        fit=asdict(fit), limit_bytes=limit, total_bytes=int(total), safety_fraction=SAFETY_FRACTION,
+        optimizer_bytes=optimizer_bytes, cap_tokens=cap, verified_peak_bytes=result["verified_peak_bytes"],
+        verified_tokens=result["verified_tokens"], longest_sample=int(longest[0]),
+        gradient_checkpointing=gradient_checkpointing, probe_seconds=time.perf_counter() - started,
+        probe_passes=len(peaks.measured), cache=peaks.status if cache else "off",
+    )
+
+
 def measure_auto(model, *, lengths: Sequence[int] | np.ndarray, samples_per_step: int,
-                 gradient_checkpointing: bool | str, with_lengths: bool = True) -> BudgetDecision:
+                 gradient_checkpointing: bool | str, with_lengths: bool = True, must_fit: int | None = None,
+                 setup: probe_cache.ProbeSetup | None = None) -> BudgetDecision:
     """Measure on this rank's GPU and take the minimum over ranks (every rank must call it)."""
-    longest = int(np.max(lengths))
-    decision = measure_on_gpu(model, seq_len=longest, vocab_size=int(model.config.vocab_size),
-                              cap=useful_cap(lengths, samples_per_step), longest_sample=longest,
-                              gradient_checkpointing=gradient_checkpointing, with_lengths=with_lengths)
+    decision = measure_on_gpu(model, lengths=lengths, vocab_size=int(model.config.vocab_size),
+                              cap=useful_cap(lengths, samples_per_step), gradient_checkpointing=gradient_checkpointing,
+                              with_lengths=with_lengths, must_fit=must_fit, setup=setup)
     decision.tokens = agree_min(decision.tokens)
     return decision
 
 
-def settle(description, load: Callable[[Any], Any], lengths: Sequence[int] | np.ndarray):
+def cached_needs_checkpointing(setup: probe_cache.ProbeSetup, lengths: Sequence[int] | np.ndarray,
+                               samples_per_step: int) -> bool:
+    """True when this GPU's cache entry for the setup without checkpointing says that the longest sample
+    cannot fit even if the whole GPU were free: the model can then be loaded with checkpointing at once.
+    Wrong only in the safe direction (a checkpointed run that did not need it); agreed over ranks."""
+    import torch
+
+    if setup.cache is None or not torch.cuda.is_available():
+        return False
+    lengths = np.asarray(lengths, dtype=np.int64)
+    cap = useful_cap(lengths, samples_per_step)
+    longest = np.sort(lengths)[::-1][:4096].tolist()
+    device = torch.device("cuda", torch.cuda.current_device())
+    cached = setup.cache.get(_probe_key(setup, device, False, setup.backend == "unsloth", longest, cap)) or {}
+    sizes = probe_sizes(cap)
+    whole_gpu = torch.cuda.get_device_properties(device).total_memory * (1 - SAFETY_FRACTION)
+    needed = all(t in cached for t in sizes) and fit_memory(
+        [(t, cached[t]) for t in sizes]).max_tokens(whole_gpu) < int(longest[0])
+    return agree_min(int(needed)) == 1
+
+
+def settle(description, load: Callable[[Any], Any], lengths: Sequence[int] | np.ndarray,
+           setup: probe_cache.ProbeSetup | None = None):
     """Load the model and fix the run's micro-batch budget: (description with the budget, loaded model,
-    decision). `load(gradient_checkpointing)` loads the model (None = as configured).
+    decision). `load(gradient_checkpointing)` loads the model (None = as configured); `setup` names the
+    model for the probe cache (None: no cache).
 
     An explicit budget, or "auto" on CPU, was already fixed by `HyperSloth.run`; "auto" on a GPU is
     measured here and agreed over ranks. If the longest sample does not fit one micro-batch without
-    checkpointing, the model is loaded again with Unsloth's gradient checkpointing, the budget is
-    measured again, and the description records checkpointing on.
+    checkpointing, the model is loaded again with Unsloth's gradient checkpointing (at once, when the
+    cache already knows), the budget is measured again, and the description records checkpointing on.
     """
+    import time
+
     from loguru import logger
 
-    loaded = load(None)
+    fast = description.hyper_config["fast_model_args"]
+    gc_mode, longest = fast["use_gradient_checkpointing"], int(np.max(lengths))
+    early = (description.token_budget_auto and not gc_mode and setup is not None
+             and cached_needs_checkpointing(setup, lengths, description.global_batch_size))
+    switched = ("unsloth" if setup.backend == "unsloth" else True) if early else None
+    loaded = load(switched)
     if not description.token_budget_auto:
         auto = description.hyper_config["training"]["tokens_per_micro_batch"] == "auto"
         return description, loaded, BudgetDecision(tokens=description.token_budget,
                                                    source="auto-cpu" if auto else "explicit")
-    fast = description.hyper_config["fast_model_args"]
     unsloth = loaded.backend == "unsloth"
 
-    def measure_model(model_loaded, gc_mode) -> BudgetDecision:
+    def measure_model(model_loaded, mode) -> BudgetDecision:
         return measure_auto(model_loaded.model, lengths=lengths, samples_per_step=description.global_batch_size,
-                            gradient_checkpointing=gc_mode, with_lengths=unsloth)
+                            gradient_checkpointing=mode, with_lengths=unsloth, setup=setup,
+                            must_fit=None if mode else longest)
 
-    gc_mode = fast["use_gradient_checkpointing"]
-    decision = measure_model(loaded, gc_mode)
-    if not gc_mode and needs_checkpointing(decision.tokens, decision.longest_sample):
-        gc_mode = "unsloth" if unsloth else True
-        logger.warning(f"the longest sample ({decision.longest_sample:,} tokens) does not fit one micro-batch "
-                       f"without gradient checkpointing (measured budget {decision.tokens:,} tokens): turning on "
-                       f"gradient checkpointing ({gc_mode!r}) for this run")
-        loaded = None  # drop the first model before loading the second
-        gc.collect()
-        _empty_cuda_cache()
-        loaded = load(gc_mode)
+    reload_s, spent, passes = None, 0.0, 0
+    if switched is None:
+        decision = measure_model(loaded, gc_mode)
+        if not gc_mode and needs_checkpointing(decision.tokens, decision.longest_sample):
+            switched = "unsloth" if unsloth else True
+            spent, passes = decision.probe_seconds or 0.0, decision.probe_passes
+            logger.warning(f"the longest sample ({longest:,} tokens) does not fit one micro-batch without gradient "
+                           f"checkpointing (measured budget {decision.tokens:,} tokens): turning on gradient "
+                           f"checkpointing ({switched!r}) for this run")
+            loaded = None  # drop the first model before loading the second
+            gc.collect()
+            _empty_cuda_cache()
+            started = time.perf_counter()
+            loaded = load(switched)
+            reload_s = time.perf_counter() - started
+    else:
+        logger.warning(f"the probe cache says the longest sample ({longest:,} tokens) cannot fit without gradient "
+                       f"checkpointing on this GPU: loaded with gradient checkpointing ({switched!r})")
+    if switched is not None:
+        gc_mode = switched
         decision = measure_model(loaded, gc_mode)
         decision.checkpointing_switched_on = True
+        decision.reload_seconds = reload_s
+        decision.probe_seconds = (decision.probe_seconds or 0.0) + spent
+        decision.probe_passes += passes
     hyper_config = {**description.hyper_config, "fast_model_args": {**fast, "use_gradient_checkpointing": gc_mode}}
     logger.info(decision.summary())
+    logger.info(decision.probe_line())
     if unsloth:  # Unsloth's pre-train detector sees the probe's backward and resets its compile cache (safe)
         logger.info("Unsloth will warn that a forward/backward ran before trainer.train(): that was this probe")
     settled = description.model_copy(update={"token_budget": decision.tokens, "hyper_config": hyper_config})

@@ -91,7 +91,8 @@ def packed_vs_alone(model, sample: np.ndarray, others: Sequence[np.ndarray], *, 
     segments = [*ignored[:position], (sample, sample.copy()), *ignored[position:]]
     device = next(model.parameters()).device
     packed = _on_device(collate_packed(segments, with_lengths=with_lengths), device)
-    alone = {"input_ids": torch.from_numpy(sample)[None].to(device), "labels": torch.from_numpy(sample)[None].to(device)}
+    row = torch.from_numpy(sample)[None].to(device)
+    alone = {"input_ids": row, "labels": row}
     targets = int(sample.size - 1)
     was_training = model.training
     model.train()

@@ -65,6 +65,8 @@ ENV_LOCAL_RANK = "HYPERSLOTH_LOCAL_RANK"
 ENV_WORLD_SIZE = "HYPERSLOTH_WORLD_SIZE"
 ENV_MASTER_ADDR = "HYPERSLOTH_MASTER_ADDR"
 ENV_MASTER_PORT = "HYPERSLOTH_MASTER_PORT"
+# Where the budget probe caches its measurements (HyperSloth.probe_cache); "off" turns the cache off.
+ENV_CACHE_DIR = "HYPERSLOTH_CACHE_DIR"
 
 # Variables torchrun / torch.distributed set. HF/accelerate switch to their own DDP mode when they see
 # them, so they never reach a launcher-started worker, and a torchrun-started worker removes them

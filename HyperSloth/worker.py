@@ -18,7 +18,7 @@ from loguru import logger
 
 import numpy as np
 
-from HyperSloth import budget, dist, logs, report, run_files
+from HyperSloth import budget, dist, logs, probe_cache, report, run_files
 from HyperSloth.config import ConfigError
 from HyperSloth.run import RunDescription, read_run
 
@@ -105,7 +105,11 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path) -> d
     # Loading and the micro-batch budget go together: "auto" is measured on the loaded model (every rank,
     # then the minimum), and a longest sample that fits only with checkpointing reloads the model with it.
     lengths = np.asarray(load_from_disk(description.dataset.path)["length"], dtype=np.int64)
-    description, loaded_model, budget_decision = budget.settle(description, _loader(hyper), lengths)
+    setup = probe_cache.ProbeSetup(fast=description.hyper_config["fast_model_args"],
+                                   lora=description.hyper_config.get("lora_args"),
+                                   backend=model_lib.resolve_backend(hyper.fast_model_args),
+                                   cache=probe_cache.ProbeCache(probe_cache.cache_dir()))
+    description, loaded_model, budget_decision = budget.settle(description, _loader(hyper), lengths, setup)
     logger.info(f"model {hyper.fast_model_args.model_name} loaded with {loaded_model.backend} ({loaded_model.dtype})")
     if info.is_main:
         run_files.atomic_write_json(run_files.resolved_file(out_dir), {

@@ -511,7 +511,8 @@ def main() -> None:
         build_checkpoint(a.model, Path(a.checkpoint))
         return
     if a.as_system:
-        result = {"unsloth": run_stock_unsloth, "hypersloth": run_hypersloth, "reference": run_reference}[a.as_system](a)
+        runners = {"unsloth": run_stock_unsloth, "hypersloth": run_hypersloth, "reference": run_reference}
+        result = runners[a.as_system](a)
         if result is not None:
             Path(a.result).write_text(json.dumps(result))
         return

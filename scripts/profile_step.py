@@ -196,8 +196,7 @@ def main() -> None:
             json.dump(results, f, indent=2, default=str)
 
     if a.probe:
-        d = budget.measure_on_gpu(model, seq_len=a.max_seq, vocab_size=VOCAB, cap=a.cap,
-                                  longest_sample=a.max_seq, gradient_checkpointing=gc)
+        d = budget.measure_on_gpu(model, lengths=[a.max_seq], vocab_size=VOCAB, cap=a.cap, gradient_checkpointing=gc)
         results["probe"] = d.as_record()
         print("probe", d.summary(), flush=True)
         save()

@@ -93,18 +93,28 @@ def test_needs_checkpointing_when_the_longest_sample_exceeds_the_budget():
 
 
 def test_probe_batch_is_a_packed_row_of_the_requested_tokens():
-    batch = budget.probe_batch(1000, seq_len=300, vocab_size=50)
+    batch = budget.probe_batch(1000, longest=[300, 300, 300, 300], vocab_size=50)
     assert batch["input_ids"].shape == (1, 1000)
     assert batch["packed_seq_lengths"].tolist() == [300, 300, 300, 100]
     assert batch["position_ids"][0, 300].item() == 0 and batch["position_ids"][0, 299].item() == 299
     assert int(batch["input_ids"].max()) < 50
 
 
+def test_probe_rows_are_the_longest_samples_longest_first():
+    """The heaviest micro-batch the plan can form: no probe pass costs more than a real one (a row of
+    131k + 52k, as the old probe built for a 183k budget, cost more attention than any real step)."""
+    assert budget.probe_segments([131072, 4096, 700], 2048) == [2048]
+    assert budget.probe_segments([131072, 4096, 700], 140000) == [131072, 4096, 700, 4132]  # repeats when short
+    assert budget.probe_segments([500, 300], 800) == [500, 300]
+    with pytest.raises(ValueError, match="lengths >= 1"):
+        budget.probe_segments([], 10)
+
+
 def test_probe_forward_backward_leaves_the_model_unchanged():
     torch.manual_seed(0)
     model = _TinyLM()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    batch = budget.probe_batch(64, seq_len=16, vocab_size=11)
+    batch = budget.probe_batch(64, longest=[16], vocab_size=11)
     batch.pop("packed_seq_lengths")
     budget.forward_backward(model, batch, 64)
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
@@ -180,9 +190,12 @@ class _Description:
 
 def _fake_measure(budgets):
     """measure_auto stand-in: the budget measured for each checkpointing mode."""
-    def measure_auto(model, *, lengths, samples_per_step, gradient_checkpointing, with_lengths):
+    def measure_auto(model, *, lengths, samples_per_step, gradient_checkpointing, with_lengths, must_fit, setup):
+        # The first measurement (checkpointing off) is told the longest sample must fit, the second is not.
+        assert must_fit == (None if gradient_checkpointing else int(max(lengths)))
         return budget.BudgetDecision(tokens=budgets[gradient_checkpointing], source="auto",
-                                     longest_sample=int(max(lengths)), gradient_checkpointing=gradient_checkpointing)
+                                     longest_sample=int(max(lengths)), gradient_checkpointing=gradient_checkpointing,
+                                     probe_seconds=2.0, probe_passes=3, cache="measured")
     return measure_auto
 
 
@@ -215,6 +228,8 @@ def test_settle_turns_checkpointing_on_when_the_longest_sample_does_not_fit(monk
     assert loads == [None, "unsloth"]  # loaded again, with Unsloth's checkpointing
     assert (d.token_budget, decision.checkpointing_switched_on, decision.gradient_checkpointing) == (300000, True, "unsloth")
     assert d.hyper_config["fast_model_args"]["use_gradient_checkpointing"] == "unsloth"
+    assert (decision.probe_seconds, decision.probe_passes) == (4.0, 6)  # both probes counted
+    assert decision.reload_seconds is not None and "6 forward+backward pass(es), 4.0 s" in decision.probe_line()
 
 
 def test_the_probe_shrinks_unsloths_checkpointing_buffers(monkeypatch):
@@ -242,3 +257,73 @@ def test_the_probe_shrinks_unsloths_checkpointing_buffers(monkeypatch):
     assert calls == [] and model.weight.grad is None
     budget.release_memory(model, checkpointing_buffers=True)
     assert calls == ["reset"]
+
+
+def test_settle_loads_with_checkpointing_at_once_when_the_cache_knows(monkeypatch):
+    from HyperSloth.probe_cache import ProbeSetup
+
+    monkeypatch.setattr(budget, "measure_auto", _fake_measure({False: 30720, "unsloth": 300000}))
+    monkeypatch.setattr(budget, "cached_needs_checkpointing", lambda setup, lengths, samples_per_step: True)
+    loads = []
+    setup = ProbeSetup(fast={}, lora=None, backend="unsloth")
+    d, _, decision = budget.settle(_Description(True, "auto"), lambda gc: loads.append(gc) or _Loaded(), [100, 65536],
+                                   setup)
+    assert loads == ["unsloth"]  # one load, no probe without checkpointing
+    assert decision.checkpointing_switched_on and decision.reload_seconds is None and decision.probe_passes == 3
+    assert d.hyper_config["fast_model_args"]["use_gradient_checkpointing"] == "unsloth"
+
+
+def _linear(calls, base=4 * GIB, per_token=2**20):
+    def peak(tokens):
+        calls.append(tokens)
+        return base + per_token * tokens
+    return peak
+
+
+def test_a_large_budget_is_verified_by_a_bounded_pass_and_extrapolated_with_slack():
+    calls = []
+    limit = 4 * GIB + 2**20 * 100_000
+    out = budget.measure(_linear(calls), limit_bytes=limit, cap=10**6, verify_at_most=32768)
+    assert calls == [2048, 8192, 32768]  # never a pass at the whole budget
+    assert out["verified_tokens"] == 32768 and out["verified_peak_bytes"] == 4 * GIB + 2**20 * 32768
+    # The line through the verified point, 10% steeper: 32768 + (100000 - 32768) / 1.1 tokens, rounded down.
+    assert out["tokens"] == (int(32768 + 67232 / 1.1) // 256) * 256
+    assert out["fit"].predict(out["tokens"]) <= limit
+
+
+def test_the_bounded_pass_takes_the_steeper_slope_and_small_budgets_are_verified_at_the_budget():
+    calls = []
+
+    def convex(tokens):  # 1 MiB per token up to 8192, 2 MiB per token beyond
+        calls.append(tokens)
+        return GIB + 2**20 * tokens + 2**20 * max(0, tokens - 8192)
+
+    limit = GIB + 2**20 * 150_000
+    out = budget.measure(convex, limit_bytes=limit, cap=10**6, verify_at_most=32768)
+    assert out["fit"].per_token_bytes == pytest.approx(2 * 2**20 * 1.1)
+    assert convex(out["tokens"]) <= limit  # the steeper local slope kept the real peak inside the limit
+    calls.clear()
+    out = budget.measure(_linear(calls), limit_bytes=4 * GIB + 2**20 * 20000, cap=10**6, verify_at_most=32768)
+    assert calls == [2048, 8192, 19968] and out["verified_tokens"] == out["tokens"] == 19968
+
+
+def test_a_bounded_pass_over_the_limit_falls_back_to_verifying_below_it():
+    calls = []
+
+    def jump(tokens):  # linear for the probes, then far steeper: 32768 tokens already overshoot
+        calls.append(tokens)
+        return GIB + 2**20 * tokens + (40 * 2**20 * (tokens - 16384) if tokens > 16384 else 0)
+
+    limit = GIB + 2**20 * 200_000
+    out = budget.measure(jump, limit_bytes=limit, cap=10**6, verify_at_most=32768)
+    assert calls[:3] == [2048, 8192, 32768] and max(calls[3:]) < 32768
+    assert out["verified_peak_bytes"] <= limit and out["verified_tokens"] == out["tokens"] < 32768
+
+
+def test_when_the_longest_sample_cannot_fit_nothing_is_verified():
+    calls = []
+    out = budget.measure(_linear(calls), limit_bytes=4 * GIB + 2**20 * 30000, cap=10**6, must_fit=65536,
+                         verify_at_most=32768)
+    assert calls == [2048, 8192] and out["verified_peak_bytes"] is None and out["tokens"] < 65536
+    out = budget.measure(_linear([]), limit_bytes=4 * GIB + 2**20 * 30000, cap=10**6, must_fit=4096)
+    assert out["verified_peak_bytes"] is not None  # it fits: verified as usual
