@@ -6,12 +6,14 @@ before transformers/trl when it is used, and hands the model to the trainer.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from loguru import logger
 
 from HyperSloth.config import FastModelArgs, LoraArgs
 
@@ -48,10 +50,14 @@ def load_model(fast: FastModelArgs, lora: LoraArgs | None) -> LoadedModel:
     """Load the base model (4-bit, 8-bit or 16/32-bit) and attach LoRA, or leave it whole for full FT."""
     backend = resolve_backend(fast)
     dtype = resolve_dtype(fast)
+    native = _checkpoint_config(fast)
     if backend == "unsloth":
         model, tokenizer = _load_unsloth(fast, lora, dtype)
     else:
-        model, tokenizer = _load_transformers(fast, lora, dtype)
+        model, tokenizer = _load_transformers(fast, lora, dtype, native)
+    line = describe_rope(native, model.config, fast.max_seq_length, backend) if native is not None else None
+    if line:
+        logger.warning(line)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return LoadedModel(model=model, tokenizer=tokenizer, backend=backend, dtype=dtype)
@@ -101,12 +107,18 @@ def _unsloth_lora(FastLanguageModel, model, fast: FastModelArgs, lora: LoraArgs)
     )
 
 
-def _load_transformers(fast: FastModelArgs, lora: LoraArgs | None, dtype: torch.dtype):
+def _load_transformers(fast: FastModelArgs, lora: LoraArgs | None, dtype: torch.dtype, native=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # Remote model code runs only when the config asks for it (trust_remote_code, default False).
     kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": fast.attn_implementation or "sdpa",
                               "trust_remote_code": fast.trust_remote_code}
+    extension = rope_extension(native, fast.max_seq_length) if native is not None else None
+    if extension is not None:  # the same scaling Unsloth applies, so both backends train the same model
+        config = copy.deepcopy(native)
+        config.rope_parameters = extension
+        config.max_position_embeddings = fast.max_seq_length
+        kwargs["config"] = config
     if fast.load_in_4bit or fast.load_in_8bit:
         from transformers import BitsAndBytesConfig
 
@@ -145,6 +157,60 @@ def _attach_peft(model, lora: LoraArgs):
     # Seeded so every rank (and the 1-GPU reference run) starts from the same adapter weights.
     torch.manual_seed(lora.random_state)
     return get_peft_model(model, config)
+
+
+# ---------------------------------------------------------------- RoPE past the checkpoint's context
+# Unsloth's FastLanguageModel.from_pretrained (unsloth/models/llama.py, checked at unslothai/unsloth HEAD of
+# 2026-12 and 2026.10.9): when max_seq_length exceeds the checkpoint's max_position_embeddings and no
+# rope_scaling is passed, it sets linear ("kaiokendev") RoPE scaling with factor max_seq_length / context
+# (keeping a native llama3 scaling instead) and raises max_position_embeddings, printing only a one-time
+# warning. HyperSloth says in one line what the loaded model has, on both backends.
+
+
+def rope_parameters(config) -> dict[str, Any]:
+    """The config's RoPE parameters as a dict with a `rope_type` ("default" when unscaled)."""
+    raw = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    params = dict(raw) if isinstance(raw, dict) else dict(vars(raw))
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
+def rope_extension(native, max_seq_length: int) -> dict[str, Any] | None:
+    """The RoPE parameters the transformers backend loads with when `max_seq_length` exceeds the checkpoint's
+    context: linear scaling by max_seq_length / context, as Unsloth does, when the checkpoint has no scaling
+    of its own (a checkpoint with one, e.g. yarn or llama3, keeps it: it was built for long context). None
+    when nothing changes."""
+    context = int(getattr(native, "max_position_embeddings", 0) or 0)
+    params = rope_parameters(native)
+    if not context or max_seq_length <= context or params["rope_type"] != "default":
+        return None
+    return {**params, "rope_type": "linear", "factor": max_seq_length / context}
+
+
+def describe_rope(native, loaded, max_seq_length: int, backend: str) -> str | None:
+    """One line on positions past the checkpoint's context (None when max_seq_length fits in it)."""
+    context = int(getattr(native, "max_position_embeddings", 0) or 0)
+    if not context or max_seq_length <= context:
+        return None
+    before, after = rope_parameters(native), rope_parameters(loaded)
+    head = f"RoPE: max_seq_length {max_seq_length:,} exceeds the checkpoint's context of {context:,} positions; "
+    if after["rope_type"] != before["rope_type"] or after.get("factor") != before.get("factor"):
+        return (head + f"{backend} applied {after['rope_type']} RoPE scaling, factor {after.get('factor', 1.0):.4g} "
+                f"(every position is divided by it, also in samples shorter than {context:,} tokens)")
+    if before["rope_type"] != "default":
+        return head + f"the checkpoint's own {before['rope_type']} RoPE scaling is kept unchanged"
+    return head + "no RoPE scaling applied: positions past the context are extrapolated"
+
+
+def _checkpoint_config(fast: FastModelArgs):
+    """The checkpoint's own config (before any loader changes it), or None when it cannot be read."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(fast.model_name, trust_remote_code=fast.trust_remote_code)
+    except (OSError, ValueError) as err:
+        logger.debug(f"could not read {fast.model_name}'s config for the RoPE check: {err}")
+        return None
 
 
 def release_checkpointing_buffers() -> bool:
