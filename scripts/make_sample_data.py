@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Write the embedded sample chat dataset: ``data/sample_chat.jsonl``.
+"""Write the embedded sample chat dataset ``data/sample_chat.jsonl`` (or, with ``--preference``, the
+sample preference pairs ``data/sample_preference.jsonl``).
 
 Each line is one conversation in OpenAI messages form::
 
@@ -14,9 +15,19 @@ The output is byte-for-byte reproducible: only ``random.Random(seed)`` integer d
 (no float maths whose last bit could differ between libm builds), JSON is written with sorted
 keys and ``\\n`` line ends. ``--reasoning`` writes every reply as ``<think>\\n...\\n</think>\\n\\nANSWER``
 (the reasoning derived from the prompt, no extra random draws: the same conversations otherwise),
-for builds under templates that drop past reasoning, such as Qwen3's. Usage::
+for builds under templates that drop past reasoning, such as Qwen3's.
+
+``--preference`` writes DPO pairs in TRL's conversational form instead, one per line::
+
+    {"chosen": [{"content": "b a", "role": "assistant"}], "prompt": [..., {"content": "reverse: a b",
+     "role": "user"}], "rejected": [{"content": "a b", "role": "assistant"}]}
+
+the prompt being an optional system message, 0-2 earlier turns and the task; chosen the right
+answer; rejected a near miss (an item dropped, items rotated, a count off by one, a doubled item)
+or, one time in ten, a refusal. Usage::
 
     python scripts/make_sample_data.py [--n 2000] [--seed 0] [--out data/sample_chat.jsonl] [--reasoning]
+    python scripts/make_sample_data.py --preference --n 200 --seed 0 --out data/sample_preference.jsonl
 """
 
 from __future__ import annotations
@@ -54,6 +65,12 @@ LENGTH_OCTAVES: tuple[tuple[int, int, int], ...] = (
 )
 TURN_WEIGHTS: tuple[tuple[int, int], ...] = ((1, 20), (2, 30), (3, 27), (4, 23))
 SYSTEM_PERCENT = 30
+HISTORY_WEIGHTS: tuple[tuple[int, int], ...] = ((0, 50), (1, 30), (2, 20))  # earlier turns in a pair's prompt
+REFUSALS: tuple[str, ...] = (
+    "I am not sure.",
+    "Sorry, I cannot help with that request.",
+    "That is not something I can answer with the result only; please rephrase the instruction.",
+)
 
 
 def weighted_choice(rng: random.Random, options: tuple[tuple, ...]) -> tuple:
@@ -154,6 +171,48 @@ def generate(n: int = 2000, seed: int = 0, reasoning: bool = False) -> list[dict
     return [{"messages": with_reasoning(c) if reasoning else c} for c in conversations]
 
 
+def rejected_answer(rng: random.Random, answer: str) -> str:
+    """A wrong reply close to ``answer`` (never equal to it): see the module doc."""
+    draw = rng.randrange(10)
+    if draw == 0:
+        return rng.choice(REFUSALS)
+    if answer.isdigit():
+        return str(int(answer) + rng.choice((-1, 1, 2)))
+    items = answer.split()
+    if len(items) > 1 and draw < 6:
+        del items[rng.randrange(len(items))]
+    elif len(items) > 1 and items[1:] + items[:1] != items:
+        items = items[1:] + items[:1]
+    elif len(items) > 1:  # every item the same (repeat): rotating changes nothing
+        items.pop()
+    else:
+        items = [items[0] + items[0]]
+    return " ".join(items)
+
+
+def make_pair(rng: random.Random) -> dict[str, list[Message]]:
+    """One preference pair: a prompt (optional system, 0-2 earlier turns, the task) and two replies."""
+    prompt: list[Message] = []
+    if rng.randrange(100) < SYSTEM_PERCENT:
+        prompt.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
+    (history, _) = weighted_choice(rng, HISTORY_WEIGHTS)
+    for _ in range(history + 1):
+        question, answer = rng.choice(TASKS)(rng)
+        prompt += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    answer = prompt.pop()["content"]  # the last task's answer is the chosen reply, not history
+    return {
+        "prompt": prompt,
+        "chosen": [{"role": "assistant", "content": answer}],
+        "rejected": [{"role": "assistant", "content": rejected_answer(rng, answer)}],
+    }
+
+
+def generate_preference(n: int = 200, seed: int = 0) -> list[dict[str, list[Message]]]:
+    """Return ``n`` preference pairs, fully determined by ``seed``."""
+    rng = random.Random(seed)
+    return [make_pair(rng) for _ in range(n)]
+
+
 def to_jsonl(records: list[dict[str, list[Message]]]) -> bytes:
     """Serialise records as UTF-8 JSONL with sorted keys and "\\n" line ends (stable bytes)."""
     lines = (json.dumps(record, ensure_ascii=False, sort_keys=True) for record in records)
@@ -165,15 +224,23 @@ def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=2000, help="number of conversations")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
-    parser.add_argument("--out", type=Path, default=Path("data/sample_chat.jsonl"), help="output file")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output file (default data/sample_chat.jsonl, or data/sample_preference.jsonl)")
     parser.add_argument("--reasoning", action="store_true", help="every reply starts with a <think> block")
+    parser.add_argument("--preference", action="store_true", help="write DPO preference pairs instead")
     args = parser.parse_args(argv)
     if args.n < 1:
         parser.error("--n must be at least 1")
-    payload = to_jsonl(generate(args.n, args.seed, args.reasoning))
+    if args.preference and args.reasoning:
+        parser.error("--reasoning applies to chats only, not to --preference pairs")
+    if args.preference:
+        payload, what = to_jsonl(generate_preference(args.n, args.seed)), "preference pairs"
+    else:
+        payload, what = to_jsonl(generate(args.n, args.seed, args.reasoning)), "conversations"
+    args.out = args.out or Path("data/sample_preference.jsonl" if args.preference else "data/sample_chat.jsonl")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_bytes(payload)
-    print(f"wrote {args.n} conversations ({len(payload)} bytes) to {args.out}")
+    print(f"wrote {args.n} {what} ({len(payload)} bytes) to {args.out}")
     return args.out
 
 

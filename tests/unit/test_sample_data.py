@@ -119,3 +119,40 @@ def test_cli_rejects_bad_n(tmp_path: Path) -> None:
     )
     assert result.returncode == 2 and "--n must be at least 1" in result.stderr
     assert not (tmp_path / "x.jsonl").exists()
+
+
+PREFERENCE = REPO / "data" / "sample_preference.jsonl"
+
+
+def test_committed_preference_file_equals_documented_command(tmp_path: Path) -> None:
+    out = tmp_path / "sample_preference.jsonl"
+    # The documented command (data/README.md) with only the output redirected.
+    subprocess.run([sys.executable, str(SCRIPT), "--preference", "--n", "200", "--seed", "0", "--out", str(out)],
+                   check=True, capture_output=True)  # fmt: skip
+    assert out.read_bytes() == PREFERENCE.read_bytes(), "regenerate data/sample_preference.jsonl with the script"
+
+
+def test_preference_pairs_answer_right_and_reject_a_near_miss() -> None:
+    rows = [json.loads(line) for line in PREFERENCE.read_text(encoding="utf-8").splitlines()]
+    assert len(rows) == 200 and all(list(row) == ["chosen", "prompt", "rejected"] for row in rows)
+    history = set()
+    for row in rows:
+        prompt = [m for m in row["prompt"] if m["role"] != "system"]
+        roles = [m["role"] for m in prompt]
+        assert roles == ["user", "assistant"] * (len(roles) // 2) + ["user"]
+        history.add(len(roles) // 2)
+        for question, answer in zip(prompt[::2], prompt[1::2]):
+            assert answer["content"] == _expected_answer(question["content"])
+        [chosen], [rejected] = row["chosen"], row["rejected"]
+        assert chosen["role"] == rejected["role"] == "assistant"
+        assert chosen["content"] == _expected_answer(prompt[-1]["content"]) != rejected["content"]
+    assert history == {0, 1, 2}
+    chars = sorted(sum(len(m["content"]) for m in row["prompt"] + row["chosen"]) for row in rows)
+    assert chars[-1] / chars[len(chars) // 2] > 5 and chars[0] < 30  # measured: 8 -> 166 (median) -> 1409
+
+
+def test_cli_rejects_reasoning_pairs(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, str(SCRIPT), "--preference", "--reasoning", "--out",
+                             str(tmp_path / "x.jsonl")], capture_output=True, text=True)  # fmt: skip
+    assert result.returncode == 2 and "--reasoning applies to chats only" in result.stderr
+    assert not (tmp_path / "x.jsonl").exists()
