@@ -1,4 +1,5 @@
-"""`hypersloth-build-dataset`: turn a chat dataset into a tokenised, response-masked, registered dataset.
+"""`hypersloth-build-dataset`: turn a chat dataset into a tokenised, response-masked, registered dataset, or
+preference pairs (chosen/rejected) into prompt/chosen/rejected token ids for DPO.
 
 Flags and help: `COMMAND` below (`hypersloth-build-dataset --help`), checked before anything runs.
 User errors print one line and exit with code 2.
@@ -33,6 +34,7 @@ def build_dataset_cli(
     strict: bool = False,
     print_samples: int | bool = 0,
     history_rewrite: str = "split",
+    kind: str = "auto",
 ) -> None:
     """Build a dataset (see the module docstring / --help for every flag)."""
     from HyperSloth.data.build import build_dataset
@@ -62,6 +64,7 @@ def build_dataset_cli(
         num_proc=num_proc,
         print_samples=int(print_samples),
         history_rewrite=history_rewrite,
+        kind=kind,
     )
 
 
@@ -72,7 +75,11 @@ and register it in DATA_DIR/data_config.json. Give exactly one source (--hf_data
 and --name and --tokenizer.
 
 Labels train the assistant messages' content and the template's end-of-turn token after each of
-them; everything else is -100.""",
+them; everything else is -100.
+
+Records with "chosen" and "rejected" (and usually "prompt"; text or chat messages, as TRL's DPO data)
+are built as preference pairs instead: prompt_input_ids, chosen_input_ids, rejected_input_ids
+(docs/dpo.md). --kind forces either reading.""",
     flags=(
         Flag("hf_dataset", "source: a Hugging Face Hub dataset id (needs the Hub; offline, use --local_path)",
              value="ID"),
@@ -100,11 +107,15 @@ them; everything else is -100.""",
         Flag("history_rewrite", "when the template renders earlier replies differently once later turns follow "
              "(Qwen3 drops their <think> reasoning): split (default: one sample per reply, trained on that "
              "reply), last (the final reply only) or skip", value="MODE"),
+        Flag("kind", "auto (default: preference when the records have chosen and rejected), sft (chats) or "
+             "preference (chosen/rejected pairs for DPO)", value="KIND"),
     ),
     examples=(
         "hypersloth-build-dataset --hf_dataset mlabonne/FineTome-100k -n 1000 --split train \\",
         "    --name finetom-1k --tokenizer Qwen/Qwen3-8B --print_samples",
         "hypersloth-build-dataset --local_path FILE_OR_DIR --name NAME --tokenizer TOKENIZER_NAME_OR_PATH",
+        "hypersloth-build-dataset --local_path data/sample_preference.jsonl --name sample-pref \\",
+        "    --tokenizer build/tiny-qwen3 --print_samples 1",
     ),
     notes="exit codes: 0 built and registered, 2 a user error (reported in one line)",
 )

@@ -1,6 +1,7 @@
 """Data: any chat format -> messages (formats), template render + response mask (masking),
-tokenise + length policy + save (build), the build summary and --print_samples (summary), the
-dataset registry (registry).
+preference rows -> pairs (pairs) -> prompt/chosen/rejected ids (preference), the normalising loop and
+skip counts (records), tokenise + length policy + save (build), the build summary and --print_samples
+(summary), the dataset registry (registry).
 
 ``build_dataset`` is imported lazily: it pulls in ``datasets`` and ``transformers``, which a
 process that only reads the registry should not pay for.

@@ -4,6 +4,11 @@
 ``save_to_disk`` folder ``{data_dir}/built_dataset/{name}`` with the columns fixed by
 docs/architecture.md, registered in ``{data_dir}/data_config.json``.
 
+Two kinds, told apart by the records (``pairs.detect_kind``) or ``--kind``: chats (``"sft"``: this
+module's mask and columns) and preference pairs (``"preference"``: ``pairs`` normalises, ``preference``
+tokenises; docs/dpo.md). Both share the reading, the skip accounting (``records``), the summary, the
+save and the registry; the entry records the kind.
+
 Failure safety: the dataset is written to a hidden temp folder beside the target and renamed into
 place under the registry lock; the registry entry is written last. Any exception removes the temp
 folder and restores a dataset that ``--overwrite`` was replacing, so a failed build leaves neither
@@ -20,7 +25,6 @@ import urllib.error
 import urllib.request
 import uuid
 from collections import Counter
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
@@ -29,11 +33,11 @@ import datasets
 import numpy as np
 from loguru import logger
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from tqdm.auto import tqdm
 
 from HyperSloth import run_files
-from HyperSloth.data import formats, masking, registry, summary
+from HyperSloth.data import formats, masking, pairs, preference, records, registry, summary
 from HyperSloth.data.formats import DataInputError, RawRecord, RecordError
+from HyperSloth.data.records import Collected
 
 COLUMNS: tuple[str, ...] = ("input_ids", "labels", "length", "num_trainable", "text")
 KEPT = ("ok", "truncated")
@@ -79,30 +83,9 @@ class BuildOptions(BaseModel):
     history_rewrite: Literal["split", "last", "skip"] = Field(
         "split", description="a template that rewrites earlier replies: one sample per reply, the last reply, or skip"
     )
-
-
-@dataclass
-class Collected:
-    """Normalised conversations plus what was skipped on the way."""
-
-    messages: list[list[formats.Message]] = field(default_factory=list)
-    locations: list[str] = field(default_factory=list)
-    records_read: int = 0
-    skipped: Counter = field(default_factory=Counter)
-    examples: dict[str, list[str]] = field(default_factory=dict)
-    formats: Counter = field(default_factory=Counter)
-    trimmed: list[str] = field(default_factory=list)  # locations whose trailing user turn(s) were cut
-    rewritten: Counter = field(default_factory=Counter)  # "split"/"last": conversations; "split_samples": rows
-    overlength: dict[str, list[str]] = field(default_factory=dict)  # status -> first few samples, named
-
-    def skip(self, location: str, err: RecordError, strict: bool) -> None:
-        """Count a bad record (or stop, under --strict)."""
-        if strict:
-            raise DataInputError(f"{location}: {err.reason}: {err.detail} (--strict makes bad records fatal)")
-        self.skipped[err.reason] += 1
-        self.examples.setdefault(err.reason, [])
-        if len(self.examples[err.reason]) < summary.SHOW_EXAMPLES:
-            self.examples[err.reason].append(f"{location}: {err.detail}")
+    kind: Literal["auto", "sft", "preference"] = Field(
+        "auto", description="what the rows are: chats (sft) or chosen/rejected pairs; auto detects it"
+    )
 
 
 def build_dataset(
@@ -123,6 +106,7 @@ def build_dataset(
     num_proc: int | None = None,
     print_samples: int = 0,
     history_rewrite: str = "split",
+    kind: str = "auto",
     source_type: Literal["auto", "local", "hf"] = "auto",
 ) -> dict[str, Any]:
     """Build ``source`` into ``{data_dir}/built_dataset/{name}`` and register it; return the entry.
@@ -135,28 +119,76 @@ def build_dataset(
     if not overwrite:
         _refuse_existing(opts.name, opts.data_dir)
     _check_local_paths(opts)  # cheap checks first: the source load below can take minutes
-    kind, source = _resolve_source(source, source_type)
-    raw = formats.read_local(source, opts.split) if kind == "local" else load_hub_dataset(source, opts.split)
-    tok = load_tokenizer(opts.tokenizer, opts.chat_template)
+    where, source = _resolve_source(source, source_type)
+    raw = formats.read_local(source, opts.split) if where == "local" else load_hub_dataset(source, opts.split)
+    kind = pairs.detect_kind(raw) if opts.kind == "auto" else opts.kind
+    if opts.kind == "auto" and kind == "preference":
+        logger.info("the records have 'chosen' and 'rejected': building preference pairs (--kind sft overrides)")
+    # Text preference pairs need no chat template (checked per shape once the rows are read).
+    tok = load_tokenizer(opts.tokenizer, opts.chat_template, require_template=kind == "sft")
+    built, kept, collected, statuses, stats = _build_rows(kind, raw, tok, opts, source)
+    entry = _entry(opts, source, tok, len(built), stats, kind)
+    _save_and_register(built, entry, opts)
+    unit = "pair" if kind == "preference" else "sample"
+    summary.log_summary(collected, statuses, stats, unit=unit)
+    logger.info(f"built {opts.name}: {len(built)} {unit}s -> {registry.entry_dir(entry, opts.data_dir)}")
+    if opts.print_samples:
+        show = preference.show_pairs if kind == "preference" else summary.show_samples
+        show(kept, tok, opts.print_samples, color=sys.stdout.isatty())
+    return entry
+
+
+def _build_rows(
+    kind: str, raw: Any, tok: Any, opts: BuildOptions, source: str
+) -> tuple[datasets.Dataset, datasets.Dataset, Collected, Counter, dict[str, Any]]:
+    """Normalise, tokenise and apply the length policy: (saved rows, kept rows with their sample
+    info, what was collected, row statuses, stats)."""
+    if kind == "preference":
+        collected = pairs.collect_pairs(raw, n=opts.n, seed=opts.seed, strict=opts.strict)
+        _check_records(collected, source, "pair")
+        _check_pair_tokenizer(tok, collected, opts.tokenizer)
+        kept, statuses = preference.encode_dataset(
+            collected, tok, max_seq_length=opts.max_seq_length, overlength=opts.overlength,
+            num_proc=_workers(opts, len(collected.items)), strict=opts.strict,
+        )  # fmt: skip
+        _check_kept(kept, collected, statuses, source, "pair")
+        stats = preference.compute_stats(kept, collected, statuses) | _build_settings(opts)
+        return kept.select_columns(list(preference.COLUMNS)), kept, collected, statuses, stats
     collected = collect_conversations(raw, fmt=opts.fmt, n=opts.n, seed=opts.seed, strict=opts.strict)
+    _check_records(collected, source, "conversation")
+    kept, statuses = encode_dataset(collected, tok, opts)
+    _check_kept(kept, collected, statuses, source, "conversation")
+    stats = compute_stats(kept, collected, statuses, opts)
+    return kept.select_columns(list(COLUMNS)), kept, collected, statuses, stats
+
+
+def _check_records(collected: Collected, source: str, unit: str) -> None:
     if not collected.records_read:
         raise DataInputError(f"{source} holds no records (it is empty or has only blank lines): nothing to build")
-    if not collected.messages:
+    if not collected.items:
         summary.log_summary(collected, Counter(), {})
-        raise DataInputError(f"no usable conversations in {source} (see the skip summary above)")
-    kept, statuses = encode_dataset(collected, tok, opts)
+        raise DataInputError(f"no usable {unit}s in {source} (see the skip summary above)")
+
+
+def _check_kept(kept: datasets.Dataset, collected: Collected, statuses: Counter, source: str, unit: str) -> None:
     if not len(kept):
-        summary.log_summary(collected, statuses, {})
-        raise DataInputError(f"every conversation of {source} was dropped (see the summary above)")
-    built = kept.select_columns(list(COLUMNS))
-    stats = compute_stats(kept, collected, statuses, opts)
-    entry = _entry(opts, source, tok, len(built), stats)
-    _save_and_register(built, entry, opts)
-    summary.log_summary(collected, statuses, stats)
-    logger.info(f"built {opts.name}: {len(built)} samples -> {registry.entry_dir(entry, opts.data_dir)}")
-    if opts.print_samples:
-        summary.show_samples(kept, tok, opts.print_samples, color=sys.stdout.isatty())
-    return entry
+        summary.log_summary(collected, statuses, {}, unit=unit)
+        raise DataInputError(f"every {unit} of {source} was dropped (see the summary above)")
+
+
+def _check_pair_tokenizer(tok: Any, collected: Collected, name: str) -> None:
+    """Chat pairs need a chat template, text pairs an eos token (it ends every completion)."""
+    shapes = collected.formats
+    if (shapes["conversational"] or shapes["implicit_prompt"]) and not getattr(tok, "chat_template", None):
+        raise DataInputError(f"tokenizer {name!r} has no chat template and the pairs are chat messages: "
+                             "pass --chat_template FILE.jinja")  # fmt: skip
+    if (shapes["text"] or shapes["implicit_text"]) and not tok.eos_token:
+        raise DataInputError(f"tokenizer {name!r} has no eos token, which ends every completion of text pairs")
+
+
+def _workers(opts: BuildOptions, rows: int) -> int:
+    """Tokenising processes: --num_proc (default all cores), fewer for a small dataset."""
+    return min(opts.num_proc or os.cpu_count() or 1, max(1, rows // MIN_ROWS_PER_PROC))
 
 
 def _options(params: dict[str, Any]) -> BuildOptions:
@@ -244,8 +276,9 @@ def load_hub_dataset(name: str, split: str) -> datasets.Dataset:
         raise DataInputError(f"cannot load {name!r} from the Hugging Face Hub: {why}; {hint}") from None
 
 
-def load_tokenizer(name_or_path: str, chat_template: str | None = None) -> Any:
-    """A fast tokenizer with a chat template (``chat_template``: a Jinja file overriding it)."""
+def load_tokenizer(name_or_path: str, chat_template: str | None = None, require_template: bool = True) -> Any:
+    """A fast tokenizer with a chat template (``chat_template``: a Jinja file overriding it; without
+    ``require_template`` the template may be missing)."""
     from transformers import AutoTokenizer
 
     path = Path(name_or_path).expanduser()
@@ -264,7 +297,7 @@ def load_tokenizer(name_or_path: str, chat_template: str | None = None) -> Any:
         if not template_path.is_file():
             raise DataInputError(f"--chat_template {chat_template}: no such file")
         tok.chat_template = template_path.read_text(encoding="utf-8")
-    if not getattr(tok, "chat_template", None):
+    if require_template and not getattr(tok, "chat_template", None):
         raise DataInputError(f"tokenizer {name_or_path!r} has no chat template: pass --chat_template FILE.jinja")
     if not tok.is_fast:
         raise DataInputError(f"tokenizer {name_or_path!r} is not a fast tokenizer; the mask needs offset mappings")
@@ -277,59 +310,15 @@ def load_tokenizer(name_or_path: str, chat_template: str | None = None) -> Any:
 def collect_conversations(
     raw: list[RawRecord] | datasets.Dataset, *, fmt: str, n: int | None, seed: int, strict: bool
 ) -> Collected:
-    """Normalise records in order (or in a seeded random order when ``n`` is set, stopping at ``n``
-    usable ones), counting every skipped record by reason."""
-    total = len(raw)
-    order = np.random.default_rng(seed).permutation(total) if n else np.arange(total)
-    collected = Collected()
-    _report_malformed(raw, collected, strict)
-    bar = tqdm(total=min(n or total, total), desc="Normalising", unit=" conv")
-    for raw_record in _iter_records(raw, order):
-        if raw_record.error is not None:
-            continue  # already counted and reported by _report_malformed
-        collected.records_read += 1
-        try:
-            record_fmt = formats.detect_format(raw_record.record) if fmt == "auto" and isinstance(
-                raw_record.record, dict
-            ) else fmt
-            messages, cut = formats.trim_trailing_turns(formats.to_messages(raw_record.record, record_fmt))
-        except RecordError as err:
-            collected.skip(raw_record.location, err, strict)
-            continue
-        if cut:
-            collected.trimmed.append(raw_record.location)
-        collected.messages.append(messages)
-        collected.locations.append(raw_record.location)
-        collected.formats[record_fmt] += 1
-        bar.update()
-        if n and len(collected.messages) >= n:
-            break
-    bar.close()
-    if n and len(collected.messages) < n:
-        logger.warning(f"-n {n}: only {len(collected.messages)} usable conversations in the source; using all of them")
-    return collected
+    """Normalise records to conversations in order (or a seeded sample of ``n``), counting every
+    skipped record by reason (HyperSloth.data.records.collect)."""
 
+    def normalise(record: Any) -> tuple[list[formats.Message], str, bool]:
+        record_fmt = formats.detect_format(record) if fmt == "auto" and isinstance(record, dict) else fmt
+        messages, cut = formats.trim_trailing_turns(formats.to_messages(record, record_fmt))
+        return messages, record_fmt, bool(cut)
 
-def _report_malformed(raw: Any, collected: Collected, strict: bool) -> None:
-    """Report every unparseable JSON line as ``file:line`` (all of them, not just the sampled)."""
-    if not isinstance(raw, list):
-        return
-    for record in raw:
-        if record.error is not None:
-            collected.skip(record.location, record.error, strict)
-            if collected.skipped["malformed_json"] <= 20:
-                logger.warning(f"{record.location}: malformed JSON: {record.error.detail}")
-            collected.records_read += 1
-
-
-def _iter_records(raw: list[RawRecord] | datasets.Dataset, order: np.ndarray, chunk: int = 1000):
-    if isinstance(raw, list):
-        yield from (raw[i] for i in order)
-        return
-    for lo in range(0, len(order), chunk):
-        indices = order[lo : lo + chunk].tolist()
-        for i, row in zip(indices, raw.select(indices).to_list()):
-            yield RawRecord(f"record #{i}", row)
+    return records.collect(raw, normalise, n=n, seed=seed, strict=strict)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,8 +371,8 @@ def encode_dataset(collected: Collected, tok: Any, opts: BuildOptions) -> tuple[
     """Tokenise every conversation (batched, multi-process); return the kept rows (``COLUMNS`` plus
     ``SAMPLE_INFO``) and the rows' status counts. Skips, history rewrites and over-length samples
     are recorded in ``collected``."""
-    table = datasets.Dataset.from_dict({"messages": collected.messages, "location": collected.locations})
-    num_proc = min(opts.num_proc or os.cpu_count() or 1, max(1, len(table) // MIN_ROWS_PER_PROC))
+    table = datasets.Dataset.from_dict({"messages": collected.items, "location": collected.locations})
+    num_proc = _workers(opts, len(table))
     mapped = table.map(
         _Encoder(tok, opts.max_seq_length, opts.overlength, opts.history_rewrite),
         batched=True,
@@ -432,6 +421,13 @@ def compute_stats(built: datasets.Dataset, collected: Collected, statuses: Count
         "skipped": dict(sorted(collected.skipped.items())),
         "records_read": collected.records_read,
         "formats": dict(collected.formats),
+        **_build_settings(opts),
+    }
+
+
+def _build_settings(opts: BuildOptions) -> dict[str, Any]:
+    """The flags a rebuild repeats (HyperSloth.run.rebuild_command reads them from the entry's stats)."""
+    return {
         "overlength": opts.overlength,
         # The template file a rebuild needs (the entry's fingerprint alone cannot restore it).
         "chat_template": str(Path(opts.chat_template).expanduser().resolve()) if opts.chat_template else None,
@@ -440,16 +436,17 @@ def compute_stats(built: datasets.Dataset, collected: Collected, statuses: Count
     }
 
 
-def _entry(opts: BuildOptions, source: str, tok: Any, num_samples: int, stats: dict) -> dict[str, Any]:
+def _entry(opts: BuildOptions, source: str, tok: Any, num_samples: int, stats: dict, kind: str) -> dict[str, Any]:
     return {
         "name": opts.name,
+        "kind": kind,  # "sft" or "preference"; an entry without it (older HyperSloth) is "sft"
         "path": f"{registry.BUILT_DIR}/{opts.name}",
         "source": source,
         "split": opts.split,
         "num_samples": num_samples,
         # A local tokenizer is recorded absolute so the trainer finds it from any working directory.
         "tokenizer": str(Path(opts.tokenizer).expanduser().resolve()) if _looks_local(opts.tokenizer) else opts.tokenizer,
-        "template_fingerprint": masking.template_fingerprint(tok.chat_template),
+        "template_fingerprint": masking.template_fingerprint(tok.chat_template or ""),  # none: text pairs
         "max_seq_length": opts.max_seq_length,
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "stats": stats,

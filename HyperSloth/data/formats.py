@@ -105,7 +105,7 @@ def to_messages(record: Any, fmt: str = "auto") -> list[Message]:
     if fmt == "alpaca":
         messages = _alpaca_messages(record)
     elif fmt in ("openai", "sharegpt"):
-        messages = [_message(turn, i) for i, turn in enumerate(_turns(record, fmt))]
+        messages = [to_message(turn, i) for i, turn in enumerate(_turns(record, fmt))]
     else:
         raise DataInputError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
     if not any(m["role"] == "assistant" for m in messages):
@@ -136,7 +136,7 @@ def _turns(record: dict[str, Any], fmt: str) -> list[Any]:
     return list(turns)
 
 
-def _message(turn: Any, index: int) -> Message:
+def to_message(turn: Any, index: int) -> Message:
     """One turn, in either spelling (role/content or from/value), checked and normalised."""
     if not isinstance(turn, dict):
         raise RecordError("missing_fields", f"turn {index} is a {type(turn).__name__}, not an object")

@@ -12,14 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
-from HyperSloth.data import formats, masking
+from HyperSloth.data import masking
+from HyperSloth.data.records import SHOW_EXAMPLES, Collected
 
 if TYPE_CHECKING:
     import datasets
-
-    from HyperSloth.data.build import Collected
-
-SHOW_EXAMPLES = 5  # per reason, how many named examples the summary prints
 
 
 def origin(row: dict[str, Any]) -> str:
@@ -49,9 +46,10 @@ def record_samples(collected: Collected, mapped: datasets.Dataset, status_list: 
             named.append(f"{where}{origin(mapped[i])}: {mapped[i]['full_length']} tokens")
 
 
-def log_summary(collected: Collected, statuses: Counter, stats: dict) -> None:
-    """Log skips, trimmed turns, history rewrites, over-length samples and token statistics."""
-    for reason in formats.SKIP_REASONS:
+def log_summary(collected: Collected, statuses: Counter, stats: dict, unit: str = "sample") -> None:
+    """Log skips, trimmed turns, history rewrites, over-length samples (or pairs: ``unit``) and token
+    statistics."""
+    for reason in collected.reasons:
         if collected.skipped[reason]:
             logger.warning(f"skipped {collected.skipped[reason]} record(s): {reason}")
             for example in collected.examples.get(reason, []):
@@ -64,9 +62,9 @@ def log_summary(collected: Collected, statuses: Counter, stats: dict) -> None:
         for location in collected.trimmed[:SHOW_EXAMPLES]:
             logger.warning(f"    {location}")
     _log_rewrites(collected.rewritten)
-    for status in ("truncated", "dropped_overlength", "dropped_no_trainable"):
+    for status in LENGTH_STATUSES:
         if statuses[status]:
-            logger.warning(f"{status}: {statuses[status]} sample(s){_HINTS.get(status, '')}")
+            logger.warning(f"{status}: {statuses[status]} {unit}(s){_HINTS.get(status, '')}")
             for example in collected.overlength.get(status, []):
                 logger.warning(f"    {example}")
     if stats:
@@ -74,9 +72,19 @@ def log_summary(collected: Collected, statuses: Counter, stats: dict) -> None:
         logger.info("tokens: " + ", ".join(f"{k.removesuffix('_tokens')}={stats[k]}" for k in keys))
 
 
+#: Row statuses after the length policy that the summary reports (a pair build never has "no trainable"
+#: rows, an SFT build never has identical truncated completions).
+LENGTH_STATUSES: tuple[str, ...] = (
+    "truncated", "dropped_overlength", "dropped_no_trainable", "dropped_prompt_too_long",
+    "dropped_identical_truncated",
+)  # fmt: skip
 _HINTS = {
     "truncated": " cut to --max_seq_length; their ends are not trained (raise --max_seq_length, or --overlength drop)",
     "dropped_overlength": " longer than --max_seq_length (--overlength drop)",
+    "dropped_prompt_too_long": " whose prompt alone leaves no completion token within --max_seq_length "
+    "(truncation never cuts a prompt; raise --max_seq_length)",
+    "dropped_identical_truncated": " whose chosen and rejected were the same once cut to --max_seq_length "
+    "(raise --max_seq_length)",
 }
 
 

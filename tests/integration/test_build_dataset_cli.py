@@ -134,8 +134,9 @@ def test_columns_mask_and_registry_entry(tmp_path, tok_dirs):
         trained = [t for t, label in zip(row["input_ids"], row["labels"]) if label != -100]
         replies = [m["content"] for m in source["messages"] if m["role"] == "assistant"]
         assert tok.decode(trained) == "".join(reply + "<|im_end|>" for reply in replies)
-    assert set(entry) == {"name", "path", "source", "split", "num_samples", "tokenizer", "template_fingerprint",
-                          "max_seq_length", "created_at", "stats"}  # fmt: skip
+    assert set(entry) == {"name", "kind", "path", "source", "split", "num_samples", "tokenizer",
+                          "template_fingerprint", "max_seq_length", "created_at", "stats"}  # fmt: skip
+    assert entry["kind"] == "sft"
     assert entry["template_fingerprint"] == masking.template_fingerprint(CHATML)
     stats = entry["stats"]
     assert stats["total_tokens"] == sum(ds["length"]) and stats["max_tokens"] == max(ds["length"])
