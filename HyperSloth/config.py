@@ -186,9 +186,11 @@ class DataConfig(BaseModel):
         datasets = read_registry(self.data_dir)["datasets"]
         if self.dataset_name not in datasets:
             known = ", ".join(sorted(datasets)) or "(none)"
+            close = difflib.get_close_matches(self.dataset_name, list(datasets), n=1, cutoff=0.6)
+            hint = f"did you mean '{close[0]}'? If not, " if close else ""
             raise ConfigError(
                 f"dataset '{self.dataset_name}' is not registered in {Path(self.data_dir) / REGISTRY_FILE} "
-                f"(registered: {known}); build it with `hypersloth-build-dataset --local_path FILE_OR_DIR --tokenizer MODEL --name {self.dataset_name}`"
+                f"(registered: {known}); {hint}build it with `hypersloth-build-dataset --local_path FILE_OR_DIR --tokenizer MODEL --name {self.dataset_name}`"
             )
         return datasets[self.dataset_name]
 
@@ -267,10 +269,13 @@ class TrainingArgsConfig(BaseModel):
     )
     weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
     max_grad_norm: float = Field(1.0, ge=0, description="Clip the global gradient norm to this; 0 disables clipping.")
-    seed: int = Field(42, description="Seed for data order and dropout.")
+    # >= 0: numpy's generators (the planner's shuffle) refuse a negative seed, which would otherwise surface
+    # only after every worker has loaded its model.
+    seed: int = Field(42, ge=0, description="Seed for data order and dropout (>= 0).")
     logging_steps: int = Field(1, gt=0, description="Log every this many optimizer steps.")
     save_steps: int = Field(100, gt=0, description="Save a checkpoint every this many optimizer steps.")
-    save_total_limit: int | None = Field(2, gt=0, description="Keep at most this many checkpoints; None keeps all.")
+    save_total_limit: int | None = Field(
+        None, gt=0, description="Keep at most this many checkpoints; None (TRL's default) keeps all.")
     report_to: str | list[str] = Field("tensorboard", description="'tensorboard', 'wandb', 'none' or a list.")
     resume_from_checkpoint: str | None = Field(
         None, description="Checkpoint folder to resume from (given to trainer.train, not to SFTConfig)."

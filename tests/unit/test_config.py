@@ -211,6 +211,23 @@ def test_missing_and_empty_model_name():
     assert "model_name is empty" in validation_message(lambda: FastModelArgs(model_name="  "))
 
 
+def test_negative_seed_is_refused_by_validation():
+    # numpy's generators refuse it; without this check it failed only after every worker loaded its model.
+    with pytest.raises(ValueError, match="seed"):
+        TrainingArgsConfig(seed=-1)
+    assert TrainingArgsConfig(seed=0).seed == 0
+
+
+def test_save_total_limit_defaults_to_trl_none():
+    import dataclasses
+
+    from trl import SFTConfig
+
+    # The README says these fields work as in TRL's SFTConfig: keep every checkpoint unless told.
+    trl_default = {f.name: f.default for f in dataclasses.fields(SFTConfig)}["save_total_limit"]
+    assert TrainingArgsConfig().to_sft_kwargs()["save_total_limit"] == trl_default is None
+
+
 def test_max_steps_and_epochs_both_none():
     message = validation_message(lambda: TrainingArgsConfig(max_steps=None, num_train_epochs=None))
     assert "max_steps and num_train_epochs are both None: set one of them" in message
@@ -319,7 +336,14 @@ def test_from_dataset_name_missing_name_lists_registered(data_dir):
         DataConfig.from_dataset_name("chta", data_dir=str(data_dir))
     message = str(info.value)
     assert "dataset 'chta' is not registered" in message and "(registered: abs, chat)" in message
+    assert "did you mean 'chat'?" in message
     assert "hypersloth-build-dataset --local_path FILE_OR_DIR --tokenizer MODEL --name chta" in message
+
+
+def test_unregistered_name_far_from_every_registered_one_gets_no_suggestion(data_dir):
+    with pytest.raises(ConfigError) as info:
+        DataConfig.from_dataset_name("wikipedia", data_dir=str(data_dir))
+    assert "did you mean" not in str(info.value) and "build it with" in str(info.value)
 
 
 def test_from_dataset_name_missing_registry(tmp_path):
