@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from loguru import logger
 
-from HyperSloth.config import FastModelArgs, LoraArgs
+from HyperSloth.config import ConfigError, FastModelArgs, LoraArgs
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -66,6 +66,8 @@ def load_model(fast: FastModelArgs, lora: LoraArgs | None) -> LoadedModel:
 def _load_unsloth(fast: FastModelArgs, lora: LoraArgs | None, dtype: torch.dtype):
     from unsloth import FastLanguageModel
 
+    # use_gradient_checkpointing goes to from_pretrained too: its default ("unsloth") patches torch's
+    # checkpointing globally at load time, whatever the config says, until get_peft_model undoes it.
     model, tokenizer = FastLanguageModel.from_pretrained(
         model_name=fast.model_name,
         max_seq_length=fast.max_seq_length,
@@ -74,12 +76,18 @@ def _load_unsloth(fast: FastModelArgs, lora: LoraArgs | None, dtype: torch.dtype
         load_in_8bit=fast.load_in_8bit,
         full_finetuning=fast.full_finetuning,
         trust_remote_code=fast.trust_remote_code,
+        use_gradient_checkpointing=fast.use_gradient_checkpointing,
     )
     if lora is not None and lora.init_adapter_path:
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, lora.init_adapter_path, is_trainable=True)
+        # What Unsloth's own loader does after loading an adapter (FastLlamaModel.from_pretrained with an
+        # adapter folder, unsloth 2026.8-2026.10): its LoRA kernels and the checkpointing setting, which
+        # get_peft_model would otherwise have applied.
+        model = FastLanguageModel.patch_peft_model(model, fast.use_gradient_checkpointing)
     elif lora is not None:
+        check_target_modules(model, lora.target_modules)
         model = _unsloth_lora(FastLanguageModel, model, fast, lora)
     _allow_packed_rows(model)
     return model, tokenizer
@@ -145,6 +153,7 @@ def _attach_peft(model, lora: LoraArgs):
 
     if lora.init_adapter_path:
         return PeftModel.from_pretrained(model, lora.init_adapter_path, is_trainable=True)
+    check_target_modules(model, lora.target_modules)
     config = LoraConfig(
         r=lora.r,
         lora_alpha=lora.lora_alpha,
@@ -157,6 +166,21 @@ def _attach_peft(model, lora: LoraArgs):
     # Seeded so every rank (and the 1-GPU reference run) starts from the same adapter weights.
     torch.manual_seed(lora.random_state)
     return get_peft_model(model, config)
+
+
+def check_target_modules(model, targets: list[str]) -> None:
+    """ConfigError naming every entry of `targets` that matches no module of `model`, and the model's
+    linear layers. PEFT refuses a list that matches nothing, but trains silently with fewer adapters
+    when only some entries match (a typo such as "q_prj" next to "v_proj")."""
+    names = [name for name, _ in model.named_modules() if name]
+    # PEFT's rule for a list of names: the module's full name equals the entry or ends with "." + entry.
+    unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if not unmatched:
+        return
+    linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                     if isinstance(module, torch.nn.Linear)})
+    raise ConfigError(f"lora_args.target_modules {unmatched} match no module of this model: its linear layers "
+                      f"are {', '.join(linear)}; drop or correct {'them' if len(unmatched) > 1 else 'it'}")
 
 
 # ---------------------------------------------------------------- RoPE past the checkpoint's context

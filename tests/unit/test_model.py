@@ -1,0 +1,99 @@
+"""Model loading: target modules checked against the model, and Unsloth given the checkpointing setting
+on every path (a stand-in `unsloth` module records what HyperSloth passes it; Unsloth needs CUDA)."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from HyperSloth import model as model_lib
+from HyperSloth.config import ConfigError, FastModelArgs, LoraArgs
+
+
+def fast_args(model_dir: Path, **overrides) -> FastModelArgs:
+    return FastModelArgs(model_name=str(model_dir), max_seq_length=256, dtype="float32", backend="transformers",
+                         **overrides)
+
+
+def test_a_target_that_matches_no_module_is_refused_naming_the_linear_layers(tiny_model_dir):
+    lora = LoraArgs(target_modules=["q_proj", "nope"])
+    with pytest.raises(ConfigError) as info:
+        model_lib.load_model(fast_args(tiny_model_dir), lora)
+    message = str(info.value)
+    assert "['nope']" in message and "q_proj" not in message.split("are")[0]
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"):
+        assert name in message.split("are", 1)[1]
+
+
+def test_targets_that_all_match_train_those_modules(tiny_model_dir):
+    loaded = model_lib.load_model(fast_args(tiny_model_dir), LoraArgs(target_modules=["q_proj", "v_proj"]))
+    adapted = {name.split(".")[-4] for name, p in loaded.model.named_parameters() if p.requires_grad}
+    assert adapted == {"q_proj", "v_proj"}
+
+
+class FakeUnsloth:
+    """`unsloth.FastLanguageModel`: loads with transformers, records every call and its arguments."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, dict]] = []
+
+    def from_pretrained(self, **kwargs):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.calls.append(("from_pretrained", kwargs))
+        name = kwargs["model_name"]
+        return AutoModelForCausalLM.from_pretrained(name), AutoTokenizer.from_pretrained(name)
+
+    def get_peft_model(self, model, **kwargs):
+        from peft import LoraConfig, get_peft_model
+
+        self.calls.append(("get_peft_model", kwargs))
+        config = LoraConfig(r=kwargs["r"], target_modules=kwargs["target_modules"], task_type="CAUSAL_LM")
+        return get_peft_model(model, config)
+
+    def patch_peft_model(self, model, use_gradient_checkpointing="unsloth"):
+        self.calls.append(("patch_peft_model", {"use_gradient_checkpointing": use_gradient_checkpointing,
+                                                "model": type(model).__name__}))
+        return model
+
+
+@pytest.fixture
+def fake_unsloth(monkeypatch) -> FakeUnsloth:
+    fake = FakeUnsloth()
+    packing = types.ModuleType("unsloth.utils.packing")
+    packing.mark_allow_overlength = lambda model: None
+    unsloth = types.ModuleType("unsloth")
+    unsloth.FastLanguageModel = fake
+    monkeypatch.setitem(sys.modules, "unsloth", unsloth)
+    monkeypatch.setitem(sys.modules, "unsloth.utils", types.ModuleType("unsloth.utils"))
+    monkeypatch.setitem(sys.modules, "unsloth.utils.packing", packing)
+    return fake
+
+
+@pytest.mark.parametrize("checkpointing", [False, True, "unsloth"])
+def test_unsloth_gets_the_checkpointing_setting_when_loading(fake_unsloth, tiny_model_dir, checkpointing):
+    fast = fast_args(tiny_model_dir, use_gradient_checkpointing=checkpointing)
+    model_lib._load_unsloth(fast, LoraArgs(), torch.float32)
+    # from_pretrained's own default ("unsloth") would patch torch's checkpointing whatever the config says.
+    [(_, loaded), (_, peft)] = fake_unsloth.calls
+    assert loaded["use_gradient_checkpointing"] == checkpointing == peft["use_gradient_checkpointing"]
+
+
+@pytest.mark.parametrize("checkpointing", [False, "unsloth"])
+def test_unsloth_adapter_to_continue_gets_the_checkpointing_setting(fake_unsloth, tiny_model_dir, tmp_path,
+                                                                     checkpointing):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM")).save_pretrained(tmp_path)
+    fast = fast_args(tiny_model_dir, use_gradient_checkpointing=checkpointing)
+    model, _ = model_lib._load_unsloth(fast, LoraArgs(init_adapter_path=str(tmp_path)), torch.float32)
+    # get_peft_model is skipped for a saved adapter; Unsloth's patch_peft_model applies the setting instead.
+    assert [name for name, _ in fake_unsloth.calls] == ["from_pretrained", "patch_peft_model"]
+    assert fake_unsloth.calls[1][1] == {"use_gradient_checkpointing": checkpointing, "model": "PeftModelForCausalLM"}
+    assert any(p.requires_grad for p in model.parameters())
