@@ -22,8 +22,8 @@ denominator exact.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -112,6 +112,17 @@ def collate(
     if mode == "sorted-pad":
         return collate_sorted_pad(samples, pad_token_id)
     raise ValueError(f"unknown batching mode {mode!r}; use 'packed' or 'sorted-pad'")
+
+
+def to_device(prepare: Callable[[dict[str, Any]], dict[str, Any]], micro_batch: dict[str, Any]) -> dict[str, Any]:
+    """`prepare(micro_batch)` (the Trainer's `_prepare_inputs`: to the device) for every entry but
+    `packed_seq_lengths`, which stays on the host: Unsloth reads the packed lengths there (one pinned copy),
+    and on the GPU they would cost a device-to-host sync per micro-batch. Training and evaluation both."""
+    lengths = micro_batch.pop("packed_seq_lengths", None)
+    prepared = prepare(micro_batch)
+    if lengths is not None:
+        prepared["packed_seq_lengths"] = lengths
+    return prepared
 
 
 def count_trainable(labels: torch.Tensor) -> int:

@@ -40,7 +40,7 @@ from transformers import EarlyStoppingCallback, TrainerCallback
 
 from HyperSloth import run_files
 from HyperSloth.batching import EpochPlan, PlanSpec
-from HyperSloth.collate import LossType, collate, count_trainable, sample_labels
+from HyperSloth.collate import LossType, collate, count_trainable, sample_labels, to_device
 from HyperSloth.eval_set import plan_eval
 
 FINAL_ONLY_EVAL_STEPS = 2**31 - 1  # eval_steps=None: HF's loop then evaluates after the last step only
@@ -142,7 +142,7 @@ def evaluate_in_trainer(trainer, evaluator: Evaluator, metric_key_prefix: str = 
     model = trainer.model
 
     def loss_sum(micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        micro_batch = trainer._prepare_inputs(micro_batch)
+        micro_batch = to_device(trainer._prepare_inputs, micro_batch)
         with trainer.compute_loss_context_manager():
             return trainer.micro_batch_loss(model, micro_batch, 1)
 

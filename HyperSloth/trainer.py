@@ -36,7 +36,7 @@ from trl import SFTConfig, SFTTrainer
 
 from HyperSloth import run_files
 from HyperSloth.batching import EpochPlan, adaptive_partition_batches, steps_per_epoch
-from HyperSloth.collate import LossType, collate, sample_labels
+from HyperSloth.collate import LossType, collate, sample_labels, to_device
 from HyperSloth.config import TrainingArgsConfig
 from HyperSloth.dist import DistInfo, GradientSync
 from HyperSloth.evaluation import Evaluator, build_evaluator, eval_callbacks, eval_sft_kwargs, evaluate_in_trainer
@@ -216,12 +216,7 @@ class HyperSlothTrainer(SFTTrainer):
         local_loss = torch.zeros((), dtype=torch.float32, device=self.args.device)
         self.timer.mark("data")
         for micro_batch in inputs["micro_batches"]:
-            # Unsloth reads the packed lengths on the host (one pinned copy); on the GPU they would cost a
-            # device-to-host sync per micro-batch.
-            lengths = micro_batch.pop("packed_seq_lengths", None)
-            micro_batch = self._prepare_inputs(micro_batch)
-            if lengths is not None:
-                micro_batch["packed_seq_lengths"] = lengths
+            micro_batch = to_device(self._prepare_inputs, micro_batch)
             with self.compute_loss_context_manager():
                 loss = self.micro_batch_loss(model, micro_batch, denominator)
             self.timer.mark("forward")

@@ -305,6 +305,7 @@ class _FakeTrainer:
 
         self.model, self.args = model, SimpleNamespace(device="cpu")
         self.state, self.control, self.logged, self.seen = TrainerState(), TrainerControl(), [], []
+        self.prepared, self.lengths_seen = [], []
         self.callback_handler = SimpleNamespace(on_evaluate=self._on_evaluate)
         self.compute_loss_context_manager = nullcontext
 
@@ -313,10 +314,12 @@ class _FakeTrainer:
         return control
 
     def _prepare_inputs(self, batch):
-        return batch
+        self.prepared.append(set(batch))  # what HF's Trainer would move to the device
+        return dict(batch)
 
     def micro_batch_loss(self, model, batch, denominator):
         assert denominator == 1 and not torch.is_grad_enabled() and not model.training
+        self.lengths_seen.append(batch.pop("packed_seq_lengths", None))
         return model(**batch, num_items_in_batch=denominator, use_cache=False).loss
 
     def log(self, logs):
@@ -341,6 +344,22 @@ def test_evaluate_in_trainer_logs_calls_back_and_counts_an_evaluation_before_tra
     evaluate_in_trainer(trainer, evaluator)
     assert trainer.state.best_metric == 1.0  # not an improvement: kept
     tiny_model.eval()
+
+
+def test_evaluation_keeps_packed_lengths_on_the_host_as_training_does(tiny_model):
+    from HyperSloth.evaluation import evaluate_in_trainer
+
+    trainer = _FakeTrainer(tiny_model)
+    dataset = _rows(37)
+    plan = plan_eval(*_inputs(dataset, "response_only"), _spec(1))
+    evaluator = Evaluator(dataset, plan, rank=0, loss_type="response_only", pad_token_id=0, packed_lengths=True)
+    with_lengths = evaluate_in_trainer(trainer, evaluator)
+    plain = Evaluator(dataset, plan, rank=0, loss_type="response_only", pad_token_id=0)
+    assert evaluate_in_trainer(_FakeTrainer(tiny_model), plain)["eval_loss"] == with_lengths["eval_loss"]
+    # Never given to _prepare_inputs (to the GPU: a sync per micro-batch), yet passed to the model's forward.
+    assert trainer.prepared and all("packed_seq_lengths" not in keys for keys in trainer.prepared)
+    assert len(trainer.lengths_seen) == len(trainer.prepared)
+    assert all(isinstance(t, torch.Tensor) and t.dtype == torch.int32 for t in trainer.lengths_seen)
 
 
 def test_a_resumed_run_continues_the_early_stopping_count():
