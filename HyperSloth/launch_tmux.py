@@ -102,6 +102,18 @@ def _tmux_server(socket_name: str | None):
     return libtmux.Server(socket_name=socket_name)
 
 
+def check_tmux_session(session: str, *, replace: bool = False, socket_name: str | None = None):
+    """The tmux server, once tmux is found, `session` is a name tmux takes and it is free (or `replace`);
+    LaunchError / TmuxSessionExists otherwise. Changes nothing: the launcher calls it before it writes."""
+    if not session or any(c in session for c in ".:"):
+        raise LaunchError(f"tmux session name {session!r} is not allowed: use letters, digits, '-' or '_'")
+    server = _tmux_server(socket_name)
+    if server.has_session(session) and not replace:
+        raise TmuxSessionExists(f"tmux session '{session}' already exists: pass --y to replace it, "
+                                "or choose another name")
+    return server
+
+
 def launch_tmux(
     config_path: str | os.PathLike,
     gpus: Sequence[int],
@@ -119,13 +131,8 @@ def launch_tmux(
     Returns as soon as the session exists, with the command to attach to it. An existing session
     raises TmuxSessionExists unless `replace`. `socket_name` picks a private tmux server (`tmux -L`).
     """
-    if not session or any(c in session for c in ".:"):
-        raise LaunchError(f"tmux session name {session!r} is not allowed: use letters, digits, '-' or '_'")
-    server = _tmux_server(socket_name)
+    server = check_tmux_session(session, replace=replace, socket_name=socket_name)
     if server.has_session(session):
-        if not replace:
-            raise TmuxSessionExists(f"tmux session '{session}' already exists: pass --y to replace it, "
-                                    "or choose another name")
         server.kill_session(session)
     cuda = cuda_device_count() > 0 if cuda is None else cuda
     logs_dir = run_files.logs_dir(output_dir).resolve()

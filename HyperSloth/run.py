@@ -18,6 +18,7 @@ import importlib.util
 import json
 import os
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -275,20 +276,23 @@ def _eval_set(hyper: HyperConfig, targs: TrainingArgsConfig, facts: DatasetFacts
         return None
 
 
-def resolve_run(loaded: LoadedConfig, *, world_size: int, machine: MachineFacts) -> RunDescription:
+def resolve_run(loaded: LoadedConfig, *, world_size: int, machine: MachineFacts,
+                problems: Sequence[str] = ()) -> RunDescription:
     """The run description of `loaded` on `world_size` workers of `machine`; one ConfigError listing every
-    problem (config vs machine, dataset, lengths, resume) otherwise."""
+    problem (config vs machine, dataset, lengths, resume, and the caller's own `problems`, e.g. the
+    launcher's model and output-folder checks) otherwise."""
     hyper, targs = loaded.hyper, loaded.training_args
     fast, training = hyper.fast_model_args, hyper.training
     cuda = machine.cuda_device_count > 0
-    problems = runtime_problems(hyper, targs, cuda_device_count=machine.cuda_device_count,
-                                unsloth_available=machine.unsloth_available)
+    problems = [*problems, *runtime_problems(hyper, targs, cuda_device_count=machine.cuda_device_count,
+                                             unsloth_available=machine.unsloth_available)]
     facts = dataset_facts(hyper, problems)
     problems.append(_json_problem(targs))
     eval_set = _eval_set(hyper, targs, facts, problems)
     problems = [p for p in problems if p]
     if problems:
-        raise ConfigError(f"{loaded.path}: cannot run this config:\n" + "\n".join(f"  - {p}" for p in problems))
+        listed = f" {problems[0]}" if len(problems) == 1 else "".join(f"\n  - {p}" for p in problems)
+        raise ConfigError(f"{loaded.path}: cannot run this config:{listed}")
     config = config_to_dict(loaded)
     description = RunDescription(
         config_path=str(loaded.path),

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from HyperSloth import run_files
 from HyperSloth.cli.command import Command, Flag, Positional
-from HyperSloth.config import ConfigError, load_config
+from HyperSloth.config import ConfigError, LoadedConfig, load_config
 from HyperSloth.launch import (
     LaunchError,
     TmuxSessionExists,
@@ -22,7 +22,7 @@ from HyperSloth.launch import (
     is_torchrun_env,
     launch,
 )
-from HyperSloth.launch_tmux import launch_tmux
+from HyperSloth.launch_tmux import check_tmux_session, launch_tmux
 from HyperSloth.model_source import hub_problem
 from HyperSloth.run import MachineFacts, RunDescription, resolve_run, write_run
 
@@ -46,21 +46,47 @@ def _check_output_dir(output_dir: Path) -> None:
                           "set training_config_model.output_dir to a folder you can write") from None
 
 
-def _check_model(description: RunDescription) -> None:
-    """The model (and the dataset's tokenizer) can be found, and their vocabularies agree."""
+def model_problems(loaded: LoadedConfig) -> list[str]:
+    """The model (and the dataset's tokenizer) cannot be found, or their vocabularies differ."""
     from HyperSloth.data.tokenizer_check import tokenizer_mismatch
 
-    hyper = description.hyper()
+    hyper = loaded.hyper
     model_name = hyper.fast_model_args.model_name
     problem = hub_problem(model_name, "model_name")
     if problem:
-        raise LaunchError(problem)
-    entry = hyper.data.registry_entry()
+        return [problem]
+    try:
+        entry = hyper.data.registry_entry()
+    except ConfigError:
+        return []  # the resolver reports the dataset
     built_with = str(entry.get("tokenizer") or "")
     if built_with and hub_problem(built_with, "tokenizer") is None:  # an unreachable one cannot be compared
         mismatch = tokenizer_mismatch(entry, model_name, hyper.data.dataset_name)
         if mismatch:
-            raise LaunchError(mismatch)
+            return [mismatch]
+    return []
+
+
+def output_dir_problem(out: Path, checkpoint: str | None, *, overwrite: bool, peers_running: bool = False,
+                       save_steps: int | None = None) -> str | None:
+    """Why this run may not start in `out` (another run's files, --overwrite of the checkpoint it resumes
+    from), saying what to do that works; None when it may."""
+    resumes_this_dir = checkpoint is not None and Path(checkpoint).resolve().is_relative_to(out.resolve())
+    if overwrite and resumes_this_dir:
+        return (f"--overwrite would delete {checkpoint}, the checkpoint this run resumes from: drop "
+                "--overwrite to continue the run in its folder, or set another output_dir")
+    if overwrite or resumes_this_dir or not run_files.holds_a_run(out, count_logs=not peers_running):
+        return None
+    checkpoints = sorted(out.glob(f"{run_files.CHECKPOINT_PREFIX}*"),
+                         key=lambda p: int(p.name.rsplit("-", 1)[-1]) if p.name.rsplit("-", 1)[-1].isdigit() else -1)
+    if not checkpoints:  # stopped before its first save: there is nothing to resume from
+        before = f" (every {save_steps} steps)" if save_steps else ""
+        return (f"output_dir {out} holds an earlier run that saved no checkpoint: it stopped before its first "
+                f"save{before}, so it cannot be resumed. Add --overwrite to start again in this folder (its "
+                "files are removed first), or choose another output_dir")
+    return (f"output_dir {out} holds an earlier run: add --overwrite to start clean (its files are removed first), "
+            f"set resume_from_checkpoint={str(checkpoints[-1])!r} (its last checkpoint) to continue it, or choose "
+            "another output_dir")
 
 
 def prepare_output_dir(description: RunDescription, *, overwrite: bool, peers_running: bool = False) -> None:
@@ -70,20 +96,14 @@ def prepare_output_dir(description: RunDescription, *, overwrite: bool, peers_ru
     their logs: their rank files neither count as an earlier run nor get removed."""
     out = Path(description.output_dir)
     checkpoint = description.resume_from_checkpoint
-    resumes_this_dir = checkpoint is not None and Path(checkpoint).resolve().is_relative_to(out)
-    if overwrite and resumes_this_dir:
-        raise LaunchError(f"--overwrite would delete {checkpoint}, the checkpoint this run resumes from: drop "
-                          "--overwrite to continue the run in its folder, or set another output_dir")
-    earlier_run = run_files.holds_a_run(out, count_logs=not peers_running)
+    problem = output_dir_problem(out, checkpoint, overwrite=overwrite, peers_running=peers_running,
+                                 save_steps=description.training_config.get("save_steps"))
+    if problem:
+        raise LaunchError(problem)
     if overwrite:
         run_files.clear_run(out)
-    elif resumes_this_dir or (checkpoint is not None and not earlier_run):
+    elif checkpoint is not None:
         run_files.clear_results(out)
-    elif earlier_run:
-        raise LaunchError(
-            f"output_dir {out} holds an earlier run: add --overwrite to start clean (its files are removed "
-            "first), set resume_from_checkpoint to continue it from one of its checkpoints, or choose "
-            "another output_dir")
     run_files.clear_rank_files(out, from_rank=description.world_size if peers_running else 0)
 
 
@@ -113,10 +133,17 @@ def resolve_config(config_path: str | os.PathLike, *, world_size: int | None = N
 
 
 def check_run(config_path: str | os.PathLike, *, overwrite: bool = False) -> CheckedRun:
-    """All pre-spawn checks, then run.json written; raises ConfigError or LaunchError with a message that
-    says what to change (and nothing is written or removed)."""
-    description, machine = resolve_config(config_path)
-    _check_model(description)
+    """All pre-spawn checks, every problem found listed in one error, then run.json written; raises
+    ConfigError or LaunchError with a message that says what to change (and nothing is written or removed)."""
+    loaded = load_config(config_path)
+    machine = MachineFacts.detect(cuda_device_count())
+    targs = loaded.training_args
+    checkpoint = str(Path(targs.resume_from_checkpoint).resolve()) if targs.resume_from_checkpoint else None
+    launcher_problems = [*model_problems(loaded),
+                         output_dir_problem(Path(targs.output_dir).resolve(), checkpoint, overwrite=overwrite,
+                                            save_steps=targs.save_steps)]
+    description = resolve_run(loaded, world_size=len(loaded.hyper.training.gpus), machine=machine,
+                              problems=[p for p in launcher_problems if p])
     output_dir = Path(description.output_dir)
     _check_output_dir(output_dir)
     prepare_output_dir(description, overwrite=overwrite)
@@ -154,15 +181,22 @@ def _dry_run(config_path: str) -> int:
     return 0
 
 
-def _start_tmux(run: CheckedRun, session: str, replace: bool) -> int:
+def _tmux_replace(session: str, replace: bool) -> bool:
+    """Whether launch_tmux may replace session `session`, settled before anything is written: LaunchError
+    when tmux is missing, the name is refused or a taken session is not to be replaced (asked on a tty)."""
     try:
-        attach = launch_tmux(run.run_path, run.gpus, run.output_dir, session, replace=replace)
+        check_tmux_session(session, replace=replace)
     except TmuxSessionExists as err:
-        if replace or not sys.stdin.isatty():
+        if not sys.stdin.isatty():
             raise
         if input(f"tmux session '{session}' already exists. Replace it? [y/N] ").strip().lower() not in ("y", "yes"):
             raise LaunchError(f"left tmux session '{session}' as it is; nothing started") from err
-        attach = launch_tmux(run.run_path, run.gpus, run.output_dir, session, replace=True)
+        return True
+    return replace
+
+
+def _start_tmux(run: CheckedRun, session: str, replace: bool) -> int:
+    attach = launch_tmux(run.run_path, run.gpus, run.output_dir, session, replace=replace)
     print(f"hypersloth-train: started {len(run.gpus)} rank(s) in tmux session '{session}' "
           f"(windows: main, rank0..rank{len(run.gpus) - 1}); logs in {run_files.logs_dir(run.output_dir)}")
     print(f"hypersloth-train: attach with: {attach}")
@@ -180,9 +214,11 @@ def train(config: str, tmux: str | None = None, y: bool = False, dry_run: bool =
             raise SystemExit(_run_under_torchrun(config_path, bool(overwrite)))
         if dry_run:
             raise SystemExit(_dry_run(config_path))
+        # tmux is checked first: a refused command writes nothing (no run.json that would then refuse the retry).
+        replace = _tmux_replace(str(tmux), bool(y)) if tmux is not None else False
         run = check_run(config_path, overwrite=bool(overwrite))
         if tmux is not None:
-            raise SystemExit(_start_tmux(run, str(tmux), replace=bool(y)))
+            raise SystemExit(_start_tmux(run, str(tmux), replace=replace))
         code = launch(run.run_path, run.gpus, run.output_dir)
     except (ConfigError, LaunchError) as err:
         _fail(str(err))

@@ -306,6 +306,7 @@ def cli(monkeypatch):
     monkeypatch.setattr(train_cli, "cuda_device_count", lambda: 0)
     monkeypatch.setattr(train_cli, "launch", lambda *a, **k: calls.append(("launch", a, k)) or 0)
     monkeypatch.setattr(train_cli, "launch_tmux", lambda *a, **k: calls.append(("tmux", a, k)) or "tmux attach")
+    monkeypatch.setattr(train_cli, "check_tmux_session", lambda session, replace=False: None)  # a free session
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
 
@@ -344,6 +345,14 @@ def test_config_errors_exit_2_before_any_worker(cli, tmp_path, capsys, overrides
     assert "Traceback" not in err and cli.calls == []
 
 
+def test_every_problem_the_launcher_checks_is_reported_at_once(cli, tmp_path, capsys):
+    # An unregistered dataset and a missing model folder: both in one refusal, not on two successive runs.
+    assert cli.run([str(write_config(tmp_path, dataset_name="'missing'", model_name="'./no/such/model'"))]) == 2
+    err = capsys.readouterr().err
+    assert "dataset 'missing' is not registered" in err and "model_name './no/such/model' looks like" in err
+    assert "load_in_4bit" not in err and cli.calls == [] and not (tmp_path / "out").exists()
+
+
 def test_dataset_folder_gone_exits_2(cli, tmp_path, capsys):
     config = write_config(tmp_path)
     shutil.rmtree(tmp_path / "data" / "built_dataset" / "chat")
@@ -364,11 +373,18 @@ def test_missing_config_file_exits_2(cli, tmp_path, capsys):
     assert "config file not found" in capsys.readouterr().err
 
 
-def test_missing_tmux_binary_exits_2(cli, tmp_path, capsys, monkeypatch):
+def test_missing_tmux_binary_exits_2_and_writes_nothing(cli, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(train_cli, "launch_tmux", tmux_mod.launch_tmux)
+    monkeypatch.setattr(train_cli, "check_tmux_session", tmux_mod.check_tmux_session)
     monkeypatch.setattr(tmux_mod.shutil, "which", lambda name: None)
-    assert cli.run([str(write_config(tmp_path)), "--tmux", "train"]) == 2
+    config = write_config(tmp_path)
+    assert cli.run([str(config), "--tmux", "train"]) == 2
     assert "--tmux needs the tmux program" in capsys.readouterr().err
+    # A refused command writes nothing: no run.json that would refuse the retry as "an earlier run".
+    assert not (tmp_path / "out").exists()
+    monkeypatch.setattr(train_cli, "launch_tmux", lambda *a, **k: "tmux attach -t train")
+    monkeypatch.setattr(train_cli, "check_tmux_session", lambda session, replace=False: None)
+    assert cli.run([str(config), "--tmux", "train"]) == 0  # tmux installed: the retry starts
 
 
 def test_tmux_flag_goes_to_launch_tmux(cli, tmp_path, capsys):
@@ -428,29 +444,33 @@ def test_partial_torchrun_env_is_not_torchrun():
 
 @pytest.mark.parametrize(("answer", "code"), [("y", 0), ("n", 2)])
 def test_existing_tmux_session_asks_on_a_tty(cli, tmp_path, monkeypatch, capsys, answer, code):
-    def fake_launch_tmux(*args, replace=False, **kwargs):
-        cli.calls.append(("tmux", args, {"replace": replace}))
+    def taken(session, replace=False):
+        cli.calls.append(("check", (session,), {"replace": replace}))
         if not replace:
             raise launch_mod.TmuxSessionExists("tmux session 'train' already exists: pass --y to replace it")
-        return "tmux attach -t train"
 
-    monkeypatch.setattr(train_cli, "launch_tmux", fake_launch_tmux)
+    monkeypatch.setattr(train_cli, "check_tmux_session", taken)
     monkeypatch.setattr(sys.stdin, "isatty", lambda: True, raising=False)
     monkeypatch.setattr("builtins.input", lambda prompt: answer)
     assert cli.run([str(write_config(tmp_path)), "--tmux", "train"]) == code
-    assert [kwargs["replace"] for _, _, kwargs in cli.calls] == ([False, True] if answer == "y" else [False])
+    started = [(kind, kwargs["replace"]) for kind, _, kwargs in cli.calls]
+    assert started == ([("check", False), ("tmux", True)] if answer == "y" else [("check", False)])
     if answer == "n":
         assert "left tmux session 'train' as it is" in capsys.readouterr().err
+        assert not (tmp_path / "out").exists()  # refused before anything was written
 
 
-def test_existing_tmux_session_without_tty_needs_y(cli, tmp_path, monkeypatch, capsys):
-    def refuse(*args, replace=False, **kwargs):
-        raise launch_mod.TmuxSessionExists("tmux session 'train' already exists: pass --y to replace it")
+def test_existing_tmux_session_without_tty_needs_y_and_writes_nothing(cli, tmp_path, monkeypatch, capsys):
+    def refuse(session, replace=False):
+        if not replace:
+            raise launch_mod.TmuxSessionExists("tmux session 'train' already exists: pass --y to replace it")
 
-    monkeypatch.setattr(train_cli, "launch_tmux", refuse)
+    monkeypatch.setattr(train_cli, "check_tmux_session", refuse)
     monkeypatch.setattr(sys.stdin, "isatty", lambda: False, raising=False)
     assert cli.run([str(write_config(tmp_path)), "--tmux", "train"]) == 2
     assert "pass --y to replace it" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and cli.calls == []
+    assert cli.run([str(write_config(tmp_path)), "--tmux", "train", "--y"]) == 0
 
 
 def test_unknown_flag_is_refused_before_anything_runs(cli, tmp_path, capsys):

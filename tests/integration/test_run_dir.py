@@ -83,10 +83,24 @@ def test_second_run_into_the_same_output_dir_is_refused(cli, tmp_path, capsys):
     earlier_run_files(tmp_path / "out")
     assert cli.run([str(config)]) == 2
     err = capsys.readouterr().err
-    assert "holds an earlier run" in err and "--overwrite" in err and "resume_from_checkpoint" in err
+    assert "holds an earlier run" in err and "--overwrite" in err
+    assert f"resume_from_checkpoint={str(tmp_path / 'out' / 'checkpoint-3')!r} (its last checkpoint)" in err
     assert "Traceback" not in err and len(cli.calls) == 1  # no worker started
     assert (tmp_path / "out" / "run.json").read_text() == run_json  # nothing touched
     assert (tmp_path / "out" / "logs" / "rank15.log").read_text() == "earlier run"
+
+
+def test_a_run_stopped_before_its_first_checkpoint_is_not_sent_to_resume(cli, tmp_path, capsys):
+    config = write_config(tmp_path)
+    assert cli.run([str(config)]) == 0
+    (tmp_path / "out" / "logs").mkdir()
+    (tmp_path / "out" / "logs" / "rank0.log").write_text("interrupted at step 2")  # no checkpoint-N saved
+    assert cli.run([str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "saved no checkpoint" in err and "cannot be resumed" in err and "every 100 steps" in err
+    assert "resume_from_checkpoint" not in err  # there is nothing to resume from
+    assert cli.run([str(config), "--overwrite"]) == 0  # what the message says works
+    assert len(cli.calls) == 2
 
 
 def test_overwrite_removes_the_earlier_run_and_keeps_other_files(cli, tmp_path):
