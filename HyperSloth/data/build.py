@@ -122,6 +122,9 @@ def build_dataset(
     where, source = _resolve_source(source, source_type)
     raw = formats.read_local(source, opts.split) if where == "local" else load_hub_dataset(source, opts.split)
     kind = pairs.detect_kind(raw) if opts.kind == "auto" else opts.kind
+    if kind == "preference" and opts.fmt != "auto":
+        raise DataInputError(f"--format {opts.fmt} applies to chats, but these are preference pairs, read per row "
+                             "(docs/dpo.md): leave --format out, or pass --kind sft")  # fmt: skip
     if opts.kind == "auto" and kind == "preference":
         logger.info("the records have 'chosen' and 'rejected': building preference pairs (--kind sft overrides)")
     # Text preference pairs need no chat template (checked per shape once the rows are read).

@@ -45,6 +45,7 @@ PAIR_SKIP_REASONS: tuple[str, ...] = (
     "prompt_not_prefix",
 )
 SHAPES: tuple[str, ...] = ("conversational", "implicit_prompt", "text", "implicit_text")
+PROMPT_LIKE: tuple[str, ...] = ("question", "instruction", "input", "query")  # prompt columns by other names
 Side = list[Message] | str
 
 
@@ -108,12 +109,22 @@ def to_pair(record: Any) -> tuple[Pair, str]:
         pair = _explicit(_side(record, "prompt"), chosen, rejected)
         shape = "conversational" if pair.conversational else "text"
     elif isinstance(chosen, str) and isinstance(rejected, str):
+        _refuse_prompt_elsewhere(record)
         pair, shape = _split_text(chosen, rejected), "implicit_text"
     else:
         raise RecordError("missing_fields",
                           "no 'prompt' field, and chosen/rejected are replies, not whole conversations")
     _check(pair)
     return pair, shape
+
+
+def _refuse_prompt_elsewhere(record: dict[str, Any]) -> None:
+    """Two answers without a ``prompt``, beside a field that holds one (Intel/orca_dpo_pairs' ``question``):
+    their shared text would be taken for the prompt, so say which column to rename instead."""
+    elsewhere = [key for key in PROMPT_LIKE if isinstance(record.get(key), str)]
+    if elsewhere:
+        raise RecordError("missing_fields", f"no 'prompt' field, but a {elsewhere[0]!r} one: rename the column that "
+                          "holds the prompt to 'prompt'")  # fmt: skip
 
 
 def _side(record: dict[str, Any], key: str) -> Side:

@@ -188,6 +188,10 @@ def test_kind_flag_overrides_detection(tmp_path, tiny, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--local_path", str(SAMPLE), "--name", "x", "--tokenizer", tiny, "--data_dir", data_dir, "--kind", "dpo"])
     assert exit_info.value.code == 2 and "--kind" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--local_path", str(SAMPLE), "--name", "x", "--tokenizer", tiny, "--data_dir", data_dir, "--format",
+              "sharegpt"])  # fmt: skip
+    assert exit_info.value.code == 2 and "--format sharegpt applies to chats" in capsys.readouterr().err
     assert not (tmp_path / "data" / "data_config.json").exists()
 
 

@@ -75,6 +75,8 @@ def test_text_pairs_explicit_and_implicit_as_trl():
         ({"prompt": "q", "chosen": "a"}, "missing_fields", "'rejected'"),
         ({"prompt": "q", "chosen": None, "rejected": "b"}, "missing_fields", "'chosen'"),
         ({"chosen": [bot("a")], "rejected": [bot("b")]}, "missing_fields", "no 'prompt'"),
+        ({"question": "q", "chosen": "The sky is blue.", "rejected": "The sea."}, "missing_fields",
+         "but a 'question' one: rename"),
         ({"prompt": "q", "chosen": {"text": "a"}, "rejected": "b"}, "non_string_content", "'chosen' is dict"),
         ({"prompt": "q", "chosen": [bot("a")], "rejected": [{"role": "robot", "content": "b"}]}, "unknown_role",
          "'rejected': turn 0 has role 'robot'"),
