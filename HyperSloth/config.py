@@ -278,7 +278,8 @@ class TrainingArgsConfig(BaseModel):
         None, gt=0, description="Keep at most this many checkpoints; None (TRL's default) keeps all.")
     report_to: str | list[str] = Field("tensorboard", description="'tensorboard', 'wandb', 'none' or a list.")
     resume_from_checkpoint: str | None = Field(
-        None, description="Checkpoint folder to resume from (given to trainer.train, not to SFTConfig)."
+        None, description="Checkpoint folder to resume from, or 'latest': the newest complete checkpoint of "
+        "output_dir. Checked before any worker starts (HyperSloth.checkpoints); given to trainer.train."
     )
     dataloader_num_workers: int | None = Field(
         None, ge=0, description="Worker processes that collate the next steps while this one trains; None = 1 "

@@ -144,6 +144,17 @@ def teardown() -> None:
         torch_dist.destroy_process_group()
 
 
+def all_ranks_ok(ok: bool) -> bool:
+    """True when `ok` is True on every rank: one all-reduce (MIN) of a flag; `ok` itself for one process.
+    Every rank must call it the same number of times (it is a collective)."""
+    if not torch_dist.is_initialized():
+        return ok
+    device = torch.device("cuda", torch.cuda.current_device()) if torch_dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    torch_dist.all_reduce(flag, op=torch_dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 class GradientSync:
     """Sum the gradients of the trainable parameters (and a few scalars) over all ranks.
 

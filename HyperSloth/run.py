@@ -26,7 +26,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from HyperSloth import run_files
+from HyperSloth import checkpoints, run_files
 from HyperSloth.config import (
     ConfigError,
     HyperConfig,
@@ -137,7 +137,11 @@ class RunDescription(BaseModel):
     dataset: DatasetFacts
     eval_set: EvalSet | None = Field(None, description="The evaluated rows (a hold-out or another dataset); None = no eval.")
     output_dir: str = Field(description="Absolute output folder.")
-    resume_from_checkpoint: str | None
+    resume_from_checkpoint: str | None = Field(
+        description="The verified checkpoint folder to resume from ('latest' resolved to one), None = a new run.")
+    resume_notes: tuple[str, ...] = Field(
+        (), description="What the launcher said about the resume: which checkpoint 'latest' chose and the broken "
+        "ones skipped; a warning for a checkpoint without manifest. Rank 0 logs them too.")
     hyper_config: dict[str, Any]
     training_config: dict[str, Any]
 
@@ -294,6 +298,10 @@ def resolve_run(loaded: LoadedConfig, *, world_size: int, machine: MachineFacts,
         listed = f" {problems[0]}" if len(problems) == 1 else "".join(f"\n  - {p}" for p in problems)
         raise ConfigError(f"{loaded.path}: cannot run this config:{listed}")
     config = config_to_dict(loaded)
+    try:
+        resume, resume_notes = resolve_resume(targs.resume_from_checkpoint, Path(targs.output_dir).resolve())
+    except ConfigError as err:
+        raise ConfigError(f"{loaded.path}: {err}") from None
     description = RunDescription(
         config_path=str(loaded.path),
         world_size=world_size,
@@ -315,7 +323,8 @@ def resolve_run(loaded: LoadedConfig, *, world_size: int, machine: MachineFacts,
         dataset=facts,
         eval_set=eval_set,
         output_dir=str(Path(targs.output_dir).resolve()),
-        resume_from_checkpoint=str(Path(targs.resume_from_checkpoint).resolve()) if targs.resume_from_checkpoint else None,
+        resume_from_checkpoint=resume,
+        resume_notes=resume_notes,
         hyper_config=config["hyper_config"],
         training_config=config["training_config"],
     )
@@ -328,6 +337,31 @@ def resolve_run(loaded: LoadedConfig, *, world_size: int, machine: MachineFacts,
 # ---------------------------------------------------------------------------------------------
 # Resume
 # ---------------------------------------------------------------------------------------------
+def _not_a_folder(checkpoint: str) -> str:
+    return (f"resume_from_checkpoint={checkpoint!r} is not a folder: give a checkpoint-N folder of an earlier "
+            f"run, {checkpoints.LATEST!r} (the newest complete one of output_dir), or None (a new run)")
+
+
+def resolve_resume(requested: str | None, output_dir: Path) -> tuple[str | None, tuple[str, ...]]:
+    """The verified checkpoint folder a run resumes from (`requested`, or for "latest" the newest complete
+    checkpoint of `output_dir`) and the notes to show about it; ConfigError naming what is broken and the
+    checkpoint to use instead. Reads only: a refused resume writes nothing."""
+    if requested is None:
+        return None, ()
+    if requested == checkpoints.LATEST:
+        latest = checkpoints.find_latest(output_dir)
+        if latest.chosen is None:
+            raise ConfigError(latest.none_message())
+        return str(latest.chosen.path.resolve()), latest.notes()
+    folder = Path(requested).resolve()
+    if not folder.is_dir():
+        raise ConfigError(_not_a_folder(requested))
+    check = checkpoints.verify(folder)
+    if not check.ok:
+        raise ConfigError(checkpoints.resume_problem(check))
+    return str(folder), (checkpoints.legacy_note(check),) if check.legacy else ()
+
+
 def check_resume(description: RunDescription) -> str | None:
     """None when there is nothing to resume or the checkpoint was planned like this run; otherwise what
     differs and what to change. A checkpoint without run.json (older HyperSloth) is not checked."""
@@ -336,8 +370,7 @@ def check_resume(description: RunDescription) -> str | None:
         return None
     folder = Path(checkpoint)
     if not folder.is_dir():
-        return (f"resume_from_checkpoint={checkpoint!r} is not a folder: give a checkpoint-N folder of an "
-                "earlier run, or set resume_from_checkpoint=None")
+        return _not_a_folder(checkpoint)
     saved_file = run_files.run_file(folder)
     if not saved_file.is_file():
         return None

@@ -11,8 +11,12 @@ A run directory (`training_config_model.output_dir`) holds:
     adapter_*.safetensors, ...      the trained adapter / model, saved by rank 0 at the end
     best_adapter/                   with an eval set: the adapter of the lowest eval loss (a PEFT folder)
                                     and best_eval.json ({"step", "eval_loss", "eval_tokens"}); rank 0
-    checkpoint-N/                   HF checkpoints; each also holds run.json, hypersloth_config.json
-                                    and rng_state_rank{r}.pth (one RNG state per rank)
+    checkpoint-N/                   complete checkpoints (HyperSloth.checkpoints): HF's files plus run.json,
+                                    hypersloth_config.json, rng_state_rank{r}.pth (one RNG state per
+                                    rank) and manifest.json (every file's size and sha256), written last
+    tmp-checkpoint-N/checkpoint-N/  a checkpoint being written; renamed to checkpoint-N once every rank
+                                    wrote its part. One left by a crash is never resumed from, and is
+                                    removed by the next run in the folder
     logs/rank{r}.log                the worker's own log
     logs/rank{r}.stderr/.stdout     what the launcher captured of rank r
     logs/rank{r}.failure.json       when rank r's exception was raised (names the first failure)
@@ -40,6 +44,9 @@ REPORT_PNG = "report.png"
 LOGS_DIR = "logs"
 CHECKPOINT_PREFIX = "checkpoint-"
 RANK_RNG_FILE = "rng_state_rank{rank}.pth"
+MANIFEST_FILE = "manifest.json"  # inside checkpoint-N: what a complete checkpoint holds (HyperSloth.checkpoints)
+STAGING_PREFIX = "tmp-checkpoint-"  # a checkpoint being written: tmp-checkpoint-N/checkpoint-N
+TRAINER_STATE_FILE = "trainer_state.json"  # HF's, inside checkpoint-N: a resume cannot start without it
 RESOLVED_FILE = "run_resolved.json"  # what the workers settled at start (measured token budget, checkpointing)
 RENDEZVOUS_PORT_FILE = "rendezvous.port"  # tmux mode: in logs/, the port the monitor's store holds
 BEST_ADAPTER_DIR = "best_adapter"  # HyperSloth.evaluation keeps the lowest eval loss's adapter here
@@ -127,6 +134,47 @@ def rank_rng_file(checkpoint: str | os.PathLike, rank: int) -> Path:
     return Path(checkpoint) / RANK_RNG_FILE.format(rank=rank)
 
 
+def rank_rng_files(checkpoint: str | os.PathLike) -> dict[int, Path]:
+    """Every rank's RNG state present in a checkpoint folder, by rank."""
+    head, tail = RANK_RNG_FILE.split("{rank}")
+    found = {}
+    for path in Path(checkpoint).glob(f"{head}*{tail}"):
+        number = path.name[len(head):len(path.name) - len(tail)]
+        if number.isdigit():
+            found[int(number)] = path
+    return found
+
+
+def manifest_file(checkpoint: str | os.PathLike) -> Path:
+    """`{checkpoint}/manifest.json`."""
+    return Path(checkpoint) / MANIFEST_FILE
+
+
+def staging_dir(output_dir: str | os.PathLike, step: int) -> Path:
+    """`{output_dir}/tmp-checkpoint-{step}`: HF writes the checkpoint of `step` into its `checkpoint-{step}`
+    (HyperSloth.checkpoints). Not a `checkpoint-*` name, so HF's own checkpoint search never sees it."""
+    return Path(output_dir) / f"{STAGING_PREFIX}{step}"
+
+
+def checkpoint_step(path: str | os.PathLike) -> int | None:
+    """N of a folder named `checkpoint-N`, else None."""
+    name = Path(path).name
+    number = name[len(CHECKPOINT_PREFIX):]
+    return int(number) if name.startswith(CHECKPOINT_PREFIX) and number.isdigit() else None
+
+
+def checkpoint_dirs(output_dir: str | os.PathLike) -> list[Path]:
+    """Every `checkpoint-N` folder of `output_dir`, oldest step first (complete or not)."""
+    out = Path(output_dir)
+    found = [p for p in out.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir() and checkpoint_step(p) is not None]
+    return sorted(found, key=checkpoint_step)
+
+
+def staging_dirs(output_dir: str | os.PathLike) -> list[Path]:
+    """Every `tmp-checkpoint-*` folder of `output_dir`: saves that never finished."""
+    return sorted(p for p in Path(output_dir).glob(f"{STAGING_PREFIX}*") if p.is_dir())
+
+
 def compile_cache_dir(rank: int) -> str:
     """Unsloth's compile cache of one rank (ranks compiling into one folder race: unsloth-zoo #379)."""
     return f"unsloth_compiled_cache_rank{rank}"
@@ -146,7 +194,7 @@ def holds_a_run(output_dir: str | os.PathLike, *, count_logs: bool = True) -> bo
         return False
     markers = [run_file(out), out / SUMMARY_FILE, out / CONFIG_FILE, out / REPORT_MD]
     return (any(p.exists() for p in markers) or (count_logs and any(logs_dir(out).glob("rank*")))
-            or any(out.glob(f"{CHECKPOINT_PREFIX}*")))
+            or any(out.glob(f"{CHECKPOINT_PREFIX}*")) or bool(staging_dirs(out)))
 
 
 def _is_model_card(path: Path) -> bool:
@@ -175,7 +223,7 @@ def clear_run(output_dir: str | os.PathLike) -> list[Path]:
     (`clear_rank_files`, which a torchrun rank 0 must not do for its peers); other files stay."""
     out = Path(output_dir)
     removed = clear_results(out)
-    folders = [out / TENSORBOARD_DIR, *out.glob(f"{CHECKPOINT_PREFIX}*"), best_adapter_dir(out)]
+    folders = [out / TENSORBOARD_DIR, *out.glob(f"{CHECKPOINT_PREFIX}*"), *staging_dirs(out), best_adapter_dir(out)]
     for folder in folders:
         if folder.is_dir():
             shutil.rmtree(folder)

@@ -17,6 +17,8 @@ Only rank 0 saves the model, optimizer and trainer state, reports to TensorBoard
 progress bar. Every rank draws dropout from its own RNG stream (seeded from (seed, rank)) and saves
 that stream into each checkpoint (one file per rank, run_files.rank_rng_file), so a resumed run continues exactly; all
 ranks load the same checkpoint when resuming, and the plan position follows from the global step.
+A checkpoint is written by all ranks as one unit (HyperSloth.checkpoints.save_atomically): a crash
+or a full disk during a save never leaves a checkpoint-N that looks complete.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,11 +37,11 @@ from torch.utils.data import DataLoader, Dataset
 from transformers import TrainerCallback
 from trl import SFTConfig, SFTTrainer
 
-from HyperSloth import run_files
+from HyperSloth import checkpoints, run_files
 from HyperSloth.batching import EpochPlan, adaptive_partition_batches, steps_per_epoch
 from HyperSloth.collate import LossType, collate, sample_labels, to_device
 from HyperSloth.config import TrainingArgsConfig
-from HyperSloth.dist import DistInfo, GradientSync
+from HyperSloth.dist import DistInfo, GradientSync, all_ranks_ok
 from HyperSloth.evaluation import Evaluator, build_evaluator, eval_callbacks, eval_sft_kwargs, evaluate_in_trainer
 from HyperSloth.model import trainable_parameters
 from HyperSloth.plan_inputs import dataset_lengths, plan_spec_for
@@ -172,8 +175,10 @@ class HyperSlothTrainer(SFTTrainer):
     """SFTTrainer whose steps come from the plan and whose gradients are summed over ranks."""
 
     def __init__(self, *args, plan_steps: PlanSteps, grad_sync: GradientSync, rank: int = 0, profile: bool = False,
-                 evaluator: Evaluator | None = None, **kwargs):
+                 evaluator: Evaluator | None = None, description: RunDescription | None = None, **kwargs):
         self.rank = rank
+        self.description = description  # saved into every checkpoint (rank 0)
+        self._staging_root: Path | None = None  # set while rank 0's part of a checkpoint is written
         self.evaluator = evaluator
         self.eval_seconds = 0.0  # this run's evaluations: kept out of the training throughput
         self.plan_steps = plan_steps
@@ -270,17 +275,44 @@ class HyperSlothTrainer(SFTTrainer):
                 logs["train_tokens_per_second_all_ranks"] = round(self.tokens_this_run / training_s, 1)
         super().log(logs, start_time)
 
-    # ---- one RNG stream per rank, saved and restored per rank --------------------------------
-    # HF (transformers 5.17) saves one rng_state.pth from process 0, and every HyperSloth worker is
-    # "process 0" to it; these overrides give each rank its own file. Checked against
-    # Trainer._save_checkpoint / _save_rng_state / _load_rng_state of transformers 5.17.
+    # ---- checkpoints: written atomically by all ranks (HyperSloth.checkpoints) ----------------
+    # Checked against Trainer._save_checkpoint / _get_output_dir / _save_rng_state / _load_rng_state of
+    # transformers 5.17. HF writes `{_get_output_dir()}/checkpoint-N` in place, from process 0 only (and
+    # every HyperSloth worker is "process 0" to it); here every rank writes its part into a staging folder
+    # that rank 0 publishes as checkpoint-N once all parts are there.
     def _save_checkpoint(self, model, trial) -> None:
-        if self.rank == 0:
-            super()._save_checkpoint(model, trial)
+        output_dir = self._get_output_dir(trial=trial)
+        best = self.state.best_model_checkpoint
+        checkpoints.save_atomically(
+            output_dir, self.state.global_step, rank=self.rank, world_size=self.grad_sync.world_size,
+            write_part=partial(self._write_checkpoint_part, model, trial), agree=all_ranks_ok,
+            save_total_limit=self.args.save_total_limit, keep=[Path(best)] if best else [])
+
+    def _get_output_dir(self, trial) -> str:
+        """HF's run folder, except while rank 0 writes its part: the staging folder, so that HF's
+        `_save_checkpoint` writes `tmp-checkpoint-N/checkpoint-N` (and rotates nothing outside it)."""
+        if self._staging_root is not None:
+            return str(self._staging_root)
+        return super()._get_output_dir(trial)
+
+    def _write_checkpoint_part(self, model, trial, folder: Path) -> None:
+        """This rank's files of a checkpoint: rank 0 HF's (model, optimizer, scheduler, trainer state, its
+        RNG state) plus the run description and config; every other rank its RNG state."""
+        if self.rank != 0:
+            self._save_rng_state(str(folder))
             return
-        # Other ranks save nothing but their RNG stream (rank 0 writes model, optimizer and state).
-        folder = run_files.checkpoint_dir(self._get_output_dir(trial=trial), self.state.global_step)
-        self._save_rng_state(str(folder))
+        self._staging_root = folder.parent
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging_root = None
+        final = str(run_files.checkpoint_dir(self.args.output_dir, self.state.global_step))
+        if self.state.best_model_checkpoint == str(folder):  # HF named the staging path: the final one
+            self.state.best_model_checkpoint = final
+            self.state.save_to_json(str(folder / run_files.TRAINER_STATE_FILE))
+        if self.description is not None:  # a resume compares its own run with this (run.check_resume)
+            write_run(self.description, run_files.run_file(folder))
+            run_files.atomic_write_json(folder / run_files.CONFIG_FILE, self.description.resolved_config())
 
     def _save_rng_state(self, output_dir: str) -> None:
         states = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
@@ -304,21 +336,6 @@ class HyperSlothTrainer(SFTTrainer):
         torch.random.set_rng_state(states["cpu"])
         if torch.cuda.is_available() and "cuda" in states:
             torch.cuda.random.set_rng_state(states["cuda"])
-
-
-class SaveRunStateCallback(TrainerCallback):
-    """Write the run description and the resolved config into every checkpoint (rank 0 only): a resume
-    compares its own description with the checkpoint's (HyperSloth.run.check_resume)."""
-
-    def __init__(self, description: RunDescription):
-        self.description = description
-
-    def on_save(self, args, state, control, **kwargs):
-        folder = run_files.checkpoint_dir(args.output_dir, state.global_step)
-        if folder.is_dir():
-            write_run(self.description, run_files.run_file(folder))
-            run_files.atomic_write_json(folder / run_files.CONFIG_FILE, self.description.resolved_config())
-        return control
 
 
 @dataclass
@@ -389,7 +406,7 @@ def build_trainer(description: RunDescription, loaded_model, dataset, info: Dist
         packed_lengths=loaded_model.backend == "unsloth",
     )
     model = loaded_model.model
-    callbacks = [SaveRunStateCallback(description)] if info.is_main else []
+    callbacks = []
     evaluator = None
     if eval_dataset is not None:  # planned with the training spec as resolved here (budget included)
         evaluator = build_evaluator(eval_dataset, spec, rank=info.rank, loss_type=description.loss_type,
@@ -412,6 +429,7 @@ def build_trainer(description: RunDescription, loaded_model, dataset, info: Dist
         grad_sync=GradientSync(trainable_parameters(model), info.world_size),
         rank=info.rank,
         profile=hyper.training.profile,
+        description=description,
     )
     stats = steps.plan(0).stats
     setup = RunSetup(

@@ -18,7 +18,8 @@ from loguru import logger
 
 import numpy as np
 
-from HyperSloth import budget, dist, logs, probe_cache, report, run_files
+from HyperSloth import budget, checkpoints, dist, logs, probe_cache, report, run_files
+from HyperSloth.checkpoints import CheckpointError
 from HyperSloth.config import ConfigError
 from HyperSloth.run import RunDescription, read_run
 
@@ -41,6 +42,10 @@ def main(description: RunDescription, info: dist.DistInfo) -> None:
     except ConfigError as err:
         print(f"[rank {info.rank}] {err}", file=sys.stderr)
         sys.exit(2)
+    except CheckpointError as err:  # a save that failed (full disk) or a corrupt large file: no traceback
+        logger.error(str(err))
+        print(f"[rank {info.rank}] error: {err}", file=sys.stderr, flush=True)
+        sys.exit(1)
     except Exception:
         logger.exception("worker failed")
         raise
@@ -57,6 +62,8 @@ def run(description: RunDescription, info: dist.DistInfo) -> dict[str, Any] | No
     logger.info(f"worker {info.rank}/{info.world_size} ({info.launched_by}) config={description.config_path}")
     if info.is_main:
         logger.info(description.batch_line())
+        for note in description.resume_notes:
+            logger.info(note)
 
     if description.backend == "unsloth":
         _prepare_unsloth(info.rank)  # before transformers/trl are imported below
@@ -102,6 +109,7 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path) -> d
     hyper = description.hyper()
     transformers.set_seed(description.seed)
     started = time.perf_counter()
+    large_files_check = _check_large_files(description) if info.is_main else None
     # Loading and the micro-batch budget go together: "auto" is measured on the loaded model (every rank,
     # then the minimum), and a longest sample that fits only with checkpointing reloads the model with it.
     lengths = np.asarray(load_from_disk(description.dataset.path)["length"], dtype=np.int64)
@@ -118,6 +126,8 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path) -> d
     # A hold-out leaves the training rows; the eval rows are checked against the resolved fingerprint.
     dataset, eval_dataset = split_for_run(load_from_disk(description.dataset.path), description.eval_set)
     trainer, setup = build_trainer(description, loaded_model, dataset, info, eval_dataset=eval_dataset)
+    if large_files_check is not None:
+        _refuse_corrupt(description.resume_from_checkpoint, large_files_check.result())
     result = trainer.train(resume_from_checkpoint=description.resume_from_checkpoint)
     _write_weight_digest(trainer.model, out_dir, info.rank)
     if not info.is_main:
@@ -132,6 +142,23 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path) -> d
     _print_summary(summary, out_dir)
     logger.info(f"{report.format_console(summary)}\nreport: {report.write_report(out_dir)}")
     return summary
+
+
+def _check_large_files(description: RunDescription):
+    """The launcher hashed the checkpoint's small files; its large ones are hashed here, in a thread,
+    while the model loads (a Future of the problems found), None without a resume."""
+    if description.resume_from_checkpoint is None:
+        return None
+    names = checkpoints.large_files(description.resume_from_checkpoint)
+    if not names:
+        return None
+    logger.info(f"hashing {len(names)} large checkpoint file(s) while the model loads")
+    return checkpoints.verify_large_files_in_background(description.resume_from_checkpoint, names)
+
+
+def _refuse_corrupt(checkpoint: str, problems: list[str]) -> None:
+    if problems:
+        raise CheckpointError(checkpoints.resume_problem(checkpoints.Check(Path(checkpoint), tuple(problems))))
 
 
 def _loader(hyper):

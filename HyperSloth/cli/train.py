@@ -12,7 +12,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from HyperSloth import run_files
+from HyperSloth import checkpoints, run_files
 from HyperSloth.cli.command import Command, Flag, Positional
 from HyperSloth.config import ConfigError, LoadedConfig, load_config
 from HyperSloth.launch import (
@@ -92,8 +92,9 @@ def output_dir_problem(out: Path, checkpoint: str | None, *, overwrite: bool, pe
 def prepare_output_dir(description: RunDescription, *, overwrite: bool, peers_running: bool = False) -> None:
     """Refuse to mix two runs in one folder; with --overwrite remove the earlier run's files first; on a
     resume keep the checkpoints but drop the earlier results and logs (a failed resume must not leave
-    them looking like its own). `peers_running`: torchrun's rank 0, whose peers may already be writing
-    their logs: their rank files neither count as an earlier run nor get removed."""
+    them looking like its own) and the unfinished saves of a crash. `peers_running`: torchrun's rank 0,
+    whose peers may already be writing their logs: their rank files neither count as an earlier run nor
+    get removed."""
     out = Path(description.output_dir)
     checkpoint = description.resume_from_checkpoint
     problem = output_dir_problem(out, checkpoint, overwrite=overwrite, peers_running=peers_running,
@@ -105,6 +106,7 @@ def prepare_output_dir(description: RunDescription, *, overwrite: bool, peers_ru
     elif checkpoint is not None:
         run_files.clear_results(out)
     run_files.clear_rank_files(out, from_rank=description.world_size if peers_running else 0)
+    checkpoints.remove_unfinished(out)  # saves a crash interrupted: never resumed from
 
 
 def machine_notes(description: RunDescription, machine: MachineFacts) -> list[str]:
@@ -147,7 +149,7 @@ def check_run(config_path: str | os.PathLike, *, overwrite: bool = False) -> Che
     output_dir = Path(description.output_dir)
     _check_output_dir(output_dir)
     prepare_output_dir(description, overwrite=overwrite)
-    for note in machine_notes(description, machine):
+    for note in [*machine_notes(description, machine), *description.resume_notes]:
         print(f"hypersloth-train: {note}", file=sys.stderr, flush=True)
     print(f"hypersloth-train: {description.batch_line()}", file=sys.stderr, flush=True)
     return CheckedRun(write_run(description), list(description.gpus), output_dir)

@@ -10,13 +10,15 @@ import sys
 import textwrap
 import time
 import types
+import zipfile
 from pathlib import Path
 
 import pytest
 
 import HyperSloth.cli.train as train_cli
+from HyperSloth import checkpoints, run_files
 from HyperSloth.config import load_config
-from HyperSloth.run import MachineFacts, resolve_run, write_run
+from HyperSloth.run import MachineFacts, RunDescription, resolve_run, write_run
 from HyperSloth.run_files import TORCHRUN_VARS
 
 
@@ -46,6 +48,19 @@ def write_config(tmp_path: Path, *, gpus: str = "[0, 1]", model: str | None = No
                                                    gradient_accumulation_steps=2{extra_targs})
     '''))
     return path
+
+
+def complete_checkpoint(folder: Path, description: RunDescription, step: int = 3) -> Path:
+    """A checkpoint as a save leaves it (files faked): run.json, trainer state, optimizer, an RNG state per
+    rank, manifest."""
+    write_run(description, run_files.run_file(folder))
+    (folder / run_files.TRAINER_STATE_FILE).write_text(json.dumps({"global_step": step}))
+    with zipfile.ZipFile(folder / "optimizer.pt", "w") as archive:  # torch.save writes a zip archive
+        archive.writestr("data.pkl", bytes(5000))
+    for rank in range(description.world_size):
+        run_files.rank_rng_file(folder, rank).write_bytes(b"rng")
+    checkpoints.write_manifest(folder, step=step, world_size=description.world_size)
+    return folder
 
 
 @pytest.fixture
@@ -118,7 +133,7 @@ def test_resume_keeps_checkpoints_but_not_the_earlier_results_or_logs(cli, tmp_p
     stale = earlier_run_files(out)
     first = resolve_run(load_config(write_config(tmp_path, name="first.py")), world_size=2,
                         machine=MachineFacts(0, False, 2))
-    write_run(first, out / "checkpoint-3" / "run.json")
+    complete_checkpoint(out / "checkpoint-3", first)
     config = write_config(tmp_path, extra_targs=f", resume_from_checkpoint={str(out / 'checkpoint-3')!r}")
     assert cli.run([str(config)]) == 0 and len(cli.calls) == 1
     assert not any(p.exists() for p in stale)  # a failed resume cannot pass the old report off as its own
@@ -129,7 +144,7 @@ def test_resume_with_another_step_size_is_refused_before_any_worker(cli, tmp_pat
     out = tmp_path / "out"
     first = resolve_run(load_config(write_config(tmp_path, name="first.py")), world_size=2,
                         machine=MachineFacts(0, False, 2))
-    write_run(first, out / "checkpoint-3" / "run.json")
+    complete_checkpoint(out / "checkpoint-3", first)
     # One worker instead of two: 4 x 2 x 1 = 8 samples per step instead of 16.
     config = write_config(tmp_path, gpus="[0]", extra_targs=f", resume_from_checkpoint={str(out / 'checkpoint-3')!r}")
     assert cli.run([str(config)]) == 2
@@ -228,14 +243,12 @@ def test_resume_into_a_folder_of_another_run_is_refused_and_overwrite_cannot_del
     out = tmp_path / "out"
     first = resolve_run(load_config(write_config(tmp_path, name="first.py")), world_size=2,
                         machine=MachineFacts(0, False, 2))
-    elsewhere = tmp_path / "earlier" / "checkpoint-3"
-    write_run(first, elsewhere / "run.json")
+    elsewhere = complete_checkpoint(tmp_path / "earlier" / "checkpoint-3", first)
     earlier_run_files(out)  # an unrelated run lives in output_dir
     resume = f", resume_from_checkpoint={str(elsewhere)!r}"
     assert cli.run([str(write_config(tmp_path, extra_targs=resume))]) == 2
     assert "holds an earlier run" in capsys.readouterr().err and (out / "report.md").is_file()
-    own = out / "checkpoint-3"
-    write_run(first, own / "run.json")
+    own = complete_checkpoint(out / "checkpoint-3", first)
     config = write_config(tmp_path, extra_targs=f", resume_from_checkpoint={str(own)!r}")
     assert cli.run([str(config), "--overwrite"]) == 2
     assert "would delete" in capsys.readouterr().err and (own / "run.json").is_file() and cli.calls == []
@@ -253,3 +266,75 @@ def test_torchrun_rank0_ignores_its_peers_fresh_logs(tmp_path):
     assert sorted(p.name for p in logs.iterdir()) == ["rank1.log"]  # the peer's log stays, rank 7's goes
     with pytest.raises(LaunchError, match="holds an earlier run"):  # the launcher: nothing of this run runs yet
         train_cli.prepare_output_dir(description, overwrite=False)
+
+
+# ---------------------------------------------------------------- checkpoints checked before any worker
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
+
+
+def _earlier_run_with_checkpoints(tmp_path: Path) -> tuple[Path, Path]:
+    """An earlier 2-worker run in `out` with complete checkpoints 3 and 6; returns (out, checkpoint-6)."""
+    out = tmp_path / "out"
+    earlier_run_files(out)
+    first = resolve_run(load_config(write_config(tmp_path, name="first.py")), world_size=2,
+                        machine=MachineFacts(0, False, 2))
+    complete_checkpoint(out / "checkpoint-3", first, step=3)
+    return out, complete_checkpoint(out / "checkpoint-6", first, step=6)
+
+
+@pytest.mark.parametrize("damage", ["rng file missing", "optimizer cut short"])
+def test_a_broken_checkpoint_is_refused_before_any_worker_naming_the_file(cli, tmp_path, capsys, damage):
+    out, broken = _earlier_run_with_checkpoints(tmp_path)
+    if damage == "rng file missing":
+        run_files.rank_rng_file(broken, 1).unlink()
+        expected = "rng_state_rank1.pth is missing"
+    else:
+        optimizer = broken / "optimizer.pt"
+        optimizer.write_bytes(optimizer.read_bytes()[:1000])
+        expected = "optimizer.pt is 1,000 bytes, the manifest says"
+    before = _snapshot(out)
+    assert cli.run([str(write_config(tmp_path, extra_targs=f", resume_from_checkpoint={str(broken)!r}"))]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot resume from {broken}: {expected}" in err and "Traceback" not in err
+    assert f"resume from the newest complete checkpoint, {out / 'checkpoint-3'}" in err
+    assert len(err.strip().splitlines()) == 2 and cli.calls == []  # no worker (no model) started
+    assert _snapshot(out) == before  # nothing written or removed
+
+
+def test_latest_resumes_the_newest_complete_checkpoint_into_its_own_folder(cli, tmp_path, capsys):
+    out, broken = _earlier_run_with_checkpoints(tmp_path)
+    run_files.rank_rng_file(broken, 1).unlink()
+    unfinished = run_files.staging_dir(out, 9) / "checkpoint-9"  # a save that a crash interrupted
+    unfinished.mkdir(parents=True)
+    (unfinished / run_files.TRAINER_STATE_FILE).write_text("{}")
+    assert cli.run([str(write_config(tmp_path, extra_targs=", resume_from_checkpoint='latest'"))]) == 0
+    err = capsys.readouterr().err
+    assert len(cli.calls) == 1 and "holds an earlier run" not in err
+    assert (f"hypersloth-train: resuming from the newest complete checkpoint, {out / 'checkpoint-3'} (skipped "
+            "checkpoint-6 (rng_state_rank1.pth is missing); ignored the unfinished save tmp-checkpoint-9)\n") in err
+    assert json.loads((out / "run.json").read_text())["resume_from_checkpoint"] == str(out / "checkpoint-3")
+    assert not run_files.staging_dir(out, 9).exists()  # cleaned once the run was accepted
+    assert not (out / "report.md").exists() and (out / "checkpoint-6").is_dir()
+
+
+def test_latest_without_a_complete_checkpoint_is_one_clear_error(cli, tmp_path, capsys):
+    out, broken = _earlier_run_with_checkpoints(tmp_path)
+    run_files.rank_rng_file(broken, 1).unlink()
+    run_files.manifest_file(out / "checkpoint-3").write_text("not json")
+    assert cli.run([str(write_config(tmp_path, extra_targs=", resume_from_checkpoint='latest'"))]) == 2
+    err = capsys.readouterr().err
+    assert f"resume_from_checkpoint='latest': {out} holds no complete checkpoint (skipped checkpoint-6" in err
+    assert "remove resume_from_checkpoint to start a new run" in err and cli.calls == []
+
+
+def test_a_checkpoint_without_manifest_resumes_with_one_warning(cli, tmp_path, capsys):
+    out, checkpoint = _earlier_run_with_checkpoints(tmp_path)
+    run_files.manifest_file(checkpoint).unlink()  # as HyperSloth wrote checkpoints before manifests
+    assert cli.run([str(write_config(tmp_path, extra_targs=f", resume_from_checkpoint={str(checkpoint)!r}"))]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warnings == [f"hypersloth-train: warning: {checkpoint} has no manifest.json (written by an earlier "
+                        "HyperSloth): resuming with its files checked for presence and completeness only"]
+    assert len(cli.calls) == 1

@@ -42,7 +42,9 @@ SPECS = [
     RunSpec("failure", inject_failure=True),
     # Dropout draws from each rank's own RNG stream; resuming must restore every rank's stream.
     RunSpec("dropout-2w", lora_dropout=0.1),
-    RunSpec("resume", resume_from="dropout-2w", lora_dropout=0.1),
+    # Killed in its last save, then resumed from "latest" in its folder: must equal dropout-2w.
+    RunSpec("killed-in-save", lora_dropout=0.1, kill_in_save=True),
+    RunSpec("resume", resume_from="killed-in-save", lora_dropout=0.1, resume_latest=True),
     RunSpec("resume-new-dir", resume_from="dropout-2w", lora_dropout=0.1, resume_into_new_dir=True),
     RunSpec("torchrun", launcher="torchrun"),
     RunSpec("tmux", launcher="tmux"),
@@ -262,6 +264,23 @@ def test_resume_with_dropout_on_two_workers_equals_the_uninterrupted_run(runs, n
     assert b["log_steps"] == a["log_steps"] == list(range(1, MAX_STEPS + 1))
     error = relative_error(flat_adapter(full.adapter()), flat_adapter(resumed.adapter()))
     assert error <= RESUME_RTOL, f"final adapters differ: relative error {error:.3g}"
+
+
+@needs("killed-in-save", "resume")
+def test_a_worker_killed_while_saving_leaves_only_complete_checkpoints_and_latest_resumes_from_them(runs):
+    from HyperSloth import checkpoints, run_files
+
+    killed = runs.get("killed-in-save")
+    assert killed.returncode == 1 and (killed.out / FAILURE_MARK).is_file(), killed.output[-3000:]
+    assert [p.name for p in run_files.checkpoint_dirs(killed.out)] == [f"checkpoint-{SAVE_STEPS}"]
+    assert checkpoints.verify(killed.out / f"checkpoint-{SAVE_STEPS}").ok
+    unfinished = run_files.staging_dir(killed.out, MAX_STEPS) / f"checkpoint-{MAX_STEPS}"
+    assert (unfinished / "optimizer.pt").is_file() and not run_files.manifest_file(unfinished).exists()
+    resumed = runs.get("resume").check_ok()  # the equality with the uninterrupted run: the test above
+    assert (f"resuming from the newest complete checkpoint, {resumed.out / f'checkpoint-{SAVE_STEPS}'} "
+            f"(ignored the unfinished save tmp-checkpoint-{MAX_STEPS})") in resumed.output
+    assert sorted(p.name for p in resumed.out.glob("*checkpoint-*")) == [f"checkpoint-{SAVE_STEPS}", f"checkpoint-{MAX_STEPS}"]
+    assert checkpoints.verify(resumed.out / f"checkpoint-{MAX_STEPS}").ok
 
 
 @needs("dropout-2w", "packed-2w")

@@ -52,6 +52,23 @@ if _os.environ.get("HYPERSLOTH_RANK") == "1":
     _Trainer.training_step = _failing_step
 '''
 
+# Rank 1 is killed (SIGKILL) halfway through writing its RNG state into the checkpoint of the last step,
+# as a preempted machine would be: the save never finishes.
+KILL_IN_SAVE_INJECTION = '''
+import os as _os, signal as _signal
+from pathlib import Path as _Path
+if _os.environ.get("HYPERSLOTH_RANK") == "1":
+    from HyperSloth.trainer import HyperSlothTrainer as _Trainer
+    _save = _Trainer._save_rng_state
+    def _killed_while_saving(self, output_dir):
+        if self.state.global_step == {step}:
+            _Path(output_dir, "rng_state_rank1.pth").write_bytes(b"PK\\x03\\x04 half an RNG state")
+            _Path({mark!r}).write_text("killed")
+            _os.kill(_os.getpid(), _signal.SIGKILL)
+        return _save(self, output_dir)
+    _Trainer._save_rng_state = _killed_while_saving
+'''
+
 
 @dataclass(frozen=True)
 class RunSpec:
@@ -65,7 +82,9 @@ class RunSpec:
     launcher: Literal["cli", "torchrun", "tmux"] = "cli"
     resume_from: str | None = None  # copy this run's output dir and resume from its checkpoint-3 in place
     resume_into_new_dir: bool = False  # resume from the other run's own checkpoint-3, into a fresh output dir
+    resume_latest: bool = False  # resume_from_checkpoint="latest" (with resume_from: in the copied folder)
     inject_failure: bool = False
+    kill_in_save: bool = False  # rank 1 is killed while saving the checkpoint of the last step
     lora_dropout: float = 0.0
 
     def hyper_config(self, model_dir: Path) -> dict[str, Any]:
@@ -86,6 +105,7 @@ class RunSpec:
     def training_config(self) -> dict[str, Any]:
         source = self.resume_from if self.resume_into_new_dir else self.name
         resume = f"outputs/{source}/checkpoint-{SAVE_STEPS}" if self.resume_from else None
+        resume = "latest" if self.resume_latest else resume
         return {
             "output_dir": f"outputs/{self.name}",
             "per_device_train_batch_size": self.per_device,
@@ -156,11 +176,13 @@ def write_config(spec: RunSpec, workdir: Path, model_dir: Path) -> Path:
 
 
 def injection_dir(spec: RunSpec, workdir: Path) -> Path:
-    """A folder holding the `sitecustomize.py` that makes rank 1 fail (put it on PYTHONPATH)."""
+    """A folder holding the `sitecustomize.py` that makes rank 1 fail or die (put it on PYTHONPATH)."""
     folder = workdir / "inject" / spec.name
     folder.mkdir(parents=True, exist_ok=True)
     mark = str(workdir / "outputs" / spec.name / FAILURE_MARK)
-    (folder / "sitecustomize.py").write_text(FAILURE_INJECTION.format(mark=mark))
+    code = (KILL_IN_SAVE_INJECTION.format(mark=mark, step=MAX_STEPS) if spec.kill_in_save
+            else FAILURE_INJECTION.format(mark=mark))
+    (folder / "sitecustomize.py").write_text(code)
     return folder
 
 
@@ -245,12 +267,13 @@ class RunPool:
     def _execute(self, spec: RunSpec) -> RunResult:
         out = self.workdir / "outputs" / spec.name
         if spec.resume_from:
-            source = self.get(spec.resume_from).check_ok().out
+            source = self.get(spec.resume_from)
+            source = (source if self.specs[spec.resume_from].kill_in_save else source.check_ok()).out
             if not spec.resume_into_new_dir:  # the whole earlier run: its results must not survive the resume
                 shutil.copytree(source, out)
         config = write_config(spec, self.workdir, self.model_dir)
         env = run_env()
-        if spec.inject_failure:
+        if spec.inject_failure or spec.kill_in_save:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(injection_dir(spec, self.workdir)),
                                                               env.get("PYTHONPATH")]))
         if spec.launcher == "tmux":

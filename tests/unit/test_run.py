@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from HyperSloth import checkpoints, run_files
 from HyperSloth.batching import PlanSpec
 from HyperSloth.config import ConfigError, load_config
 from HyperSloth.plan_inputs import attention_coef, plan_spec_for
@@ -163,11 +164,18 @@ def test_same_inputs_resolve_to_the_same_description(setup):
     assert resolve(config) == resolve(config)
 
 
+def complete_checkpoint(folder: Path, description: RunDescription) -> Path:
+    """A checkpoint as a save leaves it (files faked): run.json, trainer state, an RNG state per rank, manifest."""
+    write_run(description, run_files.run_file(folder))
+    (folder / run_files.TRAINER_STATE_FILE).write_text("{}")
+    for rank in range(description.world_size):
+        run_files.rank_rng_file(folder, rank).write_bytes(b"rng")
+    checkpoints.write_manifest(folder, step=3, world_size=description.world_size)
+    return folder
+
+
 def _checkpoint_of(setup: Path, **config) -> Path:
-    run = resolve(write_config(setup, name="first.py", **config))
-    checkpoint = setup / "out" / "checkpoint-3"
-    write_run(run, checkpoint / "run.json")
-    return checkpoint
+    return complete_checkpoint(setup / "out" / "checkpoint-3", resolve(write_config(setup, name="first.py", **config)))
 
 
 @pytest.mark.parametrize(
