@@ -348,7 +348,7 @@ def save_atomically(output_dir: str | os.PathLike, step: int, *, rank: int, worl
     `write_part(folder)` writes this rank's files into the folder; `agree(ok)` is True when `ok` is True on
     every rank (an all-reduce). Returns the checkpoint's path.
     """
-    output_dir = Path(output_dir)
+    output_dir = Path(output_dir).resolve()  # messages name absolute paths (HF's output_dir may be relative)
     staging = run_files.staging_dir(output_dir, step)
     folder = staging / run_files.checkpoint_dir(output_dir, step).name
     target = run_files.checkpoint_dir(output_dir, step)

@@ -12,6 +12,7 @@ import hashlib
 import json
 import shutil
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -281,6 +282,67 @@ def test_a_worker_killed_while_saving_leaves_only_complete_checkpoints_and_lates
             f"(ignored the unfinished save tmp-checkpoint-{MAX_STEPS})") in resumed.output
     assert sorted(p.name for p in resumed.out.glob("*checkpoint-*")) == [f"checkpoint-{SAVE_STEPS}", f"checkpoint-{MAX_STEPS}"]
     assert checkpoints.verify(resumed.out / f"checkpoint-{MAX_STEPS}").ok
+
+
+def test_a_full_disk_during_a_save_stops_training_and_keeps_the_previous_checkpoint(dataset, workdir, model_dir,
+                                                                                    monkeypatch):
+    """One worker in this process: HF's own save path writes into the staging folder; a full disk at the
+    second save (step 2) ends training with CheckpointError and checkpoint-1 stays complete."""
+    import errno
+    import gc
+
+    import torch
+    from transformers import TrainerCallback
+
+    from HyperSloth import checkpoints, run_files
+    from HyperSloth.config import load_config
+    from HyperSloth.dist import DistInfo
+    from HyperSloth.model import load_model
+    from HyperSloth.run import MachineFacts, resolve_run
+    from HyperSloth.trainer import build_trainer
+    from training_fixtures import write_config
+
+    spec = RunSpec("disk-full", gpus=1, per_device=2)
+    with contextlib.chdir(workdir):
+        run = resolve_run(load_config(write_config(spec, workdir, model_dir)), world_size=1,
+                          machine=MachineFacts(0, False, 2))
+    hyper = run.hyper()
+    trainer, _ = build_trainer(run, load_model(hyper.fast_model_args, hyper.lora_args), dataset, DistInfo())
+    trainer.args.max_steps, trainer.args.save_steps = 2, 1  # 4 samples a step, a save after each
+
+    class BestAtFirstSave(TrainerCallback):  # as an eval metric would mark it (HF names the checkpoint then)
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                state.best_global_step = 1
+
+    trainer.add_callback(BestAtFirstSave())
+    real_save = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        if str(f).endswith("optimizer.pt") and trainer.state.global_step == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(f))
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    out = Path(run.output_dir)
+    try:
+        with pytest.raises(checkpoints.CheckpointError) as info, contextlib.chdir(workdir):  # output_dir is relative
+            trainer.train()
+    finally:
+        gc.unfreeze()  # StepGarbageCollection's on_train_end never ran
+        gc.enable()
+    message = str(info.value)
+    assert message.startswith("could not save checkpoint-2: rank 0 failed to write its part: OSError: "
+                              "[Errno 28] No space left on device")
+    kept = out / "checkpoint-1"
+    assert f"newest complete checkpoint is {kept}" in message
+    assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-1"]
+    assert checkpoints.verify(kept).ok and checkpoints.find_latest(out).chosen.path == kept
+    assert {"adapter_model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json", "rng_state_rank0.pth",
+            "run.json", "hypersloth_config.json"} <= set(json.loads((kept / "manifest.json").read_text())["files"])
+    state = json.loads((kept / "trainer_state.json").read_text())
+    best = str(run_files.checkpoint_dir(trainer.args.output_dir, 1))  # HF's spelling: relative like output_dir
+    assert state["best_model_checkpoint"] == trainer.state.best_model_checkpoint == best  # not the staging folder
 
 
 @needs("dropout-2w", "packed-2w")
