@@ -71,21 +71,24 @@ def output_dir_problem(out: Path, checkpoint: str | None, *, overwrite: bool, pe
                        save_steps: int | None = None) -> str | None:
     """Why this run may not start in `out` (another run's files, --overwrite of the checkpoint it resumes
     from), saying what to do that works; None when it may."""
-    resumes_this_dir = checkpoint is not None and Path(checkpoint).resolve().is_relative_to(out.resolve())
+    latest = checkpoint == checkpoints.LATEST  # the newest complete checkpoint of `out` (resolved later)
+    resumes_this_dir = latest or (checkpoint is not None and Path(checkpoint).resolve().is_relative_to(out.resolve()))
     if overwrite and resumes_this_dir:
-        return (f"--overwrite would delete {checkpoint}, the checkpoint this run resumes from: drop "
-                "--overwrite to continue the run in its folder, or set another output_dir")
+        what = (f"the checkpoints of {out}, which resume_from_checkpoint={checkpoint!r} resumes from" if latest
+                else f"{checkpoint}, the checkpoint this run resumes from")
+        return (f"--overwrite would delete {what}: drop --overwrite to continue the run in its folder, or set "
+                "another output_dir")
     if overwrite or resumes_this_dir or not run_files.holds_a_run(out, count_logs=not peers_running):
         return None
-    checkpoints = sorted(out.glob(f"{run_files.CHECKPOINT_PREFIX}*"),
-                         key=lambda p: int(p.name.rsplit("-", 1)[-1]) if p.name.rsplit("-", 1)[-1].isdigit() else -1)
-    if not checkpoints:  # stopped before its first save: there is nothing to resume from
+    saved = sorted(out.glob(f"{run_files.CHECKPOINT_PREFIX}*"),
+                   key=lambda p: int(p.name.rsplit("-", 1)[-1]) if p.name.rsplit("-", 1)[-1].isdigit() else -1)
+    if not saved:  # stopped before its first save: there is nothing to resume from
         before = f" (every {save_steps} steps)" if save_steps else ""
         return (f"output_dir {out} holds an earlier run that saved no checkpoint: it stopped before its first "
                 f"save{before}, so it cannot be resumed. Add --overwrite to start again in this folder (its "
                 "files are removed first), or choose another output_dir")
     return (f"output_dir {out} holds an earlier run: add --overwrite to start clean (its files are removed first), "
-            f"set resume_from_checkpoint={str(checkpoints[-1])!r} (its last checkpoint) to continue it, or choose "
+            f"set resume_from_checkpoint={str(saved[-1])!r} (its last checkpoint) to continue it, or choose "
             "another output_dir")
 
 
@@ -140,7 +143,9 @@ def check_run(config_path: str | os.PathLike, *, overwrite: bool = False) -> Che
     loaded = load_config(config_path)
     machine = MachineFacts.detect(cuda_device_count())
     targs = loaded.training_args
-    checkpoint = str(Path(targs.resume_from_checkpoint).resolve()) if targs.resume_from_checkpoint else None
+    checkpoint = targs.resume_from_checkpoint
+    if checkpoint not in (None, checkpoints.LATEST):
+        checkpoint = str(Path(checkpoint).resolve())
     launcher_problems = [*model_problems(loaded),
                          output_dir_problem(Path(targs.output_dir).resolve(), checkpoint, overwrite=overwrite,
                                             save_steps=targs.save_steps)]

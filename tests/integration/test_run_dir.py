@@ -310,7 +310,12 @@ def test_latest_resumes_the_newest_complete_checkpoint_into_its_own_folder(cli, 
     unfinished = run_files.staging_dir(out, 9) / "checkpoint-9"  # a save that a crash interrupted
     unfinished.mkdir(parents=True)
     (unfinished / run_files.TRAINER_STATE_FILE).write_text("{}")
-    assert cli.run([str(write_config(tmp_path, extra_targs=", resume_from_checkpoint='latest'"))]) == 0
+    config = write_config(tmp_path, extra_targs=", resume_from_checkpoint='latest'")
+    before = _snapshot(out)
+    assert cli.run([str(config), "--overwrite"]) == 2 and cli.calls == [] and _snapshot(out) == before
+    assert f"--overwrite would delete the checkpoints of {out}, which resume_from_checkpoint='latest'" in \
+        capsys.readouterr().err
+    assert cli.run([str(config)]) == 0
     err = capsys.readouterr().err
     assert len(cli.calls) == 1 and "holds an earlier run" not in err
     assert (f"hypersloth-train: resuming from the newest complete checkpoint, {out / 'checkpoint-3'} (skipped "
