@@ -25,7 +25,9 @@ How "auto" is decided on a GPU, once per run, after the model is loaded and befo
    - the transformers backend (SDPA with a packed mask: memory not linear in tokens) always verifies at
      the budget.
    When the line already says the longest sample cannot fit and checkpointing is still off, nothing is
-   verified: the worker switches checkpointing on and measures again (`needs_checkpointing`).
+   verified: the worker switches checkpointing on and measures again (`needs_checkpointing`). With
+   checkpointing on, one pass at the longest sample decides: its size becomes the budget if it fits, else
+   the run stops before training with the length that fits (it would run out of memory at that step).
 4. Ranks agree: every rank measures, then all take the minimum (`agree_min`, an all-reduce MIN), so
    the plan is identical everywhere.
 5. Cache (`HyperSloth.probe_cache`): the measured points are kept per model, quantisation, LoRA settings,
@@ -224,12 +226,15 @@ def _extrapolate(fit: MemoryFit, last: tuple[int, int], verified: tuple[int, int
 
 def measure(peak_of: PeakFn, *, limit_bytes: int, cap: int, probe_tokens: Sequence[int] = PROBE_TOKENS,
             is_oom: Callable[[BaseException], bool] = lambda e: False, max_checks: int = 8,
-            must_fit: int | None = None, verify_at_most: int | None = None) -> dict[str, Any]:
+            must_fit: int | None = None, can_switch: bool = True, verify_at_most: int | None = None
+            ) -> dict[str, Any]:
     """Probe, fit, choose and verify, with the measuring function injected (tests pass a fake).
 
     Returns the points, the fit the budget was chosen on, the tokens, and the verified size and peak
-    (None when unverified). `must_fit`: when the line leaves fewer tokens than this, return unverified
-    (the caller changes the setup). `verify_at_most`: the largest verifying pass (None: at the budget,
+    (None when unverified). `must_fit` (the longest sample): when the line leaves fewer tokens than this,
+    return unverified if the caller `can_switch` (checkpointing on); else run one pass at it, the row the
+    run cannot do without, and take it as the budget if it fits (RuntimeError saying what to change if
+    not). `verify_at_most`: the largest verifying pass (None: at the budget,
     whatever its size); a larger budget is extrapolated from a pass at this size (module docstring, 3).
     """
     points = [(t, int(peak_of(t))) for t in probe_sizes(cap, probe_tokens)]
@@ -237,7 +242,7 @@ def measure(peak_of: PeakFn, *, limit_bytes: int, cap: int, probe_tokens: Sequen
     tokens = choose_tokens(fit, limit_bytes, cap)
     result = {"points": points, "fit": fit, "tokens": tokens, "verified_tokens": None, "verified_peak_bytes": None}
     if must_fit is not None and tokens < must_fit:
-        return result
+        return result if can_switch else {**result, **_prove_longest(peak_of, must_fit, tokens, limit_bytes, is_oom)}
     if verify_at_most is not None and tokens > verify_at_most > points[-1][0]:
         size = _round_down(verify_at_most)
         try:
@@ -254,6 +259,26 @@ def measure(peak_of: PeakFn, *, limit_bytes: int, cap: int, probe_tokens: Sequen
         tokens = _round_down(size // 2 if peak is None else size * limit_bytes / peak - ROUND_TO)
     tokens, verified = _verify(peak_of, tokens, limit_bytes, is_oom, max_checks)
     return {**result, "tokens": tokens, "verified_tokens": tokens, "verified_peak_bytes": verified}
+
+
+def _prove_longest(peak_of: PeakFn, longest: int, line_tokens: int, limit_bytes: int,
+                   is_oom: Callable[[BaseException], bool]) -> dict[str, Any]:
+    """One pass at the longest sample (rounded up to `ROUND_TO`); its size as the budget if it fits."""
+    size = -(-longest // ROUND_TO) * ROUND_TO
+    try:
+        peak = int(peak_of(size))
+    except BaseException as err:  # noqa: BLE001
+        if not is_oom(err):
+            raise
+        peak = None
+    if peak is not None and peak <= limit_bytes:
+        return {"tokens": size, "verified_tokens": size, "verified_peak_bytes": peak}
+    seen = "ran out of memory" if peak is None else f"peaked at {peak / 2**30:.1f} GiB"
+    raise RuntimeError(
+        f"the longest sample ({longest:,} tokens) does not fit one micro-batch on this GPU even with gradient "
+        f"checkpointing: its forward+backward {seen}, and {limit_bytes / 2**30:.1f} GiB may be used (the measured "
+        f"line allows about {line_tokens:,} tokens). Drop the longer samples (rebuild the dataset with "
+        f"--max_seq_length {line_tokens}) or train on a GPU with more memory")
 
 
 def probe_segments(longest: Sequence[int], tokens: int) -> list[int]:
@@ -354,7 +379,7 @@ def _probe_key(setup, device, gc_mode, with_lengths: bool, longest: Sequence[int
 
 def measure_on_gpu(model, *, lengths: Sequence[int] | np.ndarray, vocab_size: int, cap: int,
                    gradient_checkpointing: bool | str, with_lengths: bool = True, must_fit: int | None = None,
-                   setup: probe_cache.ProbeSetup | None = None) -> BudgetDecision:
+                   can_switch: bool = True, setup: probe_cache.ProbeSetup | None = None) -> BudgetDecision:
     """Run the probe on this process's GPU and return this rank's decision (before `agree_min`)."""
     import time
 
@@ -376,7 +401,7 @@ def measure_on_gpu(model, *, lengths: Sequence[int] | np.ndarray, vocab_size: in
     model.train()
     try:
         peaks.reverify()
-        result = measure(peaks, limit_bytes=limit, cap=cap, must_fit=must_fit,
+        result = measure(peaks, limit_bytes=limit, cap=cap, must_fit=must_fit, can_switch=can_switch,
                          is_oom=lambda e: isinstance(e, torch.cuda.OutOfMemoryError),
                          verify_at_most=VERIFY_TOKENS if with_lengths else None)
     finally:
@@ -398,11 +423,11 @@ def measure_on_gpu(model, *, lengths: Sequence[int] | np.ndarray, vocab_size: in
 
 def measure_auto(model, *, lengths: Sequence[int] | np.ndarray, samples_per_step: int,
                  gradient_checkpointing: bool | str, with_lengths: bool = True, must_fit: int | None = None,
-                 setup: probe_cache.ProbeSetup | None = None) -> BudgetDecision:
+                 can_switch: bool = True, setup: probe_cache.ProbeSetup | None = None) -> BudgetDecision:
     """Measure on this rank's GPU and take the minimum over ranks (every rank must call it)."""
     decision = measure_on_gpu(model, lengths=lengths, vocab_size=int(model.config.vocab_size),
                               cap=useful_cap(lengths, samples_per_step), gradient_checkpointing=gradient_checkpointing,
-                              with_lengths=with_lengths, must_fit=must_fit, setup=setup)
+                              with_lengths=with_lengths, must_fit=must_fit, can_switch=can_switch, setup=setup)
     decision.tokens = agree_min(decision.tokens)
     return decision
 
@@ -458,7 +483,7 @@ def settle(description, load: Callable[[Any], Any], lengths: Sequence[int] | np.
     def measure_model(model_loaded, mode) -> BudgetDecision:
         return measure_auto(model_loaded.model, lengths=lengths, samples_per_step=description.global_batch_size,
                             gradient_checkpointing=mode, with_lengths=unsloth, setup=setup,
-                            must_fit=None if mode else longest)
+                            must_fit=longest, can_switch=not mode)
 
     reload_s, spent, passes = None, 0.0, 0
     if switched is None:

@@ -190,9 +190,10 @@ class _Description:
 
 def _fake_measure(budgets):
     """measure_auto stand-in: the budget measured for each checkpointing mode."""
-    def measure_auto(model, *, lengths, samples_per_step, gradient_checkpointing, with_lengths, must_fit, setup):
-        # The first measurement (checkpointing off) is told the longest sample must fit, the second is not.
-        assert must_fit == (None if gradient_checkpointing else int(max(lengths)))
+    def measure_auto(model, *, lengths, samples_per_step, gradient_checkpointing, with_lengths, must_fit, can_switch,
+                     setup):
+        # Without checkpointing a longest sample that does not fit switches it on; with it, it must be proven.
+        assert must_fit == int(max(lengths)) and can_switch == (not gradient_checkpointing)
         return budget.BudgetDecision(tokens=budgets[gradient_checkpointing], source="auto",
                                      longest_sample=int(max(lengths)), gradient_checkpointing=gradient_checkpointing,
                                      probe_seconds=2.0, probe_passes=3, cache="measured")
@@ -327,3 +328,27 @@ def test_when_the_longest_sample_cannot_fit_nothing_is_verified():
     assert calls == [2048, 8192] and out["verified_peak_bytes"] is None and out["tokens"] < 65536
     out = budget.measure(_linear([]), limit_bytes=4 * GIB + 2**20 * 30000, cap=10**6, must_fit=4096)
     assert out["verified_peak_bytes"] is not None  # it fits: verified as usual
+
+
+def test_with_checkpointing_on_the_longest_sample_is_proven_by_one_pass_or_refused():
+    calls = []
+    limit = 4 * GIB + 2**20 * 30000
+
+    def flatter_beyond_the_probes(tokens):  # the line says 30k tokens fit; a 40k sample really does
+        calls.append(tokens)
+        return 4 * GIB + 2**20 * min(tokens, 8192) + 2**19 * max(0, tokens - 8192)
+
+    out = budget.measure(flatter_beyond_the_probes, limit_bytes=limit, cap=10**6, must_fit=40000, can_switch=False,
+                         verify_at_most=32768)
+    assert out["tokens"] == out["verified_tokens"] == 40192 and calls == [2048, 8192, 40192]  # one pass at it
+    with pytest.raises(RuntimeError, match=r"longest sample \(65,536 tokens\) does not fit .* --max_seq_length 29952"):
+        budget.measure(_linear([]), limit_bytes=limit, cap=10**6, must_fit=65536, can_switch=False)
+
+    def oom(tokens):
+        if tokens > 8192:
+            raise FakeOOM("out of memory")
+        return 4 * GIB + 2**20 * tokens
+
+    with pytest.raises(RuntimeError, match="ran out of memory"):
+        budget.measure(oom, limit_bytes=limit, cap=10**6, must_fit=65536, can_switch=False,
+                       is_oom=lambda e: isinstance(e, FakeOOM))
