@@ -8,7 +8,7 @@ Two layouts, matching the planner's two modes:
   so no sample sees another. The first label of every sample is -100 so the last token of one sample is
   never trained to predict the first token of the next (the same rule as `DataCollatorWithFlattening`).
 
-Bucketing (packed, `pad_to`): a row may be padded up to a fixed length with one extra segment of padding
+Bucketing (packed, `pad_to`; rows of up to `LONG_ROW_TOKENS`): a row may be padded up to a fixed length with one extra segment of padding
 tokens (its own restarting positions, its own varlen segment, every label -100). Rows of a handful of
 lengths (`bucket_tokens`) instead of a new length every micro-batch keep compiled/tuned kernels from
 seeing new shapes. The padding segment attends only to itself and has no target, so the loss, its
@@ -29,6 +29,10 @@ import numpy as np
 import torch
 
 IGNORE_INDEX = -100
+# Rows longer than this are not bucketed. Their bucket step is >= 8,192 tokens, so padding would add ~4k-16k
+# tokens to a row that already costs seconds (Qwen3-8B 4-bit: ~60 us per token, 0.25-1 s; a new row shape
+# cost 0.05-0.1 s on an H200), and such rows come from long samples, whose shapes rarely repeat.
+LONG_ROW_TOKENS = 65536
 LossType = Literal["all", "response_only"]
 
 
@@ -101,12 +105,13 @@ def collate(
     samples: Sequence[tuple[np.ndarray, np.ndarray]], mode: str, pad_token_id: int, *, with_lengths: bool = False,
     bucket: bool = False, bucket_limit: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Dispatch on the planner mode ("packed" or "sorted-pad"); `bucket` pads packed rows to `bucket_tokens`,
-    never past `bucket_limit` (the token budget the memory was measured for) unless the row already is."""
+    """Dispatch on the planner mode ("packed" or "sorted-pad"); `bucket` pads packed rows of at most
+    `LONG_ROW_TOKENS` to `bucket_tokens`, never past `bucket_limit` (the token budget the memory was
+    measured for) unless the row already is."""
     if mode == "packed":
         pad_to = None
-        if bucket:
-            real = sum(len(ids) for ids, _ in samples)
+        real = sum(len(ids) for ids, _ in samples)
+        if bucket and real <= LONG_ROW_TOKENS:
             pad_to = bucket_tokens(real) if bucket_limit is None else min(bucket_tokens(real), max(real, bucket_limit))
         return collate_packed(samples, with_lengths=with_lengths, pad_to=pad_to, pad_token_id=pad_token_id)
     if mode == "sorted-pad":

@@ -294,3 +294,27 @@ def test_group_by_length_steps_hold_similar_lengths_on_any_rank_count(lognormal)
     plain_spread = [np.ptp(lens[s]) / lens[s].mean() for s in step_samples(plain)[:-1]]
     assert np.median(spread) < 0.2 * np.median(plain_spread)
     assert plans[1].stats.padding_fraction < 0.1 < plain.stats.padding_fraction
+
+
+@SETTINGS
+@given(st.data())
+def test_a_long_sample_leads_its_rank_and_its_spare_room_is_filled_first(data):
+    """Packing is free for attention (the load is per sample) and a long row is never padded
+    (collate.LONG_ROW_TOKENS), so the long sample's own micro-batch is only cheaper when it exceeds the
+    budget: it is then alone; otherwise the room it leaves is filled before another micro-batch opens."""
+    budget = data.draw(st.integers(200, 3000))
+    short = data.draw(st.lists(st.integers(1, budget // 4), min_size=1, max_size=60))
+    long = data.draw(st.integers(budget // 2, 3 * budget))
+    spec = PlanSpec(num_ranks=data.draw(st.sampled_from([1, 2, 4])), samples_per_step=len(short) + 1,
+                    token_budget=budget, seed=data.draw(st.integers(0, 100)))
+    lens = np.array([long, *short])
+    step = adaptive_partition_batches(lens, lens - 1, spec).steps[0]
+    rank = next(r for r, mbs in enumerate(step.ranks) if any(0 in mb for mb in mbs))
+    first = step.ranks[rank][0]
+    assert first[0] == 0  # micro-batch 0 of its rank, first in the row: the step's peak comes first
+    if long > budget:
+        assert first == (0,)
+    elif spec.num_ranks == 1:  # first fit (equalising ranks may split it afterwards)
+        room = budget - int(lens[list(first)].sum())
+        later = [int(lens[i]) for mb in step.ranks[rank][1:] for i in mb]
+        assert all(n > room for n in later)

@@ -121,3 +121,14 @@ def test_bucketing_never_pads_past_the_budget():
     assert collate(samples, "packed", 0, bucket=True)["input_ids"].shape[1] == 1152
     assert collate(samples, "packed", 0, bucket=True, bucket_limit=1100)["input_ids"].shape[1] == 1100
     assert collate(samples, "packed", 0, bucket=True, bucket_limit=1000)["input_ids"].shape[1] == 1033
+
+
+def test_long_rows_are_not_bucketed():
+    """A row past LONG_ROW_TOKENS keeps its length: its bucket would add up to 1/8 of a row that costs seconds,
+    more than the new shape costs (the packed long sample then pads nothing, so packing it is never dearer)."""
+    from HyperSloth.collate import LONG_ROW_TOKENS, collate
+
+    long_row = _samples(lengths=(LONG_ROW_TOKENS - 4000, 5000))  # 66,536 tokens: the bucket would be 73,728
+    assert collate(long_row, "packed", 0, bucket=True, bucket_limit=10**6)["input_ids"].shape[1] == LONG_ROW_TOKENS + 1000
+    below = _samples(lengths=(LONG_ROW_TOKENS - 4000, 3000))  # 64,536 tokens: bucketed to 65,536
+    assert collate(below, "packed", 0, bucket=True, bucket_limit=10**6)["input_ids"].shape[1] == LONG_ROW_TOKENS
