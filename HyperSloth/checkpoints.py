@@ -224,11 +224,16 @@ def verify_large_files(folder: str | os.PathLike, names: Iterable[str]) -> list[
     """Hash the `names` of a verified checkpoint whole against its manifest; what does not match."""
     folder = Path(folder)
     files = (_read_manifest(folder) or {"files": {}})["files"]
-    names = list(names)
+    def problem(name: str) -> str | None:
+        try:
+            digest = _sha256(folder / name)
+        except OSError as err:
+            return f"{name} cannot be read ({err.strerror})"
+        return None if digest == files.get(name, {}).get("sha256") else \
+            f"{name} does not match its sha256 in the manifest (corrupt)"
+
     with _hash_pool() as pool:
-        digests = list(pool.map(lambda name: _sha256(folder / name), names))
-    return [f"{name} does not match its sha256 in the manifest (corrupt)"
-            for name, digest in zip(names, digests) if digest != files.get(name, {}).get("sha256")]
+        return [p for p in pool.map(problem, list(names)) if p]
 
 
 def large_files(folder: str | os.PathLike) -> list[str]:

@@ -13,6 +13,7 @@ import struct
 import threading
 import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -219,8 +220,19 @@ def test_large_files_are_sampled_at_start_and_hashed_whole_in_the_background(tmp
     data[unsampled] ^= 0xFF  # a flipped byte between the samples: same size, same samples
     (checkpoint / "optimizer.pt").write_bytes(bytes(data))
     assert checkpoints.verify(checkpoint).ok
-    future = checkpoints.verify_large_files_in_background(checkpoint, checkpoints.large_files(checkpoint))
-    assert future.result(timeout=10) == ["optimizer.pt does not match its sha256 in the manifest (corrupt)"]
+    # Rank 0 hashes them whole while the model loads, and stops before the checkpoint is loaded.
+    from HyperSloth import worker
+
+    future = worker._check_large_files(SimpleNamespace(resume_from_checkpoint=str(checkpoint)))
+    problems = future.result(timeout=10)
+    assert problems == ["optimizer.pt does not match its sha256 in the manifest (corrupt)"]
+    with pytest.raises(CheckpointError, match=r"cannot resume from .*checkpoint-1: optimizer.pt does not match"):
+        worker._refuse_corrupt(str(checkpoint), problems)
+    worker._refuse_corrupt(str(checkpoint), [])  # nothing found: the run goes on
+    (checkpoint / "optimizer.pt").rename(checkpoint / "moved.pt")  # gone since the launcher's check
+    assert checkpoints.verify_large_files(checkpoint, ["optimizer.pt"]) == [
+        "optimizer.pt cannot be read (No such file or directory)"]
+    (checkpoint / "moved.pt").rename(checkpoint / "optimizer.pt")
     data[0] ^= 0xFF  # in the first sample: found at start
     (checkpoint / "optimizer.pt").write_bytes(bytes(data))
     assert checkpoints.verify(checkpoint).problems == ("optimizer.pt does not match its sha256 in the manifest (corrupt)",)
