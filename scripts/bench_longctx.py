@@ -78,18 +78,21 @@ def run_reference(a, workload, shape: dict, head_dim: int, seed: int, projection
     import unsloth  # noqa: F401  (first, it patches transformers/trl)
     import torch
     from datasets import load_from_disk
-    from unsloth import FastLanguageModel
 
+    from HyperSloth.config import FastModelArgs, LoraArgs
     from HyperSloth.exactness import packed_vs_alone, sample_losses, step_loss_reference
+    from HyperSloth.model import load_model
     from HyperSloth.patches import enable_unsloth_torch_varlen
 
     enable_unsloth_torch_varlen()
     started = time.perf_counter()
-    model, _ = FastLanguageModel.from_pretrained(a.checkpoint, max_seq_length=workload.max_len, dtype=torch.bfloat16,
-                                                 load_in_4bit=workload.four_bit)
-    model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, lora_dropout=0, bias="none",
-                                             target_modules=projections, random_state=seed,
-                                             use_gradient_checkpointing="unsloth" if a.exactness else False)
+    # HyperSloth's loader: FastLanguageModel.from_pretrained + get_peft_model with the stock rows' arguments,
+    # plus Unsloth's permission for a packed row longer than max_seq_length (the exactness row is).
+    fast = FastModelArgs(model_name=a.checkpoint, max_seq_length=workload.max_len, dtype="bfloat16",
+                         load_in_4bit=workload.four_bit, backend="unsloth",
+                         use_gradient_checkpointing="unsloth" if a.exactness else False)
+    model = load_model(fast, LoraArgs(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=projections,
+                                      random_state=seed)).model
     load_s = time.perf_counter() - started
     stock = load_from_disk(str(Path(a.work) / "stock_data"))  # samples in plan order: step 1 first
     step = [np.asarray(ids) for ids in stock.select(range(32))["input_ids"]]
@@ -116,6 +119,21 @@ def run_reference(a, workload, shape: dict, head_dim: int, seed: int, projection
         record["exactness"] = {**result.as_record(), "seconds": time.perf_counter() - started}
     record["peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
     return record
+
+
+def earlier_reference(path: str | None, workload: str, long_tokens: int) -> list[dict]:
+    """The reference record of `workload` at `long_tokens` from an earlier records file ([] without a path);
+    SystemExit when the file holds none (a reference of another length would judge the wrong sample)."""
+    import json
+
+    if not path:
+        return []
+    found = [r for r in json.loads(Path(path).read_text()) if r.get("workload") == workload
+             and r.get("system") == "reference" and r.get("long_tokens") == long_tokens and "reference_loss" in r]
+    if not found:
+        raise SystemExit(f"{path} holds no reference record of {workload} at {long_tokens:,} tokens: run the "
+                         f"reference system for it first (--slots reference --long-tokens {long_tokens})")
+    return found[:1]
 
 
 def annotate(records: list[dict], long_tokens: int) -> list[dict]:

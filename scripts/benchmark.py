@@ -495,6 +495,8 @@ def main() -> None:
                    help="the long sample of the longctx-* workloads (e.g. 32768, 131072, 262144)")
     p.add_argument("--exactness", type=lambda s: s == "True", default=False,
                    help="longctx-*: the reference system also checks the long sample packed vs alone with gradients")
+    p.add_argument("--reference-from", help="longctx-*: take the reference record from this records file (a "
+                   "reference system run earlier on the same workload and --long-tokens) instead of running it")
     p.add_argument("--render", help="print the markdown table and write benchmarks.png for a records JSON file")
     # internal: run one system in this process
     p.add_argument("--as-system"), p.add_argument("--system"), p.add_argument("--workload")
@@ -528,7 +530,7 @@ def main() -> None:
         work = Path(a.work) / workload
         work.mkdir(parents=True, exist_ok=True)
         data = build_data(work, workload_of(workload, a.long_tokens), a.warmup + a.steps)
-        records = []
+        records = bench_longctx.earlier_reference(a.reference_from, workload, a.long_tokens)
         for slot in slots:
             if time.time() > a.deadline - 30:
                 print(f"[{workload}] out of time: slot {slot} not run", flush=True)

@@ -50,3 +50,17 @@ def test_annotate_flags_a_cut_sample_a_wrong_loss_and_a_step_below_the_attention
 def test_without_a_reference_only_truncation_is_judged():
     out = bench_longctx.annotate([_record("short", 12.7, 60.0, 1000)], long_tokens=131072)[0]
     assert out["truncated"] and "trained_whole" not in out
+
+
+def test_an_earlier_reference_must_match_workload_and_length(tmp_path):
+    import json
+
+    path = tmp_path / "records.json"
+    path.write_text(json.dumps([{"workload": "longctx-8b", "system": "reference", "long_tokens": 262144,
+                                 "reference_loss": 12.7, "attention_floor_s": 216.0},
+                                {"workload": "longctx-8b", "system": "hypersloth-1", "losses": [12.7]}]))
+    assert bench_longctx.earlier_reference(None, "longctx-8b", 262144) == []
+    (found,) = bench_longctx.earlier_reference(str(path), "longctx-8b", 262144)
+    assert found["reference_loss"] == 12.7
+    with pytest.raises(SystemExit, match="no reference record of longctx-8b at 131,072 tokens"):
+        bench_longctx.earlier_reference(str(path), "longctx-8b", 131072)
