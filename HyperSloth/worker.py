@@ -115,7 +115,7 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path) -> d
     lengths = np.asarray(load_from_disk(description.dataset.path)["length"], dtype=np.int64)
     setup = probe_cache.ProbeSetup(fast=description.hyper_config["fast_model_args"],
                                    lora=description.hyper_config.get("lora_args"),
-                                   backend=model_lib.resolve_backend(hyper.fast_model_args),
+                                   backend=description.backend,
                                    cache=probe_cache.ProbeCache(probe_cache.cache_dir()))
     description, loaded_model, budget_decision = budget.settle(description, _loader(hyper), lengths, setup)
     logger.info(f"model {hyper.fast_model_args.model_name} loaded with {loaded_model.backend} ({loaded_model.dtype})")
