@@ -393,7 +393,7 @@ def measure_on_gpu(model, *, lengths: Sequence[int] | np.ndarray, vocab_size: in
     release_memory(model)
     free, total = torch.cuda.mem_get_info(device)
     limit = allocation_limit(total, free, torch.cuda.memory_reserved(device), optimizer_bytes)
-    cache = setup.cache if setup is not None else None
+    cache = setup.cache if setup is not None and setup.cache is not None and setup.cache.enabled else None
     key = _probe_key(setup, device, gradient_checkpointing, with_lengths, longest, cap) if cache else None
     peaks = probe_cache.CachedPeaks(peak_of_forward_backward(model, longest, vocab_size, with_lengths),
                                     cache.get(key) if cache else None)
@@ -439,7 +439,7 @@ def cached_needs_checkpointing(setup: probe_cache.ProbeSetup, lengths: Sequence[
     Wrong only in the safe direction (a checkpointed run that did not need it); agreed over ranks."""
     import torch
 
-    if setup.cache is None or not torch.cuda.is_available():
+    if setup.cache is None or not setup.cache.enabled or not torch.cuda.is_available():
         return False
     lengths = np.asarray(lengths, dtype=np.int64)
     cap = useful_cap(lengths, samples_per_step)

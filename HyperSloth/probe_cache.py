@@ -109,6 +109,10 @@ class ProbeCache:
     def __init__(self, folder: Path | None):
         self.path = None if folder is None else Path(folder) / CACHE_FILE
 
+    @property
+    def enabled(self) -> bool:
+        return self.path is not None
+
     def _read(self) -> dict[str, Any]:
         if self.path is None or not self.path.is_file():
             return {}

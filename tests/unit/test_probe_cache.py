@@ -58,7 +58,7 @@ def test_put_get_merge_and_exact_match(tmp_path):
     entry["key"]["backend"] = "transformers"  # an entry whose stored key differs from its digest: never used
     cache.path.write_text(json.dumps(data))
     assert cache.get(_key()) is None
-    assert probe_cache.ProbeCache(None).get(_key()) is None
+    assert probe_cache.ProbeCache(None).get(_key()) is None and not probe_cache.ProbeCache(None).enabled
 
 
 def test_an_unreadable_or_unwritable_cache_never_fails(tmp_path):
