@@ -184,5 +184,7 @@ class CachedPeaks:
     def __call__(self, tokens: int, live: bool = False) -> int:
         if not live and tokens in self.cached:
             return self.cached[tokens]
+        if not live and tokens in self.measured:  # the re-verifying pass, reused when measuring again
+            return self.measured[tokens]
         self.measured[tokens] = int(self.live(tokens))
         return self.measured[tokens]

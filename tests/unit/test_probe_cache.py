@@ -126,3 +126,39 @@ def test_cached_line_switches_checkpointing_on_before_loading(tmp_path, monkeypa
     key = budget._probe_key(setup, 0, False, True, sorted(short, reverse=True), budget.useful_cap(short, 32))
     setup.cache.put(key, {2048: 6 * GIB + 2048 * 2**20, 8192: 6 * GIB + 8192 * 2**20})
     assert not budget.cached_needs_checkpointing(setup, short, 32)  # it could fit: measure as usual
+
+
+def test_measure_on_gpu_measures_once_then_reuses_the_cache(tmp_path, monkeypatch):
+    """The wiring on a faked GPU: the first start measures and stores; the second runs one pass (the
+    re-verification) and says "cached"; a GPU whose memory answers differently measures again."""
+    props = types.SimpleNamespace(name="NVIDIA H200", total_memory=140 * GIB, major=9, minor=0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (130 * GIB, 140 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 2 * GIB)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    passes, base = [], [6 * GIB]
+    monkeypatch.setattr(budget, "peak_of_forward_backward",
+                        lambda model, longest, vocab, with_lengths: lambda t: passes.append(t) or base[0] + t * 2**20)
+    setup = probe_cache.ProbeSetup(fast={"model_name": "m"}, lora={"r": 16}, backend="unsloth",
+                                   cache=probe_cache.ProbeCache(tmp_path))
+    model = torch.nn.Linear(4, 4)
+    lengths = [500] * 64
+
+    def run():
+        passes.clear()
+        return budget.measure_on_gpu(model, lengths=lengths, vocab_size=100, cap=32000, gradient_checkpointing=False,
+                                     setup=setup)
+
+    first = run()
+    assert first.cache == "measured" and first.probe_passes == len(passes) == 3  # 2,048, 8,192, 32,000
+    again = run()
+    assert again.cache == "cached" and passes == [2048] and again.tokens == first.tokens
+    assert "budget probe: cached, 1 forward+backward pass(es)" in again.probe_line()
+    base[0] = 9 * GIB  # another allocation on this GPU now: the cached pass does not re-verify
+    third = run()
+    assert third.cache == "re-measured" and third.probe_passes == len(passes) == 3  # the re-verify pass reused
+    off = budget.measure_on_gpu(model, lengths=lengths, vocab_size=100, cap=32000, gradient_checkpointing=False,
+                                setup=probe_cache.ProbeSetup(fast={"model_name": "m"}, lora=None, backend="unsloth",
+                                                             cache=probe_cache.ProbeCache(None)))
+    assert off.cache == "off"
