@@ -92,7 +92,7 @@ def packed_vs_alone(model, sample: np.ndarray, others: Sequence[np.ndarray], *, 
     device = next(model.parameters()).device
     packed = _on_device(collate_packed(segments, with_lengths=with_lengths), device)
     row = torch.from_numpy(sample)[None].to(device)
-    alone = {"input_ids": row, "labels": row}
+    alone = {"input_ids": row, "labels": row.clone()}  # a loss that shifts labels in place must not touch inputs
     targets = int(sample.size - 1)
     was_training = model.training
     model.train()
