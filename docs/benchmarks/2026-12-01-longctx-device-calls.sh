@@ -27,7 +27,9 @@ call2() {  # Qwen3-8B 4-bit, 131,072 tokens: reference, HyperSloth, Unsloth with
   el "bench done"; show $L/bench.log; logs
 }
 
-call3() {  # the exactness proof on the GPU, Qwen3-8B 4-bit: 32,768 then 131,072 tokens (reference only)
+call3() {  # the exactness proof on the GPU: the tiny model through Unsloth's varlen path (the marked GPU test),
+  # then Qwen3-8B 4-bit at 32,768 and 131,072 tokens (reference only)
+  python3 -m pytest -q -m gpu tests/unit/test_exactness.py > $L/gpu-test.log 2>&1; el "gpu test: $(tail -1 $L/gpu-test.log)"
   for n in 32768 131072; do
     bench --workloads longctx-8b --long-tokens $n --warmup 0 --steps 1 --exactness True --tag lc-c3-$n \
       --slots "reference" --budget-s $(left 450) > $L/bench-$n.log 2>&1
