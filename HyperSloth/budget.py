@@ -56,7 +56,7 @@ from HyperSloth import probe_cache
 
 SAFETY_FRACTION = 0.08  # of the GPU's total memory, left unplanned (fragmentation, allocator slack)
 PROBE_TOKENS = (2048, 8192)  # the two probe sizes the line is fitted through
-VERIFY_TOKENS = 32768  # the largest pass on the linear path: 8B + checkpointing ~10 s (a 131k pass: 85 s)
+VERIFY_TOKENS = 32768  # the largest pass on the linear path (measured: one 131k-token step on 8B + checkpointing, 85 s)
 EXTRAPOLATION_SLACK = 0.10  # extra slope beyond the verified point
 ROUND_TO = 256
 MIN_BUDGET = 256
@@ -461,62 +461,66 @@ def settle(description, load: Callable[[Any], Any], lengths: Sequence[int] | np.
 
     An explicit budget, or "auto" on CPU, was already fixed by `HyperSloth.run`; "auto" on a GPU is
     measured here and agreed over ranks. If the longest sample does not fit one micro-batch without
-    checkpointing, the model is loaded again with Unsloth's gradient checkpointing (at once, when the
-    cache already knows), the budget is measured again, and the description records checkpointing on.
+    checkpointing, the model is loaded again with gradient checkpointing (at once, when the cache already
+    knows), the budget is measured again, and the description records checkpointing on.
     """
-    import time
-
     from loguru import logger
 
     fast = description.hyper_config["fast_model_args"]
     gc_mode, longest = fast["use_gradient_checkpointing"], int(np.max(lengths))
-    early = (description.token_budget_auto and not gc_mode and setup is not None
+    known = (description.token_budget_auto and not gc_mode and setup is not None
              and cached_needs_checkpointing(setup, lengths, description.global_batch_size))
-    switched = ("unsloth" if setup.backend == "unsloth" else True) if early else None
-    loaded = load(switched)
+    if known:
+        gc_mode = _checkpointing_mode(setup.backend)
+        logger.warning(f"the probe cache says the longest sample ({longest:,} tokens) cannot fit without gradient "
+                       f"checkpointing on this GPU: loading with gradient checkpointing ({gc_mode!r})")
+    loaded = load(gc_mode if known else None)
     if not description.token_budget_auto:
         auto = description.hyper_config["training"]["tokens_per_micro_batch"] == "auto"
         return description, loaded, BudgetDecision(tokens=description.token_budget,
                                                    source="auto-cpu" if auto else "explicit")
-    unsloth = loaded.backend == "unsloth"
 
     def measure_model(model_loaded, mode) -> BudgetDecision:
         return measure_auto(model_loaded.model, lengths=lengths, samples_per_step=description.global_batch_size,
-                            gradient_checkpointing=mode, with_lengths=unsloth, setup=setup,
-                            must_fit=longest, can_switch=not mode)
+                            gradient_checkpointing=mode, with_lengths=model_loaded.backend == "unsloth",
+                            setup=setup, must_fit=longest, can_switch=not mode)
 
-    reload_s, spent, passes = None, 0.0, 0
-    if switched is None:
-        decision = measure_model(loaded, gc_mode)
-        if not gc_mode and needs_checkpointing(decision.tokens, decision.longest_sample):
-            switched = "unsloth" if unsloth else True
-            spent, passes = decision.probe_seconds or 0.0, decision.probe_passes
-            logger.warning(f"the longest sample ({longest:,} tokens) does not fit one micro-batch without gradient "
-                           f"checkpointing (measured budget {decision.tokens:,} tokens): turning on gradient "
-                           f"checkpointing ({switched!r}) for this run")
-            loaded = None  # drop the first model before loading the second
-            gc.collect()
-            _empty_cuda_cache()
-            started = time.perf_counter()
-            loaded = load(switched)
-            reload_s = time.perf_counter() - started
-    else:
-        logger.warning(f"the probe cache says the longest sample ({longest:,} tokens) cannot fit without gradient "
-                       f"checkpointing on this GPU: loaded with gradient checkpointing ({switched!r})")
-    if switched is not None:
-        gc_mode = switched
-        decision = measure_model(loaded, gc_mode)
-        decision.checkpointing_switched_on = True
-        decision.reload_seconds = reload_s
-        decision.probe_seconds = (decision.probe_seconds or 0.0) + spent
-        decision.probe_passes += passes
+    decision = measure_model(loaded, gc_mode)
+    decision.checkpointing_switched_on = bool(known)
+    if not gc_mode and needs_checkpointing(decision.tokens, longest):
+        gc_mode = _checkpointing_mode(loaded.backend)
+        logger.warning(f"the longest sample ({longest:,} tokens) does not fit one micro-batch without gradient "
+                       f"checkpointing (measured budget {decision.tokens:,} tokens): turning on gradient "
+                       f"checkpointing ({gc_mode!r}) for this run")
+        loaded = None  # drop the first model before loading the second
+        loaded, decision = _reload_and_measure(load, gc_mode, measure_model, decision)
     hyper_config = {**description.hyper_config, "fast_model_args": {**fast, "use_gradient_checkpointing": gc_mode}}
     logger.info(decision.summary())
     logger.info(decision.probe_line())
-    if unsloth:  # Unsloth's pre-train detector sees the probe's backward and resets its compile cache (safe)
+    if loaded.backend == "unsloth":  # Unsloth's pre-train detector sees the probe's backward, resets its compile cache
         logger.info("Unsloth will warn that a forward/backward ran before trainer.train(): that was this probe")
     settled = description.model_copy(update={"token_budget": decision.tokens, "hyper_config": hyper_config})
     return settled, loaded, decision
+
+
+def _checkpointing_mode(backend: str) -> bool | str:
+    return "unsloth" if backend == "unsloth" else True
+
+
+def _reload_and_measure(load: Callable[[Any], Any], mode: bool | str, measure_model, first: BudgetDecision):
+    """Load the model again with checkpointing `mode` and measure; the decision counts both probes."""
+    import time
+
+    gc.collect()
+    _empty_cuda_cache()
+    started = time.perf_counter()
+    loaded = load(mode)
+    reload_s = time.perf_counter() - started
+    decision = measure_model(loaded, mode)
+    decision.checkpointing_switched_on, decision.reload_seconds = True, reload_s
+    decision.probe_seconds = (decision.probe_seconds or 0.0) + (first.probe_seconds or 0.0)
+    decision.probe_passes += first.probe_passes
+    return loaded, decision
 
 
 def _empty_cuda_cache() -> None:
