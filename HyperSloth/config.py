@@ -218,7 +218,7 @@ class TrainingConfig(BaseModel):
     tokens_per_micro_batch: Annotated[int, Field(gt=0)] | Literal["auto"] = Field(
         "auto",
         description="Packed mode: most tokens in one micro-batch. 'auto' = on a GPU, the largest that fits this "
-        "GPU's free memory, measured at start for this model and settings (HyperSloth.budget); on CPU, "
+        "GPU's free memory, measured at start for this model and settings (HyperSloth.train.budget); on CPU, "
         "per_device_train_batch_size * max_seq_length. A number overrides it.",
     )
     group_by_length: bool = Field(False, description="Group similar lengths into the same optimizer steps.")
@@ -279,7 +279,7 @@ class TrainingArgsConfig(BaseModel):
     report_to: str | list[str] = Field("tensorboard", description="'tensorboard', 'wandb', 'none' or a list.")
     resume_from_checkpoint: str | None = Field(
         None, description="Checkpoint folder to resume from, or 'latest': the newest complete checkpoint of "
-        "output_dir. Checked before any worker starts (HyperSloth.checkpoints); given to trainer.train."
+        "output_dir. Checked before any worker starts (HyperSloth.outputs.checkpoints); given to trainer.train."
     )
     dataloader_num_workers: int | None = Field(
         None, ge=0, description="Worker processes that collate the next steps while this one trains; None = 1 "
@@ -313,7 +313,7 @@ class TrainingArgsConfig(BaseModel):
         """Keyword arguments for `trl.SFTConfig` (resume_from_checkpoint goes to `train()` instead)."""
         # gradient_accumulation_steps only sizes the step (HyperSloth accumulates inside its own
         # training_step), so TRL keeps its default of 1 instead of being told and overruled.
-        # The eval fields are HyperSloth's own (HyperSloth.evaluation turns them into SFTConfig's eval_* arguments).
+        # The eval fields are HyperSloth's own (HyperSloth.train.evaluation turns them into SFTConfig's eval_* arguments).
         kwargs = self.model_dump(exclude={"extra_args", "resume_from_checkpoint", "gradient_accumulation_steps",
                                           "eval_steps", "early_stopping_patience", "save_best_adapter"})
         kwargs["max_steps"] = -1 if self.max_steps is None else self.max_steps

@@ -77,8 +77,8 @@ def build_data(work: Path, rows: int) -> np.ndarray:
 
 def step_tokens(lengths: np.ndarray, fraction: float, batch: int, steps: int) -> list[int]:
     """Real tokens of each optimizer step of the run (the planner's step sets; epoch 0)."""
-    from HyperSloth.batching import PlanSpec, adaptive_partition_batches
-    from HyperSloth.eval_set import split_holdout
+    from HyperSloth.plan.batching import PlanSpec, adaptive_partition_batches
+    from HyperSloth.plan.eval_set import split_holdout
 
     train, _ = split_holdout(len(lengths), fraction, SEED)
     spec = PlanSpec(num_ranks=1, samples_per_step=batch, mode="packed", token_budget=1 << 20, seed=SEED)
@@ -136,10 +136,10 @@ def direct(a) -> None:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from benchmark import HEAD_DIM, PROJECTIONS, SHAPES
-    from HyperSloth.batching import PlanSpec, adaptive_partition_batches
-    from HyperSloth.collate import collate
-    from HyperSloth.eval_set import plan_eval
-    from HyperSloth.evaluation import Evaluator
+    from HyperSloth.plan.batching import PlanSpec, adaptive_partition_batches
+    from HyperSloth.plan.eval_set import plan_eval
+    from HyperSloth.train.collate import collate
+    from HyperSloth.train.evaluation import Evaluator
 
     torch.manual_seed(SEED)
     device = "cuda" if torch.cuda.is_available() else "cpu"

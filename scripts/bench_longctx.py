@@ -6,13 +6,13 @@ Two measurements decide whether a system trained it whole, made by the `referenc
 process on the same checkpoint loaded the same way (Unsloth, 4-bit for 8B):
 
 - the exact step-1 loss: every sample of step 1 alone, unpacked, no gradients, logits in chunks
-  (`HyperSloth.exactness.step_loss_reference`). LoRA's B starts at zero, so step 1's loss is the base
+  (`HyperSloth.train.exactness.step_loss_reference`). LoRA's B starts at zero, so step 1's loss is the base
   model's on that batch whatever the adapter seed. A system that cuts the long sample logs another number.
 - the attention floor: torch's flash attention forward+backward of one causal sequence of the long
   sample's length on the model's heads, timed for one layer and multiplied by the layer count. No step
   that trains the sample whole can be faster.
 
-With `--exactness` the reference also runs `HyperSloth.exactness.packed_vs_alone` on the GPU: the long
+With `--exactness` the reference also runs `HyperSloth.train.exactness.packed_vs_alone` on the GPU: the long
 sample's loss and LoRA gradient inside a packed row of step 1's short samples against the sample alone,
 through Unsloth's varlen path (with its gradient checkpointing, so 131k+ fits).
 
@@ -35,7 +35,7 @@ def with_long_sample(lengths: np.ndarray, long_tokens: int, samples_per_step: in
     """`lengths` with the first sample of HyperSloth's step 1 made `long_tokens` long. The planner's steps
     come from a seeded permutation that never reads the lengths, so the sample stays in step 1 (and the
     stock systems, fed in HyperSloth's plan order, see it in their step 1 too)."""
-    from HyperSloth.batching import PlanSpec, adaptive_partition_batches
+    from HyperSloth.plan.batching import PlanSpec, adaptive_partition_batches
 
     if not long_tokens:
         return lengths
@@ -80,9 +80,9 @@ def run_reference(a, workload, shape: dict, head_dim: int, seed: int, projection
     from datasets import load_from_disk
 
     from HyperSloth.config import FastModelArgs, LoraArgs
-    from HyperSloth.exactness import packed_vs_alone, sample_losses, step_loss_reference
-    from HyperSloth.model import load_model
-    from HyperSloth.patches import enable_unsloth_torch_varlen
+    from HyperSloth.train.exactness import packed_vs_alone, sample_losses, step_loss_reference
+    from HyperSloth.train.model import load_model
+    from HyperSloth.train.patches import enable_unsloth_torch_varlen
 
     enable_unsloth_torch_varlen()
     started = time.perf_counter()

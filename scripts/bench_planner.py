@@ -19,7 +19,7 @@ from pathlib import Path
 import fire
 import numpy as np
 
-from HyperSloth.batching import PlanSpec, PlanStats, adaptive_partition_batches
+from HyperSloth.plan.batching import PlanSpec, PlanStats, adaptive_partition_batches
 
 LAYOUTS = [(2, 32), (8, 128)]
 BUDGETS = [4096, 8192, 16384]

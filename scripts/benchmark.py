@@ -11,7 +11,7 @@ A slot is one or more systems joined by "+": 1-GPU systems of one slot run at th
 Systems (every one sees the same global batches, in the same order, so per-step losses agree):
 - `unsloth-best`: stock FastLanguageModel + TRL SFTTrainer on 1 GPU, 32 x 1 (its best split of the global
   batch, measured 2026-11-30: 32 x 1 beat 16 x 2 and 8 x 4), gradient checkpointing off, with
-  `HyperSloth.patches.enable_unsloth_torch_varlen()` applied in its process (torch >= 2.12 gives Unsloth
+  `HyperSloth.train.patches.enable_unsloth_torch_varlen()` applied in its process (torch >= 2.12 gives Unsloth
   this varlen path natively). `unsloth-best-gc`: the same with Unsloth's gradient checkpointing.
   `unsloth-best-16x2`: 16 x 2 without checkpointing, for models where 32 x 1 does not fit (8B).
 - `unsloth-stock`: Unsloth's defaults (8 x 4, its checkpointing, no varlen shim): a secondary row.
@@ -150,7 +150,7 @@ def build_checkpoint(model: str, folder: Path) -> None:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from HyperSloth.tiny_model import build_tiny_tokenizer
+    from HyperSloth.train.tiny_model import build_tiny_tokenizer
 
     if (folder / "config.json").exists():
         return
@@ -168,7 +168,7 @@ def build_data(work: Path, w: Workload, steps: int) -> dict:
     """Synthetic samples, registered for HyperSloth and ordered by its plan for the stock trainers."""
     from datasets import Dataset
 
-    from HyperSloth.batching import PlanSpec, adaptive_partition_batches
+    from HyperSloth.plan.batching import PlanSpec, adaptive_partition_batches
 
     n = GLOBAL_BATCH * steps
     lengths = bench_longctx.with_long_sample(sample_lengths(w, n), w.long_sample, GLOBAL_BATCH, SEED)
@@ -213,7 +213,7 @@ def step_stats(seconds: list[float], warmup: int) -> dict:
 
 def _clock():
     """HyperSloth's own step clock (a synchronised stamp at every optimizer step end), for the stock runs."""
-    from HyperSloth.profiling import PhaseTimer, StepClock
+    from HyperSloth.train.profiling import PhaseTimer, StepClock
 
     return StepClock(PhaseTimer(enabled=False))
 
@@ -226,7 +226,7 @@ def run_stock_unsloth(a) -> dict | None:
     from trl import SFTConfig, SFTTrainer
     from unsloth import FastLanguageModel
 
-    from HyperSloth.patches import enable_unsloth_torch_varlen
+    from HyperSloth.train.patches import enable_unsloth_torch_varlen
 
     shim = enable_unsloth_torch_varlen() if a.shim else False
     local = int(os.environ.get("LOCAL_RANK", "0"))

@@ -40,7 +40,7 @@ training_config_model = TrainingArgsConfig(
 
 def prepare(work: Path) -> None:
     from HyperSloth.data.build import build_dataset
-    from HyperSloth.tiny_model import build_tiny_model
+    from HyperSloth.train.tiny_model import build_tiny_model
 
     build_tiny_model(work / "tiny")
     build_dataset(str(ROOT / "data" / "sample_chat.jsonl"), name="sample-chat", tokenizer=str(work / "tiny"),

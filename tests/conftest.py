@@ -21,7 +21,7 @@ def shared_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model folder (HyperSloth.tiny_model), one build per test run."""
-    from HyperSloth.tiny_model import build_tiny_model
+    """The tiny model folder (HyperSloth.train.tiny_model), one build per test run."""
+    from HyperSloth.train.tiny_model import build_tiny_model
 
     return build_tiny_model(shared_tmp(tmp_path_factory) / "tiny-qwen3")

@@ -2,7 +2,7 @@
 
 Writes OUT/adapter (a stock PEFT adapter folder + tokenizer) and, with --merge, OUT/merged (the base
 model with the adapter folded in, safetensors + tokenizer). User mistakes exit with code 2 and one
-message, no traceback. See HyperSloth/export.py for what 4-bit and full fine-tuning runs get.
+message, no traceback. See HyperSloth/outputs/export.py for what 4-bit and full fine-tuning runs get.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from HyperSloth.cli.command import Command, Flag, Positional
-from HyperSloth.export import DTYPES, ExportError, ExportResult, export_run
+from HyperSloth.outputs.export import DTYPES, ExportError, ExportResult, export_run
 
 PROG = "hypersloth-export"
 

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import numpy as np
 
-from HyperSloth.batching import EpochPlan, PlanSpec, PlanStats, adaptive_partition_batches
 from HyperSloth.cli.command import Command, Flag, Positional
 from HyperSloth.config import ConfigError, load_config
-from HyperSloth.eval_set import describe_eval_plan, eval_row_lengths, plan_eval, training_rows
-from HyperSloth.plan_inputs import dataset_lengths, plan_spec_for
-from HyperSloth.run import MachineFacts, resolve_run
+from HyperSloth.plan.batching import EpochPlan, PlanSpec, PlanStats, adaptive_partition_batches
+from HyperSloth.plan.eval_set import describe_eval_plan, eval_row_lengths, plan_eval, training_rows
+from HyperSloth.plan.inputs import dataset_lengths, plan_spec_for
+from HyperSloth.plan.run import MachineFacts, resolve_run
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def _max_micro_batch_tokens(plan: EpochPlan, lengths: np.ndarray) -> int:
 def preview(config_path: str, *, num_ranks: int | None = None) -> PlanSummary:
     """Plan epoch 0 of CONFIG on its GPUs (or `num_ranks` of them); ConfigError for any user mistake.
 
-    The run is resolved exactly as `hypersloth-train` resolves it (HyperSloth.run.resolve_run, world size
+    The run is resolved exactly as `hypersloth-train` resolves it (HyperSloth.plan.run.resolve_run, world size
     len(training.gpus) unless `num_ranks`), on the machine the config asks for: its GPUs present."""
     if num_ranks is not None and (isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1):
         raise ConfigError(f"--gpus must be a whole number >= 1, got {num_ranks!r}")
@@ -103,7 +103,7 @@ def preview(config_path: str, *, num_ranks: int | None = None) -> PlanSummary:
 
 
 def _eval_lines(description, spec: PlanSpec) -> tuple[str, ...]:
-    """The eval set and the plan of one evaluation, planned as the workers will (HyperSloth.eval_set)."""
+    """The eval set and the plan of one evaluation, planned as the workers will (HyperSloth.plan.eval_set)."""
     if description.eval_set is None:
         return ()
     eval_plan = plan_eval(*eval_row_lengths(description.eval_set, description.loss_type), spec)

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from HyperSloth.cli.command import Command, Flag, Positional
-from HyperSloth.tiny_model import build_tiny_model
+from HyperSloth.train.tiny_model import build_tiny_model
 
 DEFAULT_OUT_DIR = "build/tiny-qwen3"
 

@@ -12,19 +12,19 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from HyperSloth import checkpoints, run_files
 from HyperSloth.cli.command import Command, Flag, Positional
 from HyperSloth.config import ConfigError, LoadedConfig, load_config
-from HyperSloth.launch import (
+from HyperSloth.launch.local import (
     LaunchError,
     TmuxSessionExists,
     cuda_device_count,
     is_torchrun_env,
     launch,
 )
-from HyperSloth.launch_tmux import check_tmux_session, launch_tmux
-from HyperSloth.model_source import hub_problem
-from HyperSloth.run import MachineFacts, RunDescription, resolve_run, write_run
+from HyperSloth.launch.model_source import hub_problem
+from HyperSloth.launch.tmux import check_tmux_session, launch_tmux
+from HyperSloth.outputs import checkpoints, run_files
+from HyperSloth.plan.run import MachineFacts, RunDescription, resolve_run, write_run
 
 
 @dataclass(frozen=True)
@@ -168,7 +168,7 @@ def _fail(message: str, code: int = 2) -> None:
 def _run_under_torchrun(config_path: str, overwrite: bool) -> int:
     """torchrun already started this process as one rank: resolve the run (every rank the same way), let
     rank 0 prepare the output folder and write run.json, then be the worker; spawn nothing."""
-    from HyperSloth import dist, worker
+    from HyperSloth.train import dist, worker
 
     info = dist.DistInfo.from_env()
     description, _ = resolve_config(config_path, world_size=info.world_size)

@@ -34,10 +34,10 @@ import numpy as np
 from loguru import logger
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from HyperSloth import run_files
 from HyperSloth.data import formats, masking, pairs, preference, records, registry, summary
 from HyperSloth.data.formats import DataInputError, RawRecord, RecordError
 from HyperSloth.data.records import Collected
+from HyperSloth.outputs import run_files
 
 COLUMNS: tuple[str, ...] = ("input_ids", "labels", "length", "num_trainable", "text")
 KEPT = ("ok", "truncated")
@@ -429,7 +429,7 @@ def compute_stats(built: datasets.Dataset, collected: Collected, statuses: Count
 
 
 def _build_settings(opts: BuildOptions) -> dict[str, Any]:
-    """The flags a rebuild repeats (HyperSloth.run.rebuild_command reads them from the entry's stats)."""
+    """The flags a rebuild repeats (HyperSloth.plan.run.rebuild_command reads them from the entry's stats)."""
     return {
         "overlength": opts.overlength,
         # The template file a rebuild needs (the entry's fingerprint alone cannot restore it).

@@ -21,9 +21,10 @@ from typing import Any
 
 from filelock import FileLock
 
-from HyperSloth import config, run_files
+from HyperSloth import config
 from HyperSloth.config import REGISTRY_FILE, REGISTRY_VERSION
 from HyperSloth.data.formats import DataInputError
+from HyperSloth.outputs import run_files
 
 BUILT_DIR = "built_dataset"
 #: The keys every entry has (docs/architecture.md); readers in other modules rely on them.

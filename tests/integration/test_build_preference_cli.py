@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from HyperSloth.cli.build_dataset import main
 from HyperSloth.data import build, preference
-from HyperSloth.tiny_model import build_tiny_model, build_tiny_tokenizer
+from HyperSloth.train.tiny_model import build_tiny_model, build_tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = REPO / "data" / "sample_preference.jsonl"

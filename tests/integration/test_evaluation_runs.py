@@ -75,7 +75,7 @@ workdir, model_dir, runs, dataset = pool_fixtures("evaluation", SPECS)
 
 @pytest.fixture(scope="module")
 def held_out(dataset):
-    from HyperSloth.eval_set import split_holdout
+    from HyperSloth.plan.eval_set import split_holdout
 
     return split_holdout(len(dataset), EVAL_FRACTION, SEED)[1]
 
@@ -125,8 +125,8 @@ def test_final_eval_loss_is_the_cross_entropy_of_the_saved_adapter(runs, model_d
 
 @needs("eval-2w")
 def test_held_out_rows_are_recorded_and_never_trained_on(runs, dataset, held_out):
-    from HyperSloth.batching import PlanSpec, adaptive_partition_batches
-    from HyperSloth.eval_set import rows_fingerprint
+    from HyperSloth.plan.batching import PlanSpec, adaptive_partition_batches
+    from HyperSloth.plan.eval_set import rows_fingerprint
 
     run = runs.get("eval-2w").check_ok()
     eval_set = run.summary["eval_set"]
@@ -219,7 +219,7 @@ def test_empty_holdout_is_refused_before_any_worker(workdir, model_dir):
 
 
 def test_eval_dataset_of_another_tokenizer_is_refused_before_any_worker(workdir, model_dir):
-    from HyperSloth.tiny_model import build_tiny_tokenizer
+    from HyperSloth.train.tiny_model import build_tiny_tokenizer
 
     registry_path = workdir / "data" / "data_config.json"
     registry = json.loads(registry_path.read_text())

@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from HyperSloth.cli.export import export as export_cli
 from HyperSloth.config import DataConfig, FastModelArgs, HyperConfig, LoraArgs, TrainingArgsConfig
-from HyperSloth.export import ExportError, export_adapter, export_run, merge_adapter
-from HyperSloth.tiny_model import build_tiny_model
+from HyperSloth.outputs.export import ExportError, export_adapter, export_run, merge_adapter
+from HyperSloth.train.tiny_model import build_tiny_model
 
 INPUTS = [[5, 17, 42, 99, 3, 250], [300, 7, 8, 9, 10, 11]]
 

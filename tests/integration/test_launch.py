@@ -1,4 +1,4 @@
-"""The launcher with real processes: fake workers (scripts written here) stand in for HyperSloth.worker."""
+"""The launcher with real processes: fake workers (scripts written here) stand in for HyperSloth.train.worker."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 import HyperSloth.cli.train as train_cli
-import HyperSloth.launch as launch_mod
-import HyperSloth.launch_tmux as tmux_mod
-from HyperSloth.launch import TORCHRUN_VARS, build_worker_specs, launch, worker_env
+import HyperSloth.launch.local as launch_mod
+import HyperSloth.launch.tmux as tmux_mod
+from HyperSloth.launch.local import TORCHRUN_VARS, build_worker_specs, launch, worker_env
 
 # A fake worker: records its environment and pid (and a grandchild's pid), then acts out `mode`.
 FAKE_WORKER = textwrap.dedent('''
@@ -126,7 +126,7 @@ def test_gpu_ids_count_within_parent_cuda_visible_devices():
 
 def test_specs_use_python_m_worker_by_default(tmp_path):
     specs = build_worker_specs(tmp_path / "c.py", [0], tmp_path, port=4321, cuda=False, base_env={})
-    assert specs[0].argv == (sys.executable, "-m", "HyperSloth.worker", str(tmp_path / "c.py"))
+    assert specs[0].argv == (sys.executable, "-m", "HyperSloth.train.worker", str(tmp_path / "c.py"))
     assert specs[0].env["HYPERSLOTH_MASTER_PORT"] == "4321"
 
 
@@ -134,7 +134,7 @@ def test_specs_use_python_m_worker_by_default(tmp_path):
 RENDEZVOUS_WORKER = textwrap.dedent('''
     import json, sys
     import torch
-    from HyperSloth import dist
+    from HyperSloth.train import dist
     info = dist.DistInfo.from_env()
     dist.setup(info, backend="gloo", timeout_s=60)
     total = torch.tensor([float(info.rank + 1)])
@@ -203,7 +203,7 @@ def test_launcher_raising_mid_spawn_leaves_no_worker(fake, tmp_path, monkeypatch
 
 DRIVER = textwrap.dedent('''
     import sys
-    from HyperSloth.launch import launch
+    from HyperSloth.launch.local import launch
     sys.exit(launch("cfg.py", [0, 1], sys.argv[1], worker_argv=sys.argv[2:], cuda=False))
 ''')
 
@@ -424,9 +424,9 @@ def test_dry_run_prints_the_plan_and_spawns_nothing(cli, tmp_path, capsys, monke
 
 def test_under_torchrun_the_worker_runs_in_process(cli, tmp_path, monkeypatch):
     seen = []
-    worker = types.ModuleType("HyperSloth.worker")
+    worker = types.ModuleType("HyperSloth.train.worker")
     worker.main = lambda description, info: seen.append((description.world_size, info.rank, os.getpid()))
-    monkeypatch.setitem(sys.modules, "HyperSloth.worker", worker)
+    monkeypatch.setitem(sys.modules, "HyperSloth.train.worker", worker)
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_RANK", "1")
@@ -480,7 +480,7 @@ def test_unknown_flag_is_refused_before_anything_runs(cli, tmp_path, capsys):
 
 
 def test_dataset_built_with_another_tokenizer_exits_2(cli, tmp_path, capsys):
-    from HyperSloth.tiny_model import build_tiny_tokenizer
+    from HyperSloth.train.tiny_model import build_tiny_tokenizer
 
     texts = [f"hello world number {i} and some more words" for i in range(50)]
     build_tiny_tokenizer(texts, vocab_size=300).save_pretrained(tmp_path / "model")  # the model's tokenizer

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 import HyperSloth.cli.train as train_cli
-from HyperSloth import checkpoints, run_files
 from HyperSloth.config import load_config
-from HyperSloth.run import MachineFacts, RunDescription, resolve_run, write_run
-from HyperSloth.run_files import TORCHRUN_VARS
+from HyperSloth.outputs import checkpoints, run_files
+from HyperSloth.outputs.run_files import TORCHRUN_VARS
+from HyperSloth.plan.run import MachineFacts, RunDescription, resolve_run, write_run
 
 
 def write_config(tmp_path: Path, *, gpus: str = "[0, 1]", model: str | None = None, extra_targs: str = "",
@@ -204,7 +204,7 @@ def test_the_rebuild_command_for_a_deleted_dataset_works(tmp_path, monkeypatch):
     from HyperSloth.cli import build_dataset as build_cli
     from HyperSloth.config import ConfigError
     from HyperSloth.data.build import build_dataset
-    from HyperSloth.tiny_model import build_tiny_tokenizer
+    from HyperSloth.train.tiny_model import build_tiny_tokenizer
 
     chats = [{"messages": [{"role": "user", "content": f"say {i} please"},
                            {"role": "assistant", "content": f"number {i} it is"}]} for i in range(8)]
@@ -255,7 +255,7 @@ def test_resume_into_a_folder_of_another_run_is_refused_and_overwrite_cannot_del
 
 
 def test_torchrun_rank0_ignores_its_peers_fresh_logs(tmp_path):
-    from HyperSloth.launch import LaunchError
+    from HyperSloth.launch.local import LaunchError
 
     description = resolve_run(load_config(write_config(tmp_path)), world_size=2, machine=MachineFacts(0, False, 2))
     logs = tmp_path / "out" / "logs"

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from HyperSloth.launch import TORCHRUN_VARS, LaunchError, TmuxSessionExists
-from HyperSloth.launch_tmux import launch_tmux
+from HyperSloth.launch.local import TORCHRUN_VARS, LaunchError, TmuxSessionExists
+from HyperSloth.launch.tmux import launch_tmux
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="the tmux binary is not installed")
 

@@ -135,7 +135,7 @@ def _describe(spec: RunSpec, workdir, model_dir, loss_type: str):
     from dataclasses import replace
 
     from HyperSloth.config import load_config
-    from HyperSloth.run import MachineFacts, resolve_run
+    from HyperSloth.plan.run import MachineFacts, resolve_run
     from training_fixtures import write_config
 
     variant = replace(spec, name=f"{spec.name}-{spec.batching}-{loss_type}", loss_type=loss_type)
@@ -165,10 +165,10 @@ def test_response_only_labels_cover_exactly_the_assistant_turns(dataset, model_d
 @pytest.mark.parametrize("mode", ["packed", "sorted-pad"])
 def test_loss_denominator_counts_the_trained_tokens_of_each_step(dataset, workdir, model_dir, mode):
     """What the trainer feeds every rank, summed over ranks, against a count from the raw labels."""
-    from HyperSloth.batching import adaptive_partition_batches, steps_per_epoch
-    from HyperSloth.collate import count_trainable
-    from HyperSloth.plan_inputs import dataset_lengths, plan_spec_for
-    from HyperSloth.trainer import PlanSteps
+    from HyperSloth.plan.batching import adaptive_partition_batches, steps_per_epoch
+    from HyperSloth.plan.inputs import dataset_lengths, plan_spec_for
+    from HyperSloth.train.collate import count_trainable
+    from HyperSloth.train.trainer import PlanSteps
 
     counts = {}
     for loss_type in ("response_only", "all"):
@@ -212,8 +212,8 @@ def _expected_step_loss(model_dir, dataset, indices, loss_type: str) -> float:
 
 @needs("packed-2w", "sorted-2w")
 def test_response_only_loss_is_the_mean_over_assistant_tokens(runs, dataset, workdir, model_dir):
-    from HyperSloth.batching import adaptive_partition_batches
-    from HyperSloth.plan_inputs import dataset_lengths, plan_spec_for
+    from HyperSloth.plan.batching import adaptive_partition_batches
+    from HyperSloth.plan.inputs import dataset_lengths, plan_spec_for
 
     response_only, everything = runs.get("packed-2w").check_ok(), runs.get("sorted-2w").check_ok()
     first_losses = {}
@@ -269,7 +269,7 @@ def test_resume_with_dropout_on_two_workers_equals_the_uninterrupted_run(runs, n
 
 @needs("killed-in-save", "resume")
 def test_a_worker_killed_while_saving_leaves_only_complete_checkpoints_and_latest_resumes_from_them(runs):
-    from HyperSloth import checkpoints, run_files
+    from HyperSloth.outputs import checkpoints, run_files
 
     killed = runs.get("killed-in-save")
     assert killed.returncode == 1 and (killed.out / FAILURE_MARK).is_file(), killed.output[-3000:]
@@ -294,12 +294,12 @@ def test_a_full_disk_during_a_save_stops_training_and_keeps_the_previous_checkpo
     import torch
     from transformers import TrainerCallback
 
-    from HyperSloth import checkpoints, run_files
     from HyperSloth.config import load_config
-    from HyperSloth.dist import DistInfo
-    from HyperSloth.model import load_model
-    from HyperSloth.run import MachineFacts, resolve_run
-    from HyperSloth.trainer import build_trainer
+    from HyperSloth.outputs import checkpoints, run_files
+    from HyperSloth.plan.run import MachineFacts, resolve_run
+    from HyperSloth.train.dist import DistInfo
+    from HyperSloth.train.model import load_model
+    from HyperSloth.train.trainer import build_trainer
     from training_fixtures import write_config
 
     spec = RunSpec("disk-full", gpus=1, per_device=2)

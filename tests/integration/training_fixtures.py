@@ -41,7 +41,7 @@ FAILURE_INJECTION = '''
 import os as _os, time as _time
 from pathlib import Path as _Path
 if _os.environ.get("HYPERSLOTH_RANK") == "1":
-    from HyperSloth.trainer import HyperSlothTrainer as _Trainer
+    from HyperSloth.train.trainer import HyperSlothTrainer as _Trainer
     _step, _calls = _Trainer.training_step, []
     def _failing_step(self, *args, **kwargs):
         _calls.append(1)
@@ -58,7 +58,7 @@ KILL_IN_SAVE_INJECTION = '''
 import os as _os, signal as _signal
 from pathlib import Path as _Path
 if _os.environ.get("HYPERSLOTH_RANK") == "1":
-    from HyperSloth.trainer import HyperSlothTrainer as _Trainer
+    from HyperSloth.train.trainer import HyperSlothTrainer as _Trainer
     _save = _Trainer._save_rng_state
     def _killed_while_saving(self, output_dir):
         if self.state.global_step == {step}:
@@ -155,7 +155,7 @@ class RunResult:
 def build_inputs(workdir: Path) -> Path:
     """Tiny model in workdir/tiny-qwen3 and dataset `chat` registered in workdir/data; returns the model."""
     from HyperSloth.data.build import build_dataset
-    from HyperSloth.tiny_model import build_tiny_model
+    from HyperSloth.train.tiny_model import build_tiny_model
 
     model_dir = build_tiny_model(workdir / "tiny-qwen3")
     source = workdir / "chat.jsonl"

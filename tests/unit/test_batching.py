@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from HyperSloth.batching import (
+from HyperSloth.plan.batching import (
     EpochPlan,
     PlanSpec,
     adaptive_partition_batches,

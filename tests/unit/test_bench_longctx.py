@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import bench_longctx  # noqa: E402
 import benchmark  # noqa: E402
 
-from HyperSloth.batching import PlanSpec, adaptive_partition_batches  # noqa: E402
+from HyperSloth.plan.batching import PlanSpec, adaptive_partition_batches  # noqa: E402
 
 
 def test_the_long_sample_lands_in_step_one_of_the_plan():

@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from HyperSloth import budget, dist
+from HyperSloth.launch.rendezvous import host_store
+from HyperSloth.train import budget, dist
 
 GIB = 2**30
 
@@ -150,7 +151,7 @@ def test_agree_min_gives_every_rank_the_smallest_measurement():
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     values = [48128, 31744]
-    store = dist.host_store()  # as the launcher does: held here, both ranks join as clients
+    store = host_store()  # as the launcher does: held here, both ranks join as clients
     port = store.port
     procs = [ctx.Process(target=_agree_worker, args=(r, port, values, queue)) for r in range(2)]
     for p in procs:
@@ -241,8 +242,8 @@ def test_the_probe_shrinks_unsloths_checkpointing_buffers(monkeypatch):
 
     import torch
 
-    from HyperSloth import budget
-    from HyperSloth.model import release_checkpointing_buffers
+    from HyperSloth.train import budget
+    from HyperSloth.train.model import release_checkpointing_buffers
 
     monkeypatch.delitem(sys.modules, "unsloth_zoo.gradient_checkpointing", raising=False)
     assert release_checkpointing_buffers() is False
@@ -261,7 +262,7 @@ def test_the_probe_shrinks_unsloths_checkpointing_buffers(monkeypatch):
 
 
 def test_settle_loads_with_checkpointing_at_once_when_the_cache_knows(monkeypatch):
-    from HyperSloth.probe_cache import ProbeSetup
+    from HyperSloth.train.probe_cache import ProbeSetup
 
     monkeypatch.setattr(budget, "measure_auto", _fake_measure({False: 30720, "unsloth": 300000}))
     monkeypatch.setattr(budget, "cached_needs_checkpointing", lambda setup, lengths, samples_per_step: True)

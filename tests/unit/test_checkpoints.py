@@ -17,8 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from HyperSloth import checkpoints, run_files
-from HyperSloth.checkpoints import CheckpointError
+from HyperSloth.outputs import checkpoints, run_files
+from HyperSloth.outputs.checkpoints import CheckpointError
 
 WORLD = 2
 
@@ -221,7 +221,7 @@ def test_large_files_are_sampled_at_start_and_hashed_whole_in_the_background(tmp
     (checkpoint / "optimizer.pt").write_bytes(bytes(data))
     assert checkpoints.verify(checkpoint).ok
     # Rank 0 hashes them whole while the model loads, and stops before the checkpoint is loaded.
-    from HyperSloth import worker
+    from HyperSloth.train import worker
 
     future = worker._check_large_files(SimpleNamespace(resume_from_checkpoint=str(checkpoint)))
     problems = future.result(timeout=10)
@@ -286,7 +286,7 @@ def test_rotation_keeps_the_newest_checkpoints_and_never_the_one_just_written(tm
 
 
 def test_a_failed_save_ends_the_worker_with_its_message_and_no_traceback(monkeypatch, capsys):
-    from HyperSloth import dist, worker
+    from HyperSloth.train import dist, worker
 
     message = ("could not save checkpoint-2: rank 1 failed to write its part: OSError: [Errno 28] No space left "
                "on device. The newest complete checkpoint is /out/checkpoint-1: ...")

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from HyperSloth.collate import IGNORE_INDEX, collate_packed, collate_sorted_pad, count_trainable
+from HyperSloth.train.collate import IGNORE_INDEX, collate_packed, collate_sorted_pad, count_trainable
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def test_sorted_pad_matches_packed(tiny_model):
 
 
 def test_bucket_tokens_are_few_and_waste_little():
-    from HyperSloth.collate import bucket_tokens
+    from HyperSloth.train.collate import bucket_tokens
 
     assert [bucket_tokens(n) for n in (1, 64, 65, 11000, 16384, 16385)] == [64, 64, 128, 11264, 16384, 18432]
     lengths = np.arange(4096, 65536)
@@ -83,7 +83,7 @@ def test_bucket_tokens_are_few_and_waste_little():
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_bucketed_row_gives_the_same_loss_and_gradients(attn):
     """A padding segment changes nothing: same loss, same targets, same LoRA-free gradients (fp32, 1e-7)."""
-    from HyperSloth.collate import collate
+    from HyperSloth.train.collate import collate
 
     torch.manual_seed(0)
     config = Qwen3Config(
@@ -115,7 +115,7 @@ def test_bucketed_row_gives_the_same_loss_and_gradients(attn):
 
 
 def test_bucketing_never_pads_past_the_budget():
-    from HyperSloth.collate import collate
+    from HyperSloth.train.collate import collate
 
     samples = _samples(lengths=(600, 400, 33))  # 1,033 tokens: the bucket would be 1,152
     assert collate(samples, "packed", 0, bucket=True)["input_ids"].shape[1] == 1152
@@ -126,7 +126,7 @@ def test_bucketing_never_pads_past_the_budget():
 def test_long_rows_are_not_bucketed():
     """A row past LONG_ROW_TOKENS keeps its length: its bucket would add up to 1/8 of a row that costs seconds,
     more than the new shape costs (the packed long sample then pads nothing, so packing it is never dearer)."""
-    from HyperSloth.collate import LONG_ROW_TOKENS, collate
+    from HyperSloth.train.collate import LONG_ROW_TOKENS, collate
 
     long_row = _samples(lengths=(LONG_ROW_TOKENS - 4000, 5000))  # 66,536 tokens: the bucket would be 73,728
     assert collate(long_row, "packed", 0, bucket=True, bucket_limit=10**6)["input_ids"].shape[1] == LONG_ROW_TOKENS + 1000

@@ -16,7 +16,7 @@ from HyperSloth.data.formats import RecordError
 from HyperSloth.data.pairs import Pair
 from HyperSloth.data.preference import EncodedPair, PairEncoder, encode_pairs
 from HyperSloth.data.records import Collected
-from HyperSloth.tiny_model import build_tiny_tokenizer
+from HyperSloth.train.tiny_model import build_tiny_tokenizer
 
 QWEN3 = (importlib.resources.files("trl") / "chat_templates" / "qwen3.jinja").read_text(encoding="utf-8")
 CORPUS = ["reverse: cat dog sun moon", "hello there, how are you?", "the sky is blue, not green", "be brief"]

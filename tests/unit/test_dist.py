@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from HyperSloth import dist
+from HyperSloth.launch.rendezvous import host_store
+from HyperSloth.train import dist
 
 
 def test_dist_info_from_launcher_env():
@@ -66,7 +67,7 @@ def _worker(rank: int, port: int, queue) -> None:
 
 def test_gradient_sync_sums_every_bucket_and_fills_missing_grads():
     ctx = mp.get_context("spawn")
-    store = dist.host_store()  # as the launcher does: held here, both ranks join as clients
+    store = host_store()  # as the launcher does: held here, both ranks join as clients
     queue, port = ctx.Queue(), store.port
     procs = [ctx.Process(target=_worker, args=(r, port, queue)) for r in range(2)]
     for p in procs:
@@ -102,7 +103,8 @@ def test_worker_start_up_imports_no_transformers_before_unsloth(tmp_path):
 
     code = (
         "import sys\n"
-        "from HyperSloth import worker, model, logs\n"
+        "from HyperSloth.outputs import logs\n"
+        "from HyperSloth.train import model, worker\n"
         f"logs.configure(1, {str(tmp_path)!r})\n"
         "print(sorted(m for m in ('transformers', 'trl', 'peft', 'datasets') if m in sys.modules))\n"
     )

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from HyperSloth.evaluation import eval_summary
-from HyperSloth.run_files import BEST_ADAPTER_DIR, BEST_EVAL_FILE
-from HyperSloth.report import format_console, write_report
+from HyperSloth.outputs.report import format_console, write_report
+from HyperSloth.outputs.run_files import BEST_ADAPTER_DIR, BEST_EVAL_FILE
+from HyperSloth.train.evaluation import eval_summary
 
 EVALS = [{"step": 0, "eval_loss": 3.2, "eval_tokens": 1500}, {"step": 2, "eval_loss": 2.75, "eval_tokens": 1500},
          {"step": 4, "eval_loss": 2.8, "eval_tokens": 1500}, {"step": 6, "eval_loss": 2.9, "eval_tokens": 1500}]
@@ -44,7 +44,7 @@ def test_report_does_not_claim_a_best_adapter_that_was_not_kept(tmp_path):
 
 
 def test_eval_plot_draws_train_and_eval_curves(tmp_path):
-    from HyperSloth import report
+    from HyperSloth.outputs import report
 
     drawn = {}
 
@@ -77,7 +77,7 @@ def test_eval_summary_points_at_the_best_adapter_only_when_it_holds_the_best(tmp
 
 
 def test_overwrite_removes_an_earlier_runs_best_adapter(tmp_path):
-    from HyperSloth import run_files
+    from HyperSloth.outputs import run_files
 
     (tmp_path / BEST_ADAPTER_DIR).mkdir()
     (tmp_path / BEST_ADAPTER_DIR / BEST_EVAL_FILE).write_text("{}")

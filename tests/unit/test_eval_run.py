@@ -11,8 +11,8 @@ import pytest
 from datasets import Dataset
 
 from HyperSloth.config import ConfigError, load_config
-from HyperSloth.eval_set import rows_fingerprint, split_holdout
-from HyperSloth.run import MachineFacts, read_run, resolve_run, write_run
+from HyperSloth.plan.eval_set import rows_fingerprint, split_holdout
+from HyperSloth.plan.run import MachineFacts, read_run, resolve_run, write_run
 
 CPU = MachineFacts(cuda_device_count=0, unsloth_available=False, cpu_count=2)
 
@@ -105,7 +105,7 @@ def test_the_eval_example_holds_out_five_percent_and_stops_early():
 
 def test_plan_preview_plans_the_training_rows_and_shows_the_eval_plan(tmp_path, data):
     from HyperSloth.cli.plan import format_summary, preview
-    from HyperSloth.eval_set import eval_row_lengths, plan_eval
+    from HyperSloth.plan.eval_set import eval_row_lengths, plan_eval
 
     summary = preview(str(_config(tmp_path, ", eval_fraction=0.1", ", eval_steps=2")))
     assert summary.num_samples == 54  # 60 rows, 6 held out

@@ -7,7 +7,7 @@ import pytest
 from datasets import Dataset
 
 from HyperSloth.config import ConfigError
-from HyperSloth.eval_set import (
+from HyperSloth.plan.eval_set import (
     EvalSet,
     check_eval_fraction,
     holdout_size,
@@ -144,7 +144,7 @@ def test_empty_eval_dataset_is_refused(tmp_path):
 
 
 def test_eval_dataset_built_with_another_tokenizer_is_refused(saved, tmp_path):
-    from HyperSloth.tiny_model import build_tiny_tokenizer
+    from HyperSloth.train.tiny_model import build_tiny_tokenizer
 
     texts = [f"hello world number {i} and some more words" for i in range(50)]
     build_tiny_tokenizer(texts, vocab_size=300).save_pretrained(tmp_path / "model")
@@ -157,8 +157,8 @@ def test_eval_dataset_built_with_another_tokenizer_is_refused(saved, tmp_path):
 
 
 def test_eval_row_lengths_and_plan_lines_follow_the_resolved_rows(saved):
-    from HyperSloth.batching import PlanSpec
-    from HyperSloth.eval_set import describe_eval_plan, eval_row_lengths, plan_eval
+    from HyperSloth.plan.batching import PlanSpec
+    from HyperSloth.plan.eval_set import describe_eval_plan, eval_row_lengths, plan_eval
 
     eval_set = resolve_holdout("chat", saved, fraction=0.25, seed=3, loss_type="response_only")
     _, held = split_holdout(40, 0.25, 3)
@@ -181,7 +181,7 @@ def test_eval_dataset_longer_than_max_seq_length_is_refused(saved):
 
 
 def test_training_rows_leave_out_exactly_the_holdout(saved, tmp_path):
-    from HyperSloth.eval_set import training_rows
+    from HyperSloth.plan.eval_set import training_rows
 
     eval_set = resolve_holdout("chat", saved, fraction=0.25, seed=3, loss_type="response_only")
     train_idx, held = split_holdout(40, 0.25, 3)

@@ -11,10 +11,12 @@ import torch.nn.functional as F
 from datasets import Dataset
 from transformers import Qwen3Config, Qwen3ForCausalLM, TrainerControl, TrainerState
 
-from HyperSloth import dist
-from HyperSloth.batching import PlanSpec
-from HyperSloth.collate import IGNORE_INDEX
-from HyperSloth.evaluation import (
+from HyperSloth.outputs.run_files import BEST_ADAPTER_DIR, BEST_EVAL_FILE
+from HyperSloth.plan.batching import PlanSpec
+from HyperSloth.plan.eval_set import eval_plan_spec, plan_eval
+from HyperSloth.train import dist
+from HyperSloth.train.collate import IGNORE_INDEX
+from HyperSloth.train.evaluation import (
     BestAdapterCallback,
     EarlyStopping,
     Evaluator,
@@ -22,8 +24,6 @@ from HyperSloth.evaluation import (
     eval_history,
     eval_sft_kwargs,
 )
-from HyperSloth.eval_set import eval_plan_spec, plan_eval
-from HyperSloth.run_files import BEST_ADAPTER_DIR, BEST_EVAL_FILE
 
 VOCAB = 97
 
@@ -276,7 +276,7 @@ def test_sft_arguments_evaluate_every_n_steps_and_track_the_lowest_loss(tmp_path
 
 
 def test_eval_summary_holds_the_issue_format_seconds_and_best():
-    from HyperSloth.evaluation import eval_summary
+    from HyperSloth.train.evaluation import eval_summary
 
     log = [{"loss": 3.0, "step": 1}, {"eval_loss": 2.0, "eval_tokens": 9, "eval_runtime": 0.25, "step": 2},
            {"eval_loss": 1.5, "eval_tokens": 9, "eval_runtime": 0.5, "step": 4}]
@@ -327,7 +327,7 @@ class _FakeTrainer:
 
 
 def test_evaluate_in_trainer_logs_calls_back_and_counts_an_evaluation_before_training(tiny_model):
-    from HyperSloth.evaluation import evaluate_in_trainer
+    from HyperSloth.train.evaluation import evaluate_in_trainer
 
     tiny_model.train()
     trainer = _FakeTrainer(tiny_model)
@@ -347,7 +347,7 @@ def test_evaluate_in_trainer_logs_calls_back_and_counts_an_evaluation_before_tra
 
 
 def test_evaluation_keeps_packed_lengths_on_the_host_as_training_does(tiny_model):
-    from HyperSloth.evaluation import evaluate_in_trainer
+    from HyperSloth.train.evaluation import evaluate_in_trainer
 
     trainer = _FakeTrainer(tiny_model)
     dataset = _rows(37)
@@ -363,7 +363,7 @@ def test_evaluation_keeps_packed_lengths_on_the_host_as_training_does(tiny_model
 
 
 def test_a_resumed_run_continues_the_early_stopping_count():
-    from HyperSloth.evaluation import evaluations_without_improvement
+    from HyperSloth.train.evaluation import evaluations_without_improvement
 
     assert [evaluations_without_improvement(x) for x in ([], [3.0], [3, 2, 2.5], [3, 2, 2.5, 2.0], [3, 2, 1])] == [0, 0, 1, 2, 0]
     state = TrainerState()

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from HyperSloth.collate import IGNORE_INDEX, collate_packed
-from HyperSloth.exactness import packed_vs_alone, sample_losses, step_loss_reference
+from HyperSloth.train.collate import IGNORE_INDEX, collate_packed
+from HyperSloth.train.exactness import packed_vs_alone, sample_losses, step_loss_reference
 
 MAX_POSITIONS = 4096  # the tiny model's context (tiny_model.build_tiny_model's default): its longest sample
 VOCAB = 512
@@ -89,9 +89,9 @@ def test_unsloth_varlen_rows_are_exact_at_the_longest_length(tmp_path):
     real leak on the same data (the row fed as one causal sequence): bf16 noise must be far below it."""
     pytest.importorskip("unsloth")
     from HyperSloth.config import FastModelArgs, LoraArgs
-    from HyperSloth.model import load_model
-    from HyperSloth.patches import enable_unsloth_torch_varlen
-    from HyperSloth.tiny_model import build_tiny_model
+    from HyperSloth.train.model import load_model
+    from HyperSloth.train.patches import enable_unsloth_torch_varlen
+    from HyperSloth.train.tiny_model import build_tiny_model
 
     enable_unsloth_torch_varlen()
     path = build_tiny_model(tmp_path / "tiny")

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from HyperSloth.config import HyperConfig, TrainingArgsConfig, config_to_dict, load_config
-from HyperSloth.run import batch_numbers
+from HyperSloth.plan.run import batch_numbers
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG_FILES = sorted(ROOT.glob("examples/*.py")) + sorted(ROOT.glob("HyperSloth/templates/*.py"))

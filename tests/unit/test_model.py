@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from HyperSloth import model as model_lib
 from HyperSloth.config import ConfigError, FastModelArgs, LoraArgs
+from HyperSloth.train import model as model_lib
 
 
 def fast_args(model_dir: Path, **overrides) -> FastModelArgs:

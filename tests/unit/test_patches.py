@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from HyperSloth import patches
+from HyperSloth.train import patches
 
 
 def _varlen_without_gqa(query, key, value, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from datasets import Dataset
 
-from HyperSloth.batching import PlanSpec, adaptive_partition_batches
 from HyperSloth.cli.plan import format_summary, plan, preview
 from HyperSloth.config import ConfigError
+from HyperSloth.plan.batching import PlanSpec, adaptive_partition_batches
 
 LINE = re.compile(
     r"^plan: steps=(\d+) micro_batches_per_rank=(\d+) padding_pct=([\d.]+) random_padding_pct=([\d.]+) "

@@ -1,11 +1,12 @@
-"""plan_inputs.py: what the trainer and the plan preview both feed the planner (plan_spec_for: test_run.py)."""
+"""plan/inputs.py: what the trainer and the plan preview both feed the planner (plan_spec_for: test_run.py)."""
 
 import json
 
 import numpy as np
 import pytest
 
-from HyperSloth.plan_inputs import attention_coef, dataset_lengths
+from HyperSloth.plan.inputs import dataset_lengths
+from HyperSloth.plan.run import attention_coef
 
 QWEN3 = {
     "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8, head_dim=128),

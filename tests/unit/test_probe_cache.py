@@ -6,7 +6,8 @@ import types
 import pytest
 import torch
 
-from HyperSloth import budget, probe_cache, run_files
+from HyperSloth.outputs import run_files
+from HyperSloth.train import budget, probe_cache
 
 GIB = 2**30
 DEVICE = {"gpu": "NVIDIA H200", "total_bytes": 150 * GIB, "capability": "9.0"}

@@ -7,9 +7,9 @@ import multiprocessing
 
 import pytest
 
-from HyperSloth import run_files
 from HyperSloth.data import registry
 from HyperSloth.data.formats import DataInputError
+from HyperSloth.outputs import run_files
 
 
 def entry(name: str, **extra) -> dict:

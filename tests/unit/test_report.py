@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from HyperSloth.report import compute_saved_pct, format_console, write_report
+from HyperSloth.outputs.report import compute_saved_pct, format_console, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

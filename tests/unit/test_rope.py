@@ -7,8 +7,8 @@ from loguru import logger
 from transformers import Qwen3Config
 
 from HyperSloth.config import FastModelArgs
-from HyperSloth.model import describe_rope, load_model, rope_extension, rope_parameters
-from HyperSloth.tiny_model import build_tiny_model
+from HyperSloth.train.model import describe_rope, load_model, rope_extension, rope_parameters
+from HyperSloth.train.tiny_model import build_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from HyperSloth import checkpoints, run_files
-from HyperSloth.batching import PlanSpec
 from HyperSloth.config import ConfigError, load_config
-from HyperSloth.plan_inputs import attention_coef, plan_spec_for
-from HyperSloth.run import (
+from HyperSloth.outputs import checkpoints, run_files
+from HyperSloth.plan.batching import PlanSpec
+from HyperSloth.plan.inputs import plan_spec_for
+from HyperSloth.plan.run import (
     MachineFacts,
     RunDescription,
+    attention_coef,
     batch_numbers,
     check_resume,
     rank_seed,

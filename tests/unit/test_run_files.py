@@ -1,4 +1,4 @@
-"""run_files.py: the one owner of run-directory names, HYPERSLOTH_* variables and the atomic writes."""
+"""outputs/run_files.py: the one owner of run-directory names, HYPERSLOTH_* variables and the atomic writes."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from HyperSloth import run_files
+from HyperSloth.outputs import run_files
 
 PACKAGE = Path(__file__).resolve().parents[2] / "HyperSloth"
+OWNER = PACKAGE / "outputs" / "run_files.py"
 # A rank's file name spelled by hand (`rank{r}.log`), a glob over them, an environment variable of the
 # launcher, a rename: each belongs to run_files.py alone.
 OWNED_SPELLINGS = {
@@ -23,12 +24,18 @@ OWNED_SPELLINGS = {
 def test_no_module_but_run_files_spells_run_names(what):
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path.name == "run_files.py":
+        if path == OWNER:
             continue
         for number, line in enumerate(path.read_text().splitlines(), 1):
             if OWNED_SPELLINGS[what].search(line):
                 offenders.append(f"{path.relative_to(PACKAGE.parent)}:{number}: {line.strip()}")
     assert offenders == [], f"{what} spelled outside run_files.py:\n" + "\n".join(offenders)
+
+
+def test_the_owner_exists_and_the_scan_sees_every_stage():
+    assert OWNER.is_file()
+    scanned = {path.parent.name for path in PACKAGE.rglob("*.py")}
+    assert {"plan", "launch", "train", "outputs", "data", "cli"} <= scanned
 
 
 def test_the_pattern_finds_what_it_forbids():

@@ -10,9 +10,9 @@ import torch
 from jinja2 import Template
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import HyperSloth.tiny_model as tiny
+import HyperSloth.train.tiny_model as tiny
 from HyperSloth.cli.tiny_model import count_parameters, tiny_model
-from HyperSloth.tiny_model import CHATML_TEMPLATE, build_tiny_model, build_tiny_tokenizer
+from HyperSloth.train.tiny_model import CHATML_TEMPLATE, build_tiny_model, build_tiny_tokenizer
 
 CHAT = [
     {"role": "system", "content": "You are a helpful assistant."},

@@ -5,8 +5,8 @@ import dataclasses
 import torch
 from trl import SFTConfig
 
-from HyperSloth import trainer
 from HyperSloth.config import TrainingArgsConfig
+from HyperSloth.train import trainer
 
 
 @dataclasses.dataclass

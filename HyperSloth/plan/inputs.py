@@ -5,40 +5,14 @@ Torch-free, so the plan preview stays fast and GPU-free, and the preview plans e
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-from HyperSloth.batching import PlanSpec
-
-if TYPE_CHECKING:  # run.py imports this module (attention_coef)
-    from HyperSloth.run import RunDescription
-
-
-def attention_coef(model_name: str) -> float | None:
-    """The planner's cost-model coefficient c (load = L + c L^2 per sequence) for a local model folder.
-
-    Per token and layer the linear layers cost 2 x P FLOP (P = weights of q, k, v, o and the gated MLP)
-    and causal attention 2 x d_attn x L, so c = d_attn / P: about 1.3e-4 for Qwen3-0.6B, 2.1e-5 for
-    Qwen3-8B. None (the planner's default) when the model is not a local folder with a config.json:
-    the preview and the trainer read the same file, so they always plan the same dealing.
-    """
-    path = Path(model_name).expanduser() / "config.json"
-    try:
-        cfg = json.loads(path.read_text())
-        d, ff = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
-        head_dim = int(cfg.get("head_dim") or d // int(cfg["num_attention_heads"]))
-        attn = int(cfg["num_attention_heads"]) * head_dim
-        kv = int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]) * head_dim
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return attn / (d * (attn + 2 * kv) + attn * d + 3 * d * ff)
+from HyperSloth.plan.batching import PlanSpec
+from HyperSloth.plan.run import RunDescription
 
 
 def plan_spec_for(run: RunDescription) -> PlanSpec:
-    """The planner's parameters of a resolved run (`HyperSloth.run.resolve_run`)."""
+    """The planner's parameters of a resolved run (`HyperSloth.plan.run.resolve_run`)."""
     training = run.hyper_config["training"]
     return PlanSpec(
         num_ranks=run.world_size,

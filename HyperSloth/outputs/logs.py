@@ -14,7 +14,7 @@ from pathlib import Path
 
 from loguru import logger
 
-from HyperSloth import run_files
+from HyperSloth.outputs import run_files
 
 FORMAT = "<green>{time:HH:mm:ss}</green> <cyan>[rank {extra[rank]}]</cyan> <level>{level: <7}</level> {message}"
 

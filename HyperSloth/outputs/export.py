@@ -36,8 +36,8 @@ from typing import Any, Literal
 
 from loguru import logger
 
-from HyperSloth import run_files
-from HyperSloth.run_files import CONFIG_FILE
+from HyperSloth.outputs import run_files
+from HyperSloth.outputs.run_files import CONFIG_FILE
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 DTYPES = ("bfloat16", "float16", "float32")

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from HyperSloth.collate import IGNORE_INDEX, collate_packed
+from HyperSloth.train.collate import IGNORE_INDEX, collate_packed
 
 
 @dataclass(frozen=True)

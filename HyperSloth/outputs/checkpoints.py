@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from HyperSloth import run_files
+from HyperSloth.outputs import run_files
 
 LATEST = "latest"  # resume_from_checkpoint="latest": the newest complete checkpoint of output_dir
 MANIFEST_VERSION = 1

@@ -2,7 +2,7 @@
 rank when one fails and summarises the exit codes. Same worker contract as `launch.launch`.
 
 `hypersloth-train --tmux` returns once the session exists, so it cannot hold the rendezvous port:
-the `main` window's monitor does. It binds the run's TCPStore (port 0, `dist.host_store`), writes
+the `main` window's monitor does. It binds the run's TCPStore (port 0, `rendezvous.host_store`), writes
 the port to `logs/rendezvous.port` and holds the store until every rank has exited; the launcher
 waits for that file before it creates the rank windows, so a port is never chosen and bound apart.
 """
@@ -18,8 +18,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from HyperSloth import run_files
-from HyperSloth.launch import (
+from HyperSloth.launch.local import (
     MASTER_ADDR,
     STDERR_TAIL_LINES,
     LaunchError,
@@ -29,8 +28,9 @@ from HyperSloth.launch import (
     cuda_device_count,
     stop_process_groups,
 )
+from HyperSloth.outputs import run_files
 
-from HyperSloth.run_files import RENDEZVOUS_PORT_FILE, TORCHRUN_VARS, rank_file_in
+from HyperSloth.outputs.run_files import RENDEZVOUS_PORT_FILE, TORCHRUN_VARS, rank_file_in
 
 PORT_WAIT_S = 120.0  # the monitor imports torch before it can bind the store
 
@@ -83,7 +83,7 @@ def _rank_script(spec: WorkerSpec, logs_dir: Path) -> str:
 
 
 def _main_script(logs_dir: Path, gpus: Sequence[int], grace_s: float) -> str:
-    monitor = [sys.executable, "-m", "HyperSloth.launch_tmux", "monitor", str(logs_dir), ",".join(map(str, gpus)),
+    monitor = [sys.executable, "-m", "HyperSloth.launch.tmux", "monitor", str(logs_dir), ",".join(map(str, gpus)),
                str(grace_s), str(logs_dir / RENDEZVOUS_PORT_FILE)]
     return _env_command(os.environ, monitor) + '\necho "[press Enter to close this window]"\nread _'
 
@@ -176,7 +176,7 @@ def _wait_for_port(port_file: Path, tmux_session, timeout_s: float = PORT_WAIT_S
 
 def _hold_rendezvous(port_file: Path):
     """Bind the run's store and publish its port (atomically: the launcher polls the file)."""
-    from HyperSloth.dist import host_store
+    from HyperSloth.launch.rendezvous import host_store
 
     store = host_store(MASTER_ADDR)
     run_files.atomic_write_text(port_file, f"{store.port}\n")
@@ -261,8 +261,8 @@ def _follow_ranks(logs: Path, gpus: Sequence[int], grace_s: float, poll_s: float
 
 if __name__ == "__main__":
     # Internal entry of the tmux `main` window:
-    # python -m HyperSloth.launch_tmux monitor LOGS_DIR GPUS GRACE_S PORT_FILE
+    # python -m HyperSloth.launch.tmux monitor LOGS_DIR GPUS GRACE_S PORT_FILE
     if len(sys.argv) != 6 or sys.argv[1] != "monitor":
-        sys.exit("usage: python -m HyperSloth.launch_tmux monitor LOGS_DIR GPU,GPU,... GRACE_S PORT_FILE")
+        sys.exit("usage: python -m HyperSloth.launch.tmux monitor LOGS_DIR GPU,GPU,... GRACE_S PORT_FILE")
     sys.exit(monitor_tmux_run(sys.argv[2], [int(g) for g in sys.argv[3].split(",")], float(sys.argv[4]),
                               port_file=sys.argv[5]))

@@ -1,7 +1,7 @@
 """The per-GPU main: DistInfo -> process group -> model -> plan -> trainer -> train.
 
-Started by the launcher as `python -m HyperSloth.worker OUTPUT_DIR/run.json` (one per GPU), or in-process
-by `hypersloth-train` under torchrun. It reads the resolved run description (HyperSloth.run), never
+Started by the launcher as `python -m HyperSloth.train.worker OUTPUT_DIR/run.json` (one per GPU), or in-process
+by `hypersloth-train` under torchrun. It reads the resolved run description (HyperSloth.plan.run), never
 the config file, and knows nothing about how it was started beyond `DistInfo`.
 """
 
@@ -18,10 +18,11 @@ from loguru import logger
 
 import numpy as np
 
-from HyperSloth import budget, checkpoints, dist, logs, probe_cache, report, run_files
-from HyperSloth.checkpoints import CheckpointError
 from HyperSloth.config import ConfigError
-from HyperSloth.run import RunDescription, read_run
+from HyperSloth.outputs import checkpoints, logs, report, run_files
+from HyperSloth.outputs.checkpoints import CheckpointError
+from HyperSloth.plan.run import RunDescription, read_run
+from HyperSloth.train import budget, dist, probe_cache
 
 
 def main_from_cli(run_path: str) -> None:
@@ -79,8 +80,8 @@ def run(description: RunDescription, info: dist.DistInfo) -> dict[str, Any] | No
 
 def _prepare_unsloth(rank: int) -> None:
     """Import Unsloth first (it patches transformers/trl), with a compile cache of this rank's own."""
-    from HyperSloth import model as model_lib
-    from HyperSloth.patches import enable_unsloth_torch_varlen
+    from HyperSloth.train import model as model_lib
+    from HyperSloth.train.patches import enable_unsloth_torch_varlen
 
     # One compile cache per rank: ranks compiling into one folder race (unsloth-zoo #379).
     os.environ.setdefault("UNSLOTH_COMPILE_LOCATION", run_files.compile_cache_dir(rank))
@@ -101,10 +102,10 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path) -> d
     import transformers
     from datasets import load_from_disk
 
-    from HyperSloth import model as model_lib
-    from HyperSloth.eval_set import split_for_run
-    from HyperSloth.evaluation import eval_summary
-    from HyperSloth.trainer import build_trainer
+    from HyperSloth.plan.eval_set import split_for_run
+    from HyperSloth.train import model as model_lib
+    from HyperSloth.train.evaluation import eval_summary
+    from HyperSloth.train.trainer import build_trainer
 
     hyper = description.hyper()
     transformers.set_seed(description.seed)
@@ -163,7 +164,7 @@ def _refuse_corrupt(checkpoint: str, problems: list[str]) -> None:
 
 def _loader(hyper):
     """`load(gradient_checkpointing)` for budget.settle: the configured model, or with that checkpointing."""
-    from HyperSloth import model as model_lib
+    from HyperSloth.train import model as model_lib
 
     def load(checkpointing):
         fast = hyper.fast_model_args
@@ -237,6 +238,6 @@ def _print_summary(summary: dict[str, Any], out_dir: Path) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        print("usage: python -m HyperSloth.worker OUTPUT_DIR/run.json (started by hypersloth-train)", file=sys.stderr)
+        print("usage: python -m HyperSloth.train.worker OUTPUT_DIR/run.json (started by hypersloth-train)", file=sys.stderr)
         sys.exit(2)
     main_from_cli(sys.argv[1])

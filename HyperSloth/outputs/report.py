@@ -1,9 +1,9 @@
 """The run report: `report.md` + `report.png` in a run's output_dir, and a short console summary.
 
 It reads files only: `train_summary.json` (required), `hypersloth_config.json` and the ranks'
-`final.json` records (optional; names in HyperSloth.run_files), so any finished run can be reported
+`final.json` records (optional; names in HyperSloth.outputs.run_files), so any finished run can be reported
 again later:
-    python -c "from HyperSloth.report import write_report; write_report('outputs/tiny-demo')"
+    python -c "from HyperSloth.outputs.report import write_report; write_report('outputs/tiny-demo')"
 Every summary key is optional here: a 1-step run, or a summary written by an older version,
 still gets a report with the lines it has data for. Every curve and table is numbered by global
 optimizer step: after a resume the losses start at `first_step`, and the learning rate and grad norm
@@ -23,8 +23,8 @@ from typing import Any
 
 from loguru import logger
 
-from HyperSloth import run_files
-from HyperSloth.run_files import CONFIG_FILE, REPORT_MD, REPORT_PNG, SUMMARY_FILE
+from HyperSloth.outputs import run_files
+from HyperSloth.outputs.run_files import CONFIG_FILE, REPORT_MD, REPORT_PNG, SUMMARY_FILE
 MAX_TABLE_ROWS = 20  # rows of the per-step table; longer runs show every k-th step
 
 

@@ -24,7 +24,7 @@ from filelock import FileLock
 from loguru import logger
 from pydantic import BaseModel, ConfigDict, Field
 
-from HyperSloth import run_files
+from HyperSloth.outputs import run_files
 
 if TYPE_CHECKING:  # heavy imports stay lazy: the CLI and the launcher import this module
     from transformers import PreTrainedTokenizerFast
@@ -44,7 +44,7 @@ CHATML_TEMPLATE: str = (
     "{%- endif %}"
 )
 
-DEFAULT_DATA_PATH: Path = Path(__file__).resolve().parents[1] / "data" / "sample_chat.jsonl"
+DEFAULT_DATA_PATH: Path = Path(__file__).resolve().parents[2] / "data" / "sample_chat.jsonl"
 ARGS_FILE = "tiny_model_args.json"
 # Weight init std. With Qwen3's default 0.02 the random 64-wide model is nearly the identity map
 # on its tied embedding, and LoRA on it barely learns: on held-out sample chats, the demo's run

@@ -38,10 +38,10 @@ import torch.distributed as torch_dist
 from loguru import logger
 from transformers import EarlyStoppingCallback, TrainerCallback
 
-from HyperSloth import run_files
-from HyperSloth.batching import EpochPlan, PlanSpec
-from HyperSloth.collate import LossType, collate, count_trainable, sample_labels, to_device
-from HyperSloth.eval_set import plan_eval
+from HyperSloth.outputs import run_files
+from HyperSloth.plan.batching import EpochPlan, PlanSpec
+from HyperSloth.plan.eval_set import plan_eval
+from HyperSloth.train.collate import LossType, collate, count_trainable, sample_labels, to_device
 
 FINAL_ONLY_EVAL_STEPS = 2**31 - 1  # eval_steps=None: HF's loop then evaluates after the last step only
 

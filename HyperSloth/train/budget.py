@@ -30,7 +30,7 @@ How "auto" is decided on a GPU, once per run, after the model is loaded and befo
    the run stops before training with the length that fits (it would run out of memory at that step).
 4. Ranks agree: every rank measures, then all take the minimum (`agree_min`, an all-reduce MIN), so
    the plan is identical everywhere.
-5. Cache (`HyperSloth.probe_cache`): the measured points are kept per model, quantisation, LoRA settings,
+5. Cache (`HyperSloth.train.probe_cache`): the measured points are kept per model, quantisation, LoRA settings,
    checkpointing, GPU and library versions. A later start with the same key re-verifies one pass (the
    smallest probe) and reuses the rest; a cached line that says the longest sample cannot fit without
    checkpointing even on the whole GPU lets the worker load the model with checkpointing at once (no
@@ -39,7 +39,7 @@ How "auto" is decided on a GPU, once per run, after the model is loaded and befo
 The probe leaves the model as it found it: no optimizer step, every gradient set back to None, Unsloth's
 checkpointing buffers shrunk back (`model.release_checkpointing_buffers`), the caching allocator emptied.
 On CPU there is nothing to measure: "auto" is the fixed value per_device_train_batch_size x
-max_seq_length (room for a micro-batch of the longest samples; resolved in `HyperSloth.run`, so the CPU
+max_seq_length (room for a micro-batch of the longest samples; resolved in `HyperSloth.plan.run`, so the CPU
 plan is known before any worker starts).
 """
 
@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from HyperSloth import probe_cache
+from HyperSloth.train import probe_cache
 
 SAFETY_FRACTION = 0.08  # of the GPU's total memory, left unplanned (fragmentation, allocator slack)
 PROBE_TOKENS = (2048, 8192)  # the two probe sizes the line is fitted through
@@ -299,7 +299,7 @@ def probe_batch(tokens: int, longest: Sequence[int], vocab_size: int, seed: int 
                 with_lengths: bool = True) -> dict[str, Any]:
     """A packed row of `tokens` random tokens cut as `probe_segments`, as the trainer feeds it (restarting
     position ids, `packed_seq_lengths` for Unsloth's varlen path, labels = inputs)."""
-    from HyperSloth.collate import collate_packed
+    from HyperSloth.train.collate import collate_packed
 
     rng = np.random.default_rng(seed)
     rows = (rng.integers(0, vocab_size, size=n) for n in probe_segments(longest, tokens))
@@ -341,7 +341,7 @@ def release_memory(model, *, checkpointing_buffers: bool = False) -> None:
     with `checkpointing_buffers`, also shrink the Unsloth checkpointing buffers that the probe grew."""
     import torch
 
-    from HyperSloth.model import release_checkpointing_buffers
+    from HyperSloth.train.model import release_checkpointing_buffers
 
     for p in model.parameters():
         p.grad = None
@@ -459,7 +459,7 @@ def settle(description, load: Callable[[Any], Any], lengths: Sequence[int] | np.
     decision). `load(gradient_checkpointing)` loads the model (None = as configured); `setup` names the
     model for the probe cache (None: no cache).
 
-    An explicit budget, or "auto" on CPU, was already fixed by `HyperSloth.run`; "auto" on a GPU is
+    An explicit budget, or "auto" on CPU, was already fixed by `HyperSloth.plan.run`; "auto" on a GPU is
     measured here and agreed over ranks. If the longest sample does not fit one micro-batch without
     checkpointing, the model is loaded again with gradient checkpointing (at once, when the cache already
     knows), the budget is measured again, and the description records checkpointing on.

@@ -5,10 +5,11 @@ reads that from the environment (the only place besides the launcher that does),
 variables so that transformers/accelerate see one ordinary single-process run (no DDP wrapper, no
 sampler sharding), and creates the process group.
 
-Rendezvous: under the HyperSloth launcher the run's TCPStore is hosted by the launcher (`host_store`),
-bound on a kernel-chosen port before any worker starts and held until the workers are gone; every
-worker, rank 0 included, joins it as a client. Nobody chooses a port and binds it later, so two runs
-on one machine cannot race for it. Under torchrun, torchrun's own rendezvous is used (tcp:// init).
+Rendezvous: under the HyperSloth launcher the run's TCPStore is hosted by the launcher
+(`launch.rendezvous.host_store`), bound on a kernel-chosen port before any worker starts and held until
+the workers are gone; every worker, rank 0 included, joins it as a client. Nobody chooses a port and
+binds it later, so two runs on one machine cannot race for it. Under torchrun, torchrun's own
+rendezvous is used (tcp:// init).
 
 Gradients are summed, never averaged: every micro-batch loss is already divided by the step's *global*
 trainable-token count, so the sum over ranks is exactly the gradient one process would compute on the
@@ -27,7 +28,7 @@ import torch.distributed as torch_dist
 
 # TORCHRUN_VARS: variables torchrun sets. HF/accelerate switch to their own DDP mode when they see
 # them, so the worker removes them after reading (HyperSloth syncs gradients itself).
-from HyperSloth.run_files import (
+from HyperSloth.outputs.run_files import (
     ENV_LOCAL_RANK,
     ENV_MASTER_ADDR,
     ENV_MASTER_PORT,
@@ -103,21 +104,6 @@ def isolate_process(info: DistInfo, env: MutableMapping[str, str] | None = None)
 
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-# How long `host_store` answers a client that waits for a key; the workers' own timeout
-# (training.nccl_timeout_s) bounds their waits, this only bounds the host's side of a request.
-HOST_STORE_TIMEOUT_S = 1800
-
-
-def host_store(addr: str = "127.0.0.1") -> torch_dist.TCPStore:
-    """The rendezvous store of one run, listening now on a port the kernel picked (`.port`).
-
-    Port 0 makes the kernel choose a free port and bind it in one step; whoever holds the returned
-    object owns the port until it is dropped. Workers join with `setup` (launched_by="hypersloth").
-    """
-    return torch_dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False,
-                               timeout=timedelta(seconds=HOST_STORE_TIMEOUT_S))
 
 
 def setup(info: DistInfo, *, backend: str | None = None, timeout_s: int = 1800) -> None:

@@ -2,16 +2,16 @@
 
 A run directory (`training_config_model.output_dir`) holds:
 
-    run.json                        the resolved run description (HyperSloth.run); workers read it
+    run.json                        the resolved run description (HyperSloth.plan.run); workers read it
     run_resolved.json               what the workers settled at start: the token budget ("auto" measured,
                                     min over ranks, with its inputs) and gradient checkpointing (rank 0)
     hypersloth_config.json          the resolved config (export reads the base model name from it)
     train_summary.json              numbers of the finished run (rank 0)
-    report.md, report.png           the run report (HyperSloth.report)
+    report.md, report.png           the run report (HyperSloth.outputs.report)
     adapter_*.safetensors, ...      the trained adapter / model, saved by rank 0 at the end
     best_adapter/                   with an eval set: the adapter of the lowest eval loss (a PEFT folder)
                                     and best_eval.json ({"step", "eval_loss", "eval_tokens"}); rank 0
-    checkpoint-N/                   complete checkpoints (HyperSloth.checkpoints): HF's files plus run.json,
+    checkpoint-N/                   complete checkpoints (HyperSloth.outputs.checkpoints): HF's files plus run.json,
                                     hypersloth_config.json, rng_state_rank{r}.pth (one RNG state per
                                     rank) and manifest.json (every file's size and sha256), written last
     tmp-checkpoint-N/checkpoint-N/  a checkpoint being written; renamed to checkpoint-N once every rank
@@ -44,12 +44,12 @@ REPORT_PNG = "report.png"
 LOGS_DIR = "logs"
 CHECKPOINT_PREFIX = "checkpoint-"
 RANK_RNG_FILE = "rng_state_rank{rank}.pth"
-MANIFEST_FILE = "manifest.json"  # inside checkpoint-N: what a complete checkpoint holds (HyperSloth.checkpoints)
+MANIFEST_FILE = "manifest.json"  # inside checkpoint-N: what a complete checkpoint holds (HyperSloth.outputs.checkpoints)
 STAGING_PREFIX = "tmp-checkpoint-"  # a checkpoint being written: tmp-checkpoint-N/checkpoint-N
 TRAINER_STATE_FILE = "trainer_state.json"  # HF's, inside checkpoint-N: a resume cannot start without it
 RESOLVED_FILE = "run_resolved.json"  # what the workers settled at start (measured token budget, checkpointing)
 RENDEZVOUS_PORT_FILE = "rendezvous.port"  # tmux mode: in logs/, the port the monitor's store holds
-BEST_ADAPTER_DIR = "best_adapter"  # HyperSloth.evaluation keeps the lowest eval loss's adapter here
+BEST_ADAPTER_DIR = "best_adapter"  # HyperSloth.train.evaluation keeps the lowest eval loss's adapter here
 BEST_EVAL_FILE = "best_eval.json"  # inside best_adapter/: {"step", "eval_loss", "eval_tokens"}
 
 # What rank 0's final save writes next to the summary (PEFT adapter or full model, tokenizer, card).
@@ -72,7 +72,7 @@ ENV_LOCAL_RANK = "HYPERSLOTH_LOCAL_RANK"
 ENV_WORLD_SIZE = "HYPERSLOTH_WORLD_SIZE"
 ENV_MASTER_ADDR = "HYPERSLOTH_MASTER_ADDR"
 ENV_MASTER_PORT = "HYPERSLOTH_MASTER_PORT"
-# Where the budget probe caches its measurements (HyperSloth.probe_cache); "off" turns the cache off.
+# Where the budget probe caches its measurements (HyperSloth.train.probe_cache); "off" turns the cache off.
 ENV_CACHE_DIR = "HYPERSLOTH_CACHE_DIR"
 
 # Variables torchrun / torch.distributed set. HF/accelerate switch to their own DDP mode when they see
@@ -152,7 +152,7 @@ def manifest_file(checkpoint: str | os.PathLike) -> Path:
 
 def staging_dir(output_dir: str | os.PathLike, step: int) -> Path:
     """`{output_dir}/tmp-checkpoint-{step}`: HF writes the checkpoint of `step` into its `checkpoint-{step}`
-    (HyperSloth.checkpoints). Not a `checkpoint-*` name, so HF's own checkpoint search never sees it."""
+    (HyperSloth.outputs.checkpoints). Not a `checkpoint-*` name, so HF's own checkpoint search never sees it."""
     return Path(output_dir) / f"{STAGING_PREFIX}{step}"
 
 

@@ -17,7 +17,7 @@ Only rank 0 saves the model, optimizer and trainer state, reports to TensorBoard
 progress bar. Every rank draws dropout from its own RNG stream (seeded from (seed, rank)) and saves
 that stream into each checkpoint (one file per rank, run_files.rank_rng_file), so a resumed run continues exactly; all
 ranks load the same checkpoint when resuming, and the plan position follows from the global step.
-A checkpoint is written by all ranks as one unit (HyperSloth.checkpoints.save_atomically): a crash
+A checkpoint is written by all ranks as one unit (HyperSloth.outputs.checkpoints.save_atomically): a crash
 or a full disk during a save never leaves a checkpoint-N that looks complete.
 """
 
@@ -37,16 +37,16 @@ from torch.utils.data import DataLoader, Dataset
 from transformers import TrainerCallback
 from trl import SFTConfig, SFTTrainer
 
-from HyperSloth import checkpoints, run_files
-from HyperSloth.batching import EpochPlan, adaptive_partition_batches, steps_per_epoch
-from HyperSloth.collate import LossType, collate, sample_labels, to_device
 from HyperSloth.config import TrainingArgsConfig
-from HyperSloth.dist import DistInfo, GradientSync, all_ranks_ok
-from HyperSloth.evaluation import Evaluator, build_evaluator, eval_callbacks, eval_sft_kwargs, evaluate_in_trainer
-from HyperSloth.model import trainable_parameters
-from HyperSloth.plan_inputs import dataset_lengths, plan_spec_for
-from HyperSloth.profiling import PhaseTimer, StepClock
-from HyperSloth.run import RunDescription, rank_seed, write_run
+from HyperSloth.outputs import checkpoints, run_files
+from HyperSloth.plan.batching import EpochPlan, adaptive_partition_batches, steps_per_epoch
+from HyperSloth.plan.inputs import dataset_lengths, plan_spec_for
+from HyperSloth.plan.run import RunDescription, rank_seed, write_run
+from HyperSloth.train.collate import LossType, collate, sample_labels, to_device
+from HyperSloth.train.dist import DistInfo, GradientSync, all_ranks_ok
+from HyperSloth.train.evaluation import Evaluator, build_evaluator, eval_callbacks, eval_sft_kwargs, evaluate_in_trainer
+from HyperSloth.train.model import trainable_parameters
+from HyperSloth.train.profiling import PhaseTimer, StepClock
 
 # HF's throughput figures count one process's samples and steps (each worker looks single-process to
 # it): on 2 workers x 2 micro-batches they are 4x too small. The trainer logs real tokens/s instead.
@@ -257,7 +257,7 @@ class HyperSlothTrainer(SFTTrainer):
         return sum(self._flop_parameters * mb["input_ids"].numel() for mb in inputs["micro_batches"])
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """The exact held-out loss over all ranks (HyperSloth.evaluation); HF's loop calls it on every rank."""
+        """The exact held-out loss over all ranks (HyperSloth.train.evaluation); HF's loop calls it on every rank."""
         if self.evaluator is None:
             raise ValueError("this run has no eval set: set data.eval_fraction or data.eval_dataset_name")
         metrics = evaluate_in_trainer(self, self.evaluator, metric_key_prefix)
@@ -275,7 +275,7 @@ class HyperSlothTrainer(SFTTrainer):
                 logs["train_tokens_per_second_all_ranks"] = round(self.tokens_this_run / training_s, 1)
         super().log(logs, start_time)
 
-    # ---- checkpoints: written atomically by all ranks (HyperSloth.checkpoints) ----------------
+    # ---- checkpoints: written atomically by all ranks (HyperSloth.outputs.checkpoints) ----------------
     # Checked against Trainer._save_checkpoint / _get_output_dir / _save_rng_state / _load_rng_state of
     # transformers 5.17. HF writes `{_get_output_dir()}/checkpoint-N` in place, from process 0 only (and
     # every HyperSloth worker is "process 0" to it); here every rank writes its part into a staging folder

@@ -4,13 +4,13 @@ Three ways to run the workers of `training.gpus`:
 - `launch`: child processes of this one (the default). Each child gets its own session/process
   group, so a stop signal reaches the worker and anything it forked (data-loader workers), and a
   parent-death signal (Linux), so it dies with the launcher even when the launcher is SIGKILLed.
-- `launch_tmux` (in launch_tmux.py): one tmux window per rank plus a `main` window.
+- `launch_tmux` (in tmux.py): one tmux window per rank plus a `main` window.
 - torchrun: nothing is spawned here; `is_torchrun_env` lets the CLI call the worker in-process.
 
 The worker contract (environment, argv, log paths) lives in `worker_env` / `build_worker_specs`.
 The rendezvous port is owned by this process from the moment it is chosen: `launch` binds the run's
 TCPStore itself (port 0: the kernel picks a free one) and holds it until the workers are gone, so no
-other process can take the port between choosing and binding (see `dist.host_store`).
+other process can take the port between choosing and binding (see `rendezvous.host_store`).
 This module imports no model code; torch only lazily (to count GPUs and to host the store).
 """
 
@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Iterator
 
-from HyperSloth import run_files
+from HyperSloth.outputs import run_files
 
 # TORCHRUN_VARS: variables of torchrun / torch.distributed that must not reach our workers: HyperSloth
 # owns the process group, and Hugging Face must see each worker as a single process.
-from HyperSloth.run_files import TORCHRUN_VARS
+from HyperSloth.outputs.run_files import TORCHRUN_VARS
 
 MASTER_ADDR = "127.0.0.1"
 STDERR_TAIL_LINES = 20
@@ -116,8 +116,8 @@ def cuda_device_count() -> int:
 
 
 def default_worker_argv(config_path: str | os.PathLike) -> list[str]:
-    """The command of one worker: `python -m HyperSloth.worker CONFIG`."""
-    return [sys.executable, "-m", "HyperSloth.worker", str(config_path)]
+    """The command of one worker: `python -m HyperSloth.train.worker CONFIG`."""
+    return [sys.executable, "-m", "HyperSloth.train.worker", str(config_path)]
 
 
 def _physical_gpu(gpu: int, parent_visible: str | None) -> str:
@@ -365,7 +365,7 @@ def launch(
     `cuda=None` asks torch whether CUDA is there. Call it from the thread that lives longest: the
     workers die when the thread that started them ends.
     """
-    from HyperSloth.dist import host_store
+    from HyperSloth.launch.rendezvous import host_store
 
     cuda = cuda_device_count() > 0 if cuda is None else cuda
     store = host_store(MASTER_ADDR)  # held (bound) until this function returns

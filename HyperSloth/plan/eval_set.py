@@ -23,8 +23,8 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from HyperSloth.batching import EpochPlan, PlanSpec, adaptive_partition_batches
 from HyperSloth.config import ConfigError
+from HyperSloth.plan.batching import EpochPlan, PlanSpec, adaptive_partition_batches
 
 MAX_EVAL_FRACTION = 0.5  # beyond this the "hold-out" would be larger than what is trained on
 EVAL_ROWS_PER_RANK_PER_CHUNK = 256  # eval "steps" hold this many rows per rank: bounds the planner's work

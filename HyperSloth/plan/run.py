@@ -1,14 +1,14 @@
 """Resolve a run once: (loaded config, registry entry, world size, machine facts) -> RunDescription.
 
 The launcher resolves the run before any worker starts and writes it to `OUTPUT_DIR/run.json`; each
-worker reads that file instead of executing the config again (`python -m HyperSloth.worker
+worker reads that file instead of executing the config again (`python -m HyperSloth.train.worker
 OUTPUT_DIR/run.json`). Under torchrun every rank resolves the same description in-process
 (deterministic: same file, same registry, same world size) and only rank 0 writes it. `hypersloth-plan`
 and `--dry-run` use the same resolver, so the preview plans exactly what the workers will.
 
 Every derived number (global batch, micro-batches per step, token budget) is computed here and only
 here, and every problem found is collected and reported at once, saying what to change.
-Torch-free: `MachineFacts.detect` imports torch lazily, only to count GPUs.
+Torch-free: the caller counts the GPUs (`launch.local.cuda_device_count`) and passes the number in.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from HyperSloth import checkpoints, run_files
 from HyperSloth.config import (
     ConfigError,
     HyperConfig,
@@ -35,8 +34,8 @@ from HyperSloth.config import (
     config_to_dict,
     runtime_problems,
 )
-from HyperSloth.eval_set import EvalSet, resolve_eval_set
-from HyperSloth.plan_inputs import attention_coef
+from HyperSloth.outputs import checkpoints, run_files
+from HyperSloth.plan.eval_set import EvalSet, resolve_eval_set
 
 REQUIRED_COLUMNS = ("input_ids", "labels", "length", "num_trainable")
 
@@ -66,21 +65,37 @@ def rebuild_command(entry: dict[str, Any], name: str, data_dir: str, max_seq_len
     return "hypersloth-build-dataset " + " ".join(parts) + " --overwrite"
 
 
+def attention_coef(model_name: str) -> float | None:
+    """The planner's cost-model coefficient c (load = L + c L^2 per sequence) for a local model folder.
+
+    Per token and layer the linear layers cost 2 x P FLOP (P = weights of q, k, v, o and the gated MLP)
+    and causal attention 2 x d_attn x L, so c = d_attn / P: about 1.3e-4 for Qwen3-0.6B, 2.1e-5 for
+    Qwen3-8B. None (the planner's default) when the model is not a local folder with a config.json:
+    the preview and the trainer read the same file, so they always plan the same dealing.
+    """
+    path = Path(model_name).expanduser() / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+        d, ff = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
+        head_dim = int(cfg.get("head_dim") or d // int(cfg["num_attention_heads"]))
+        attn = int(cfg["num_attention_heads"]) * head_dim
+        kv = int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]) * head_dim
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return attn / (d * (attn + 2 * kv) + attn * d + 3 * d * ff)
+
+
 @dataclass(frozen=True)
 class MachineFacts:
-    """What the machine offers; `detect()` asks torch, tests pass numbers."""
+    """What the machine offers; `detect(n)` fills in the rest for n GPUs, tests pass numbers."""
 
     cuda_device_count: int
     unsloth_available: bool
     cpu_count: int
 
     @classmethod
-    def detect(cls, cuda_device_count: int | None = None) -> MachineFacts:
-        """This machine; `cuda_device_count` None asks torch."""
-        if cuda_device_count is None:
-            import torch
-
-            cuda_device_count = torch.cuda.device_count()
+    def detect(cls, cuda_device_count: int) -> MachineFacts:
+        """This machine with `cuda_device_count` GPUs (counted by the launcher: this module imports no torch)."""
         # The affinity mask is what this process may use (containers, taskset); cpu_count is the host's.
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         return cls(cuda_device_count, importlib.util.find_spec("unsloth") is not None, cpus)
@@ -130,7 +145,7 @@ class RunDescription(BaseModel):
     token_budget_auto: bool = Field(
         False, description="tokens_per_micro_batch='auto' on a GPU: token_budget is only the preview's stand-in "
         "(per_device_train_batch_size x max_seq_length); each worker measures its GPU at start and all plan "
-        "with the minimum over ranks (HyperSloth.budget.settle).")
+        "with the minimum over ranks (HyperSloth.train.budget.settle).")
     max_seq_length: int
     attention_coef: float | None = Field(description="Planner cost-model coefficient (None = planner default).")
     seed: int
@@ -264,7 +279,7 @@ def _json_problem(training_args: TrainingArgsConfig) -> str | None:
 
 def _eval_set(hyper: HyperConfig, targs: TrainingArgsConfig, facts: DatasetFacts | None,
               problems: list[str]) -> EvalSet | None:
-    """The eval set the config asks for (None without one: HyperSloth.eval_set); appends what is wrong."""
+    """The eval set the config asks for (None without one: HyperSloth.plan.eval_set); appends what is wrong."""
     data = hyper.data
     if data.eval_fraction == 0 and data.eval_dataset_name is None:
         if targs.eval_steps or targs.early_stopping_patience:
