@@ -229,6 +229,12 @@ class TrainingConfig(BaseModel):
         description="Time data, forward, backward, all-reduce, clip and optimizer per step (adds a CUDA sync "
         "between phases; for finding bottlenecks). The breakdown lands in train_summary.json.",
     )
+    cuda_graphs: bool = Field(
+        True,
+        description="Replay the decoder's forward and backward of packed rows from CUDA graphs, one per row "
+        "length (Unsloth backend on a GPU, LoRA without dropout, no checkpointing; otherwise eager, with one "
+        "log line saying why). Same loss and gradients; fewer kernel launches (HyperSloth.train.step_graph).",
+    )
 
     @field_validator("gpus")
     @classmethod

@@ -21,7 +21,8 @@ Systems (every one sees the same global batches, in the same order, so per-step 
 - `reference` (long-context workloads only): the exact step-1 loss and the attention floor, against which
   every system's step 1 is judged (scripts/bench_longctx.py).
 - `hypersloth-N`: HyperSloth on N GPUs at product defaults (tokens_per_micro_batch="auto", no
-  checkpointing); `hypersloth-2-gc`: with Unsloth's checkpointing; `hypersloth-2-profile`: the per-phase
+  checkpointing); `hypersloth-2-gc`: with Unsloth's checkpointing; `hypersloth-1-eager`: HyperSloth-1 with
+  `cuda_graphs=False` (what the graphs are worth); `hypersloth-2-profile`: the per-phase
   timer on (synchronises between phases: for the breakdown, not the headline).
 
 Workloads: random-weight Qwen3-shaped checkpoints (built here, in a child process, so this process never
@@ -121,6 +122,7 @@ SYSTEMS = {
     "unsloth-stock": dict(runner="unsloth", gpus=1, micro=8, accum=4, gc="unsloth", shim=False),
     "unsloth-ddp": dict(runner="unsloth", gpus=2, micro=16, accum=1, gc=False, shim=True),
     "hypersloth-1": dict(runner="hypersloth", gpus=1, gc=False),
+    "hypersloth-1-eager": dict(runner="hypersloth", gpus=1, gc=False, graphs=False),
     "hypersloth-2": dict(runner="hypersloth", gpus=2, gc=False),
     "hypersloth-2-gc": dict(runner="hypersloth", gpus=2, gc="unsloth"),
     "hypersloth-2-profile": dict(runner="hypersloth", gpus=2, gc=False, profile=True),
@@ -271,6 +273,7 @@ from HyperSloth.config import *
 hyper_config_model = HyperConfig(
     data=DataConfig(dataset_name="bench", data_dir="{a.work}/data"),
     training=TrainingConfig(gpus={list(range(a.gpus))}, loss_type="all", batching="packed", profile={a.profile},
+                            cuda_graphs={a.graphs},
                             tokens_per_micro_batch={a.token_budget!r}),
     fast_model_args=FastModelArgs(model_name="{a.checkpoint}", max_seq_length={w.max_len}, dtype="bfloat16",
                                   load_in_4bit={w.four_bit}, backend="unsloth",
@@ -315,7 +318,7 @@ def run_hypersloth(a) -> dict:
             "phases": summary.get("phase_seconds_per_step"), "rank_phases": rank_phases(out),
             "padding_pct": summary.get("padding_pct"), "token_budget": summary.get("token_budget"),
             "gradient_checkpointing": summary.get("gradient_checkpointing"),
-            "first_step_end_unix": summary.get("first_step_end_unix"),
+            "first_step_end_unix": summary.get("first_step_end_unix"), "cuda_graphs": summary.get("cuda_graphs"),
             # HyperSloth never cuts a sample: one longer than max_seq_length is refused before training.
             "longest_sample_tokens": (summary.get("token_budget") or {}).get("longest_sample")}
 
@@ -338,6 +341,7 @@ def system_argv(name: str, workload: str, a, work: Path, model: str) -> list[str
             "--steps", str(a.warmup + a.steps), "--micro", str(system.get("micro", 0)),
             "--accum", str(system.get("accum", 1)), "--gc", str(system["gc"]), "--gpus", str(system["gpus"]),
             "--shim", str(system.get("shim", False)), "--profile", str(system.get("profile", False)),
+            "--graphs", str(system.get("graphs", True)),
             "--long-tokens", str(a.long_tokens), "--exactness", str(a.exactness),
             "--result", str(work / f"result_{name}.json")]
     if system["runner"] == "unsloth" and system["gpus"] > 1:
@@ -372,6 +376,7 @@ def record_for(name: str, workload: str, raw: dict, data: dict, a, launched: flo
         "varlen_shim": raw.get("varlen_shim"), "padding_pct": raw.get("padding_pct", 0.0), "wall_s": wall_s,
         "longest_sample_tokens": raw.get("longest_sample_tokens"),
         # launch (this parent starting the system's process) to the end of its first optimizer step
+        "cuda_graphs": raw.get("cuda_graphs"),
         "startup_s": raw["first_step_end_unix"] - launched if raw.get("first_step_end_unix") else None,
         "probe_s": (budget or {}).get("probe_seconds") if isinstance(budget, dict) else None,
     }
@@ -505,6 +510,7 @@ def main() -> None:
     p.add_argument("--gc", type=lambda s: {"True": True, "False": False}.get(s, s), default=False)
     p.add_argument("--shim", type=lambda s: s == "True", default=False)
     p.add_argument("--profile", type=lambda s: s == "True", default=False)
+    p.add_argument("--graphs", type=lambda s: s == "True", default=True)
     a = p.parse_args()
     if a.render:
         render(Path(a.render), Path(a.out))

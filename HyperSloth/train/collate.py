@@ -71,6 +71,17 @@ def bucket_tokens(tokens: int, per_octave: int = 8, minimum: int = 64) -> int:
     return -(-int(tokens) // step) * step
 
 
+def packed_row_tokens(real: int, bucket_limit: int | None = None) -> int:
+    """The length of a bucketed packed row holding `real` tokens: `bucket_tokens(real)`, never past
+    `bucket_limit` (the token budget the memory was measured for) unless the row already is; rows of more
+    than `LONG_ROW_TOKENS` are not bucketed."""
+    if real > LONG_ROW_TOKENS:
+        return real
+    if bucket_limit is None:
+        return bucket_tokens(real)
+    return min(bucket_tokens(real), max(real, bucket_limit))
+
+
 def collate_packed(
     samples: Sequence[tuple[np.ndarray, np.ndarray]], *, with_lengths: bool = False, pad_to: int | None = None,
     pad_token_id: int = 0,
@@ -109,10 +120,7 @@ def collate(
     `LONG_ROW_TOKENS` to `bucket_tokens`, never past `bucket_limit` (the token budget the memory was
     measured for) unless the row already is."""
     if mode == "packed":
-        pad_to = None
-        real = sum(len(ids) for ids, _ in samples)
-        if bucket and real <= LONG_ROW_TOKENS:
-            pad_to = bucket_tokens(real) if bucket_limit is None else min(bucket_tokens(real), max(real, bucket_limit))
+        pad_to = packed_row_tokens(sum(len(ids) for ids, _ in samples), bucket_limit) if bucket else None
         return collate_packed(samples, with_lengths=with_lengths, pad_to=pad_to, pad_token_id=pad_token_id)
     if mode == "sorted-pad":
         return collate_sorted_pad(samples, pad_token_id)

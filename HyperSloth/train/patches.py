@@ -11,11 +11,26 @@ replaces and the versions it was checked against, and returns whether it applied
     `enable_gqa` does inside the kernel) and otherwise calls torch's function unchanged.
     Checked with: unsloth 2026.10.9, torch 2.11.0+cu130 (H200). A no-op when torch already has
     `enable_gqa`, when flash attention is unavailable, or when Unsloth's global is missing or already set.
+
+`unsloth_static_packed_rows` (a context manager, used only while a CUDA graph is captured)
+    Replaces: the entries of `unsloth.utils.packing._PACKED_INFO_CACHE` and `_PACKED_HOST_LENGTHS_CACHE`
+    for the row's device (module-level dicts Unsloth fills on every packed forward), for the duration of
+    the capture, and removes them after.
+    Why: Unsloth turns `packed_seq_lengths` into device offsets and reads the lengths back to the host
+    (`tolist()`), which no CUDA graph can capture. Both caches are keyed by the identity of the lengths
+    tensor, so filling them with the graph's static device tensors (and their host copy) makes every layer
+    take its cache-hit branch: attention reads the static `cu_seqlens`, and `max_seqlen` is the graph's
+    fixed bound (HyperSloth.train.step_graph).
+    Checked with: unsloth 2026.10.9 (`get_packed_info_from_kwargs`, `_cached_host_lengths`,
+    `cover_padded_cu_seqlens`), torch 2.11.0+cu130 on an H200: replays gave eager's loss exactly
+    (scripts/graph_check.py). Raises if those caches are missing (another Unsloth version): the capture
+    then fails and training goes on eagerly, saying why.
 """
 
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 
 
 def _gqa_wrapper(varlen_attn):
@@ -48,3 +63,22 @@ def enable_unsloth_torch_varlen() -> bool:
         return False
     attention_dispatch._TORCH_VARLEN_ATTN = _gqa_wrapper(varlen_attn)
     return True
+
+
+@contextmanager
+def unsloth_static_packed_rows(lengths, cu_seqlens, host_lengths: tuple[int, ...], max_seqlen: int):
+    """Make Unsloth's packed attention read these device tensors for the row's segments (see module docstring)."""
+    from unsloth.utils import packing
+
+    info = getattr(packing, "_PACKED_INFO_CACHE", None)
+    hosts = getattr(packing, "_PACKED_HOST_LENGTHS_CACHE", None)
+    if not isinstance(info, dict) or not isinstance(hosts, dict):
+        raise RuntimeError("this Unsloth has no packed-info caches (checked with unsloth 2026.10.9)")
+    device = lengths.device
+    info[device] = {"seq_lengths": lengths, "result": (lengths, cu_seqlens, int(max_seqlen)), "inference": False}
+    hosts[device] = (lengths, cu_seqlens, tuple(host_lengths))
+    try:
+        yield
+    finally:
+        info.pop(device, None)
+        hosts.pop(device, None)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import gc
 import random
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -33,6 +34,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from loguru import logger
 from torch.utils.data import DataLoader, Dataset
 from transformers import TrainerCallback
 from trl import SFTConfig, SFTTrainer
@@ -42,11 +44,12 @@ from HyperSloth.outputs import checkpoints, run_files
 from HyperSloth.plan.batching import EpochPlan, adaptive_partition_batches, steps_per_epoch
 from HyperSloth.plan.inputs import dataset_lengths, plan_spec_for
 from HyperSloth.plan.run import RunDescription, rank_seed, write_run
-from HyperSloth.train.collate import LossType, collate, sample_labels, to_device
+from HyperSloth.train.collate import LossType, collate, packed_row_tokens, sample_labels, to_device
 from HyperSloth.train.dist import DistInfo, GradientSync, all_ranks_ok
 from HyperSloth.train.evaluation import Evaluator, build_evaluator, eval_callbacks, eval_sft_kwargs, evaluate_in_trainer
 from HyperSloth.train.model import trainable_parameters
 from HyperSloth.train.profiling import PhaseTimer, StepClock
+from HyperSloth.train.step_graph import DecoderGraphs, graph_layout, graph_unavailable, rows_to_capture, synthetic_row
 
 # HF's throughput figures count one process's samples and steps (each worker looks single-process to
 # it): on 2 workers x 2 micro-batches they are 4x too small. The trainer logs real tokens/s instead.
@@ -175,10 +178,16 @@ class HyperSlothTrainer(SFTTrainer):
     """SFTTrainer whose steps come from the plan and whose gradients are summed over ranks."""
 
     def __init__(self, *args, plan_steps: PlanSteps, grad_sync: GradientSync, rank: int = 0, profile: bool = False,
-                 evaluator: Evaluator | None = None, description: RunDescription | None = None, **kwargs):
+                 evaluator: Evaluator | None = None, description: RunDescription | None = None,
+                 graphs: DecoderGraphs | None = None, graph_rows: list[int] | None = None, graphs_off: str | None = None,
+                 **kwargs):
         self.rank = rank
         self.description = description  # saved into every checkpoint (rank 0)
         self._staging_root: Path | None = None  # set while rank 0's part of a checkpoint is written
+        self.graphs = graphs  # CUDA graphs of the decoder over packed row lengths (None: eager)
+        self.graph_rows = graph_rows or []  # the planned row lengths captured before the first step
+        self.graphs_off = graphs_off  # why there are no graphs
+        self.graph_capture_s = 0.0
         self.evaluator = evaluator
         self.eval_seconds = 0.0  # this run's evaluations: kept out of the training throughput
         self.plan_steps = plan_steps
@@ -221,19 +230,51 @@ class HyperSlothTrainer(SFTTrainer):
         local_loss = torch.zeros((), dtype=torch.float32, device=self.args.device)
         self.timer.mark("data")
         for micro_batch in inputs["micro_batches"]:
-            micro_batch = to_device(self._prepare_inputs, micro_batch)
-            with self.compute_loss_context_manager():
-                loss = self.micro_batch_loss(model, micro_batch, denominator)
-            self.timer.mark("forward")
-            self.accelerator.backward(loss)
-            self.timer.mark("backward")
-            local_loss += loss.detach().float()
+            local_loss += self.micro_batch_forward_backward(model, micro_batch, denominator)
         global_loss = self.grad_sync.all_reduce(local_loss.reshape(1))[0]
         self.timer.mark("allreduce")
         self.tokens_this_run += int(inputs["real_tokens"])
         self.state.num_input_tokens_seen += int(inputs["real_tokens"])
         self._step_losses.append(global_loss.detach())  # kept on device: no host sync per step
         return global_loss.to(self.args.device)
+
+    def micro_batch_forward_backward(self, model, micro_batch: dict[str, Any], denominator: int) -> torch.Tensor:
+        """One micro-batch's forward and backward (gradients added to `param.grad`); returns its loss.
+        With CUDA graphs the model's decoder replays its graphs inside this same call (step_graph.py)."""
+        micro_batch = to_device(self._prepare_inputs, micro_batch)
+        with self.compute_loss_context_manager():
+            loss = self.micro_batch_loss(model, micro_batch, denominator)
+        self.timer.mark("forward")
+        self.accelerator.backward(loss)
+        self.timer.mark("backward")
+        return loss.detach().float()
+
+    def train(self, *args, **kwargs):
+        self.capture_planned_graphs()
+        return super().train(*args, **kwargs)
+
+    def capture_planned_graphs(self) -> None:
+        """Capture the graphs of the planned row lengths before training (their cost is start-up, not a
+        step's): each with a synthetic row of that length, whose gradients are then dropped."""
+        if self.graphs is None or not self.graph_rows:
+            return
+        started = time.perf_counter()
+        self.model.train()
+        for rows in self.graph_rows:
+            batch = synthetic_row(rows, self.graphs.layout, self.plan_steps.pad_token_id)
+            if batch is not None and self.graphs.disabled is None:
+                self.micro_batch_forward_backward(self.model, batch, max(rows - 1, 1))
+        self.model.zero_grad(set_to_none=True)
+        self.graph_capture_s = time.perf_counter() - started
+        logger.info(f"CUDA graphs for {len(self.graphs.graphs)} packed row lengths captured in "
+                    f"{self.graph_capture_s:.1f} s" + (f"; {self.graphs.disabled}" if self.graphs.disabled else ""))
+
+    def graphs_summary(self) -> dict[str, Any]:
+        """What the CUDA graphs did in this run, or why there were none (for train_summary.json)."""
+        if self.graphs is None:
+            return {"enabled": False, "reason": self.graphs_off}
+        return {"enabled": self.graphs.disabled is None, "capture_s": round(self.graph_capture_s, 2),
+                **self.graphs.summary()}
 
     def micro_batch_loss(self, model, micro_batch: dict[str, torch.Tensor], denominator: int) -> torch.Tensor:
         """Sum of token losses over the micro-batch's targets, divided by the step's global count.
@@ -387,6 +428,43 @@ def sft_config_for(targs: TrainingArgsConfig, dtype: torch.dtype, rank: int, eva
     return SFTConfig(**kwargs)
 
 
+# Row lengths of the first this-many steps are captured before training; later new lengths on first sight.
+GRAPH_PLAN_STEPS = 256
+
+
+def decoder_graphs(description: RunDescription, loaded_model, steps: PlanSteps, lengths: np.ndarray, rank: int
+                   ) -> dict[str, Any]:
+    """The trainer's CUDA-graph arguments: the installed `DecoderGraphs` and the planned row lengths to
+    capture, or why the decoder runs eagerly (one log line)."""
+    hyper = description.hyper()
+    lora = hyper.lora_args
+    spec = steps.plan(0).spec
+    reason = graph_unavailable(
+        enabled=hyper.training.cuda_graphs, cuda=torch.cuda.is_available(), backend=loaded_model.backend,
+        mode=spec.mode, lora=lora is not None, lora_dropout=lora.lora_dropout if lora else 0.0,
+        checkpointing=hyper.fast_model_args.use_gradient_checkpointing)
+    if reason is not None:
+        logger.info(f"eager decoder forward+backward: {reason}")
+        return {"graphs_off": reason}
+    from HyperSloth.train.patches import unsloth_static_packed_rows
+
+    layout = graph_layout(spec.samples_per_step, int(lengths.max()), spec.token_budget)
+    params = trainable_parameters(loaded_model.model)
+    graphs = DecoderGraphs(params, layout, static_packed_info=unsloth_static_packed_rows,
+                           max_rows=spec.token_budget // 2)
+    graphs.install(loaded_model.model.get_base_model().model)
+    targs = description.training_args()
+    total = targs.max_steps or (targs.num_train_epochs or 1) * steps.steps_per_epoch
+    counts: dict[int, int] = {}
+    for index in range(min(total, GRAPH_PLAN_STEPS)):
+        step = steps.plan(index // steps.steps_per_epoch).steps[index % steps.steps_per_epoch]
+        for micro in step.ranks[rank]:
+            if len(micro) > 0:
+                rows = packed_row_tokens(int(lengths[list(micro)].sum()), spec.token_budget)
+                counts[rows] = counts.get(rows, 0) + 1
+    return {"graphs": graphs, "graph_rows": rows_to_capture(counts, layout, spec.token_budget, graphs.max_graphs)}
+
+
 def build_trainer(description: RunDescription, loaded_model, dataset, info: DistInfo, eval_dataset=None
                   ) -> tuple[HyperSlothTrainer, RunSetup]:
     """Wire plan, data, gradient sync and TRL arguments into a HyperSlothTrainer for this rank; with
@@ -430,6 +508,7 @@ def build_trainer(description: RunDescription, loaded_model, dataset, info: Dist
         rank=info.rank,
         profile=hyper.training.profile,
         description=description,
+        **decoder_graphs(description, loaded_model, steps, lengths, info.rank),
     )
     stats = steps.plan(0).stats
     setup = RunSetup(

@@ -136,6 +136,7 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path) -> d
     trainer.save_model(str(out_dir))
     summary = _summary(trainer, setup, result, time.perf_counter() - started, info)
     summary["token_budget"] = budget_decision.as_record()  # the budget planned with, and what it came from
+    summary["cuda_graphs"] = trainer.graphs_summary()
     summary["gradient_checkpointing"] = description.hyper_config["fast_model_args"]["use_gradient_checkpointing"]
     summary.update(eval_summary(trainer.state.log_history, description.eval_set, out_dir))
     run_files.atomic_write_json(out_dir / run_files.SUMMARY_FILE, summary)

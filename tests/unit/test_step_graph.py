@@ -1,0 +1,141 @@
+"""CUDA graphs over the bucket shapes: the key/layout logic and the autograd glue, on the CPU.
+
+The capture itself needs CUDA (scripts/graph_check.py checks a replay against eager on the GPU, and
+tests/gpu/test_step_graph_gpu.py when CUDA is present); here a stand-in graph runs the same computation in
+Python, so `_Replay` and `accumulate` are checked against plain autograd.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from HyperSloth.train import step_graph
+from HyperSloth.train.collate import bucket_tokens
+from HyperSloth.train.step_graph import (
+    GraphLayout,
+    accumulate,
+    graph_layout,
+    graph_unavailable,
+    padded_segments,
+    rows_to_capture,
+    synthetic_row,
+)
+
+
+def test_layout_covers_samples_and_the_longest_padding_segment():
+    layout = graph_layout(samples_per_micro_batch=32, longest_sample=3000, token_budget=98_304)
+    assert layout.segments == 33
+    # a bucket pads a row of up to 98,304 tokens by at most 12,288 (an eighth): the bound covers it
+    assert layout.max_seqlen == 16_384
+    for real in (1, 700, 12_289, 50_000, 98_304):
+        assert bucket_tokens(real) - real <= layout.max_seqlen
+    assert graph_layout(8, 4096, 16_384).max_seqlen == 4096
+
+
+def test_refusal_names_what_does_not_fit():
+    layout = GraphLayout(segments=4, max_seqlen=1024)
+    assert layout.refusal(np.array([10, 1024, 3])) is None
+    assert "5 segments" in layout.refusal(np.array([1, 1, 1, 1, 1]))
+    assert "1025 tokens" in layout.refusal(np.array([1025]))
+
+
+def test_padded_segments_repeat_the_final_offset():
+    padded, cu = padded_segments(np.array([3, 5, 2]), capacity=6)
+    assert padded.tolist() == [3, 5, 2, 0, 0, 0]
+    assert cu.tolist() == [0, 3, 8, 10, 10, 10, 10]
+    assert padded.dtype == np.int32 and cu.dtype == np.int32
+    with pytest.raises(ValueError, match="do not fit"):
+        padded_segments(np.array([1, 2, 3]), capacity=2)
+
+
+def test_rows_to_capture_keeps_half_the_budget_and_the_most_frequent():
+    counts = {8192: 5, 9216: 1, 10240: 7, 40960: 9, 60000: 3}
+    layout = GraphLayout(33, 8192)
+    # 60,000 > 100,000 // 2 is left out; the rest by frequency, capped, then longest first
+    assert rows_to_capture(counts, layout, token_budget=100_000, max_graphs=3) == [40960, 10240, 8192]
+    assert rows_to_capture(counts, layout, token_budget=100_000, max_graphs=10) == [40960, 10240, 9216, 8192]
+
+
+@pytest.mark.parametrize("rows", [64, 1000, 8192, 24_576])
+def test_synthetic_row_fits_the_layout(rows):
+    layout = graph_layout(32, 4096, 49_152)
+    batch = synthetic_row(rows, layout, pad_token_id=0)
+    lengths = batch["packed_seq_lengths"].numpy()
+    assert batch["input_ids"].shape == (1, rows)
+    assert lengths.sum() == rows and layout.refusal(lengths) is None
+    if len(lengths) > 2:  # lengths vary, so the attention dispatch picks its varlen kernel at capture
+        assert len(set(lengths[:-1].tolist())) > 1
+
+
+def test_synthetic_row_refuses_rows_the_layout_cannot_hold():
+    assert synthetic_row(10_000, GraphLayout(segments=3, max_seqlen=1024), pad_token_id=0) is None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "reason"),
+    [
+        ({}, None),
+        ({"enabled": False}, "switched off"),
+        ({"cuda": False}, "no CUDA"),
+        ({"backend": "transformers"}, "Unsloth backend"),
+        ({"mode": "sorted-pad"}, "sorted-pad"),
+        ({"lora": False}, "full fine-tuning"),
+        ({"lora_dropout": 0.1}, "dropout"),
+        ({"checkpointing": "unsloth"}, "checkpointing"),
+    ],
+)
+def test_graph_unavailable_says_why(overrides, reason):
+    kwargs = dict(enabled=True, cuda=True, backend="unsloth", mode="packed", lora=True, lora_dropout=0.0,
+                  checkpointing=False)
+    said = graph_unavailable(**{**kwargs, **overrides})
+    assert said is None if reason is None else reason in said
+
+
+def test_accumulate_adds_and_creates_gradients():
+    params = tuple(torch.nn.Parameter(torch.zeros(3)) for _ in range(3))
+    params[1].grad = torch.ones(3)
+    grads = tuple(torch.full((3,), float(i + 1)) for i in range(3))
+    accumulate(params, grads)
+    assert [p.grad.tolist() for p in params] == [[1.0] * 3, [3.0] * 3, [3.0] * 3]
+    assert params[0].grad is not grads[0]  # a copy: the static output is overwritten by the next replay
+    accumulate(params, grads)
+    assert [p.grad.tolist() for p in params] == [[2.0] * 3, [5.0] * 3, [6.0] * 3]
+
+
+class _StandInGraph:
+    """What `_Graph` holds after a capture, with Python doing what the two replays do on the GPU."""
+
+    def __init__(self, weight: torch.nn.Parameter, x: torch.Tensor):
+        self.x, self.weight = x, weight
+        self.hidden = torch.zeros(x.shape[0], weight.shape[0])
+        self.grad_hidden = torch.zeros_like(self.hidden)
+        self.grads = (torch.zeros_like(weight),)
+        graph = self
+
+        class Forward:
+            def replay(self):
+                graph.hidden.copy_(torch.tanh(graph.x @ graph.weight.detach().T))
+
+        class Backward:
+            def replay(self):
+                local = torch.tanh(graph.x @ graph.weight.detach().T)
+                graph.grads[0].copy_(((graph.grad_hidden * (1 - local**2)).T @ graph.x))
+
+        self.forward, self.backward = Forward(), Backward()
+
+
+def test_replay_glue_matches_autograd_over_micro_batches():
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(4, 5))
+    batches = [torch.randn(6, 5), torch.randn(6, 5)]
+    anchor = torch.zeros((), requires_grad=True)
+    for x in batches:  # two micro-batches: gradients accumulate as eager backward() calls do
+        graph = _StandInGraph(weight, x)
+        hidden = step_graph._Replay.apply(anchor, graph, (weight,))
+        (hidden.square().sum() / 7).backward()
+    replayed = weight.grad.clone()
+    weight.grad = None
+    for x in batches:
+        (torch.tanh(x @ weight.T).square().sum() / 7).backward()
+    torch.testing.assert_close(replayed, weight.grad, rtol=1e-6, atol=1e-6)
+    assert anchor.grad is None
