@@ -8,8 +8,11 @@ Two layouts, matching the planner's two modes:
   so no sample sees another. The first label of every sample is -100 so the last token of one sample is
   never trained to predict the first token of the next (the same rule as `DataCollatorWithFlattening`).
 
-Bucketing (packed, `pad_to`; rows of up to `LONG_ROW_TOKENS`): a row may be padded up to a fixed length with one extra segment of padding
-tokens (its own restarting positions, its own varlen segment, every label -100). Rows of a handful of
+Bucketing (packed, `pad_to`; rows of up to `LONG_ROW_TOKENS`): a row may be padded up to a fixed length
+with padding segments of at most `PAD_SEGMENT_TOKENS` tokens each (their own restarting positions, their
+own varlen segments, every label -100). Short segments keep the padding's attention cost small (it is
+quadratic per segment) and the attention kernel's `max_seqlen` at the longest sample, which CUDA graphs
+fix per run (step_graph.py). Rows of a handful of
 lengths (`bucket_tokens`) instead of a new length every micro-batch keep compiled/tuned kernels from
 seeing new shapes. The padding segment attends only to itself and has no target, so the loss, its
 denominator and the gradients of the real tokens are unchanged; token counts come from the plan, which
@@ -33,6 +36,7 @@ IGNORE_INDEX = -100
 # tokens to a row that already costs seconds (Qwen3-8B 4-bit: ~60 us per token, 0.25-1 s; a new row shape
 # cost 0.05-0.1 s on an H200), and such rows come from long samples, whose shapes rarely repeat.
 LONG_ROW_TOKENS = 65536
+PAD_SEGMENT_TOKENS = 1024  # the longest padding segment of a bucketed row
 LossType = Literal["all", "response_only"]
 
 
@@ -71,6 +75,14 @@ def bucket_tokens(tokens: int, per_octave: int = 8, minimum: int = 64) -> int:
     return -(-int(tokens) // step) * step
 
 
+def padding_segments(tokens: int) -> list[int]:
+    """How `tokens` of bucket padding are cut into segments of at most `PAD_SEGMENT_TOKENS` (equal sizes)."""
+    if tokens <= 0:
+        return []
+    count = -(-tokens // PAD_SEGMENT_TOKENS)
+    return [tokens // count + (1 if i < tokens % count else 0) for i in range(count)]
+
+
 def packed_row_tokens(real: int, bucket_limit: int | None = None) -> int:
     """The length of a bucketed packed row holding `real` tokens: `bucket_tokens(real)`, never past
     `bucket_limit` (the token budget the memory was measured for) unless the row already is; rows of more
@@ -90,12 +102,12 @@ def collate_packed(
 
     `with_lengths` adds `packed_seq_lengths` (int32, on the host), the key Unsloth's fast attention
     reads to run varlen attention over the row (its own padding-free collator sets the same key).
-    `pad_to` appends one padding segment (`pad_token_id`, labels -100) up to that many tokens.
+    `pad_to` appends padding segments (`pad_token_id`, labels -100) up to that many tokens.
     """
     real = sum(len(ids) for ids, _ in samples)
     if pad_to is not None and pad_to > real:
-        filler = np.full(pad_to - real, pad_token_id, dtype=np.int64)
-        samples = [*samples, (filler, np.full(pad_to - real, IGNORE_INDEX, dtype=np.int64))]
+        fillers = [np.full(n, pad_token_id, dtype=np.int64) for n in padding_segments(pad_to - real)]
+        samples = [*samples, *((f, np.full(len(f), IGNORE_INDEX, dtype=np.int64)) for f in fillers)]
     input_ids = np.concatenate([ids for ids, _ in samples]).astype(np.int64)
     labels = np.concatenate([lab for _, lab in samples]).astype(np.int64)
     lengths = np.array([len(ids) for ids, _ in samples], dtype=np.int64)

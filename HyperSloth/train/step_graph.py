@@ -61,11 +61,17 @@ class GraphLayout:
 
 
 def graph_layout(samples_per_micro_batch: int, longest_sample: int, token_budget: int) -> GraphLayout:
-    """The layout of a run: room for every sample of a micro-batch plus the bucket's padding segment, and a
-    `max_seqlen` (a power of two) covering the longest sample and the longest padding segment a bucket can
-    add to a row of at most `token_budget` tokens (an eighth of it: `collate.bucket_tokens`)."""
-    longest = max(int(longest_sample), -(-int(token_budget) // 8), 1)
-    return GraphLayout(segments=int(samples_per_micro_batch) + 1, max_seqlen=1 << (longest - 1).bit_length())
+    """The layout of a run whose graphed rows hold at most `token_budget // 2` tokens (`DecoderGraphs.max_rows`):
+    room for every sample of a micro-batch plus the padding segments a bucket can add to such a row (its
+    padding is under an eighth of the row, `collate.bucket_tokens`, cut into segments of at most
+    `collate.PAD_SEGMENT_TOKENS`), and a `max_seqlen` (a power of two) covering the longest sample and the
+    longest padding segment."""
+    from HyperSloth.train.collate import PAD_SEGMENT_TOKENS, padding_segments
+
+    max_padding = max(int(token_budget) // 2 // 8, 64)
+    longest = max(int(longest_sample), min(PAD_SEGMENT_TOKENS, max_padding), 1)
+    return GraphLayout(segments=int(samples_per_micro_batch) + len(padding_segments(max_padding)),
+                       max_seqlen=1 << (longest - 1).bit_length())
 
 
 def padded_segments(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from HyperSloth.train import step_graph
-from HyperSloth.train.collate import bucket_tokens
+from HyperSloth.train.collate import PAD_SEGMENT_TOKENS, bucket_tokens, padding_segments
 from HyperSloth.train.step_graph import (
     GraphLayout,
     accumulate,
@@ -22,14 +22,24 @@ from HyperSloth.train.step_graph import (
 )
 
 
-def test_layout_covers_samples_and_the_longest_padding_segment():
+def test_layout_covers_samples_and_the_padding_of_every_graphed_row():
     layout = graph_layout(samples_per_micro_batch=32, longest_sample=3000, token_budget=98_304)
-    assert layout.segments == 33
-    # a bucket pads a row of up to 98,304 tokens by at most 12,288 (an eighth): the bound covers it
-    assert layout.max_seqlen == 16_384
-    for real in (1, 700, 12_289, 50_000, 98_304):
-        assert bucket_tokens(real) - real <= layout.max_seqlen
-    assert graph_layout(8, 4096, 16_384).max_seqlen == 4096
+    assert layout.max_seqlen == 4096  # the longest sample, not the padding: padding segments are short
+    # every row a graph may serve (up to half the budget) fits with its bucket padding
+    for real in (1, 700, 12_289, 30_000, 49_152):
+        rows = bucket_tokens(real)
+        if rows > 98_304 // 2:
+            continue
+        segments = [700] * 32 + padding_segments(rows - real)
+        assert layout.refusal(np.array(segments)) is None, real
+    assert graph_layout(8, 100, 16_384).max_seqlen == 1024
+
+
+def test_padding_is_cut_into_short_equal_segments():
+    assert padding_segments(0) == []
+    assert padding_segments(1024) == [1024]
+    assert padding_segments(2049) == [683, 683, 683]
+    assert max(padding_segments(12_000)) <= PAD_SEGMENT_TOKENS and sum(padding_segments(12_000)) == 12_000
 
 
 def test_refusal_names_what_does_not_fit():
