@@ -14,7 +14,7 @@ own varlen segments, every label -100). Short segments keep the padding's attent
 quadratic per segment) and the attention kernel's `max_seqlen` at the longest sample, which CUDA graphs
 fix per run (step_graph.py). Rows of a handful of
 lengths (`bucket_tokens`) instead of a new length every micro-batch keep compiled/tuned kernels from
-seeing new shapes. The padding segment attends only to itself and has no target, so the loss, its
+seeing new shapes. Padding segments attend only to themselves and have no target, so the loss, its
 denominator and the gradients of the real tokens are unchanged; token counts come from the plan, which
 never counts padding.
 
