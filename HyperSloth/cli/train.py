@@ -101,7 +101,7 @@ def prepare_output_dir(description: RunDescription, *, overwrite: bool, peers_ru
     out = Path(description.output_dir)
     checkpoint = description.resume_from_checkpoint
     problem = output_dir_problem(out, checkpoint, overwrite=overwrite, peers_running=peers_running,
-                                 save_steps=description.training_config.get("save_steps"))
+                                 save_steps=description.training_config.save_steps)
     if problem:
         raise LaunchError(problem)
     if overwrite:

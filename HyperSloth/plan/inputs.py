@@ -13,15 +13,14 @@ from HyperSloth.plan.run import RunDescription
 
 def plan_spec_for(run: RunDescription) -> PlanSpec:
     """The planner's parameters of a resolved run (`HyperSloth.plan.run.resolve_run`)."""
-    training = run.hyper_config["training"]
     return PlanSpec(
         num_ranks=run.world_size,
         samples_per_step=run.global_batch_size,
         mode=run.batching,
         micro_batch_size=run.micro_batch_size,
         token_budget=run.token_budget,
-        group_by_length=training["group_by_length"],
-        group_window_steps=training["group_window_steps"],
+        group_by_length=run.group_by_length,
+        group_window_steps=run.group_window_steps,
         seed=run.seed,
         **({} if run.attention_coef is None else {"attention_coef": run.attention_coef}),
     )

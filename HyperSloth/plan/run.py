@@ -31,7 +31,7 @@ from HyperSloth.config import (
     HyperConfig,
     LoadedConfig,
     TrainingArgsConfig,
-    config_to_dict,
+    TrainingConfig,
     runtime_problems,
 )
 from HyperSloth.outputs import checkpoints, run_files
@@ -125,7 +125,7 @@ class RunDescription(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    version: Literal[1] = 1
+    version: Literal[2] = 2
     config_path: str
     world_size: int = Field(gt=0, description="Worker processes (launcher: len(gpus); torchrun: WORLD_SIZE).")
     gpus: tuple[int, ...]
@@ -142,10 +142,22 @@ class RunDescription(BaseModel):
         "(as many as the token budget needs)."
     )
     token_budget: int = Field(gt=0, description="Packed mode: most tokens in one micro-batch.")
-    token_budget_auto: bool = Field(
-        False, description="tokens_per_micro_batch='auto' on a GPU: token_budget is only the preview's stand-in "
-        "(per_device_train_batch_size x max_seq_length); each worker measures its GPU at start and all plan "
-        "with the minimum over ranks (HyperSloth.train.budget.settle).")
+    token_budget_source: Literal["explicit", "auto-cpu", "auto"] = Field(
+        description="Where token_budget comes from: tokens_per_micro_batch as given; 'auto' on CPU "
+        "(per_device_train_batch_size x max_seq_length); 'auto' on a GPU: that product is only the preview's "
+        "stand-in until each worker measures its GPU and all plan with the minimum over ranks "
+        "(HyperSloth.train.budget.settle replaces it).")
+    gradient_checkpointing: bool | Literal["unsloth"] = Field(
+        description="The checkpointing training runs with: fast_model_args.use_gradient_checkpointing, switched "
+        "on by HyperSloth.train.budget.settle when the longest sample fits a micro-batch only with it.")
+    group_by_length: bool
+    group_window_steps: int
+    nccl_timeout_s: int = Field(gt=0, description="Seconds a collective may wait before the run aborts.")
+    profile: bool = Field(description="Per-phase step timing (a CUDA sync between phases).")
+    cuda_graphs: bool = Field(description="Replay packed rows' decoder passes from CUDA graphs where possible.")
+    eval_steps: int | None = Field(description="Evaluate every N steps (and after the last); None = at the end only.")
+    early_stopping_patience: int | None
+    save_best_adapter: bool
     max_seq_length: int
     attention_coef: float | None = Field(description="Planner cost-model coefficient (None = planner default).")
     seed: int
@@ -157,23 +169,24 @@ class RunDescription(BaseModel):
     resume_notes: tuple[str, ...] = Field(
         (), description="What the launcher said about the resume: which checkpoint 'latest' chose and the broken "
         "ones skipped; a warning for a checkpoint without manifest. Rank 0 logs them too.")
-    hyper_config: dict[str, Any]
-    training_config: dict[str, Any]
+    # The validated config, for the record (hypersloth_config.json), for loading the model (fast_model_args,
+    # lora_args) and as TRL's pass-through arguments; every value HyperSloth itself acts on is a field above.
+    hyper_config: HyperConfig
+    training_config: TrainingArgsConfig
 
     @property
     def samples_per_step(self) -> int:
         return self.global_batch_size
 
-    def hyper(self) -> HyperConfig:
-        return HyperConfig.model_validate(self.hyper_config)
-
-    def training_args(self) -> TrainingArgsConfig:
-        return TrainingArgsConfig.model_validate(self.training_config)
+    @property
+    def token_budget_auto(self) -> bool:
+        """token_budget is a stand-in that the workers replace by the budget they measure."""
+        return self.token_budget_source == "auto"
 
     def resolved_config(self) -> dict[str, Any]:
         """The config part, in the layout of hypersloth_config.json (export reads it)."""
-        return {"source_path": self.config_path, "hyper_config": self.hyper_config,
-                "training_config": self.training_config}
+        config = json.loads(self.model_dump_json(include={"hyper_config", "training_config"}))
+        return {"source_path": self.config_path, **config}
 
     def batch_line(self) -> str:
         """The derived batch numbers in one line, like torchtitan's start-up log."""
@@ -187,12 +200,11 @@ class RunDescription(BaseModel):
 
     def planning_key(self) -> dict[str, Any]:
         """What decides which samples form each optimizer step: a resume must match it exactly."""
-        hyper = self.hyper_config["training"]
         return {
             "samples per step": self.global_batch_size,
             "seed": self.seed,
-            "planning mode": f"{self.batching}, group_by_length={hyper['group_by_length']}, "
-                             f"group_window_steps={hyper['group_window_steps']}",
+            "planning mode": f"{self.batching}, group_by_length={self.group_by_length}, "
+                             f"group_window_steps={self.group_window_steps}",
             "dataset fingerprint": self.dataset.fingerprint,
             # A hold-out removes rows from training: another hold-out plans other steps.
             "held-out rows": self.eval_set.fingerprint if self.eval_set and self.eval_set.source == "holdout" else None,
@@ -202,6 +214,14 @@ class RunDescription(BaseModel):
 # ---------------------------------------------------------------------------------------------
 # Resolving
 # ---------------------------------------------------------------------------------------------
+def token_budget(training: TrainingConfig, per_device: int, max_seq_length: int, cuda: bool) -> dict[str, Any]:
+    """The one place tokens_per_micro_batch is resolved: a number stays; "auto" is per_device x max_seq_length
+    on CPU, and on a GPU the same product as a stand-in that the workers replace by what they measure."""
+    if training.tokens_per_micro_batch != "auto":
+        return {"token_budget": training.tokens_per_micro_batch, "token_budget_source": "explicit"}
+    return {"token_budget": per_device * max_seq_length, "token_budget_source": "auto" if cuda else "auto-cpu"}
+
+
 def batch_numbers(per_device: int, accumulation: int, world_size: int, batching: str) -> dict[str, Any]:
     """The one place the batch sizes are derived from the config and the world size."""
     per_rank = per_device * accumulation
@@ -312,7 +332,6 @@ def resolve_run(loaded: LoadedConfig, *, world_size: int, machine: MachineFacts,
     if problems:
         listed = f" {problems[0]}" if len(problems) == 1 else "".join(f"\n  - {p}" for p in problems)
         raise ConfigError(f"{loaded.path}: cannot run this config:{listed}")
-    config = config_to_dict(loaded)
     try:
         resume, resume_notes = resolve_resume(targs.resume_from_checkpoint, Path(targs.output_dir).resolve())
     except ConfigError as err:
@@ -328,10 +347,16 @@ def resolve_run(loaded: LoadedConfig, *, world_size: int, machine: MachineFacts,
         loss_type=training.loss_type,
         **batch_numbers(targs.per_device_train_batch_size, targs.gradient_accumulation_steps, world_size,
                         training.batching),
-        # "auto": measured by the workers on a GPU (this is the stand-in), fixed at this value on CPU.
-        token_budget=(targs.per_device_train_batch_size * fast.max_seq_length
-                      if training.tokens_per_micro_batch == "auto" else training.tokens_per_micro_batch),
-        token_budget_auto=training.tokens_per_micro_batch == "auto" and cuda,
+        **token_budget(training, targs.per_device_train_batch_size, fast.max_seq_length, cuda),
+        gradient_checkpointing=fast.use_gradient_checkpointing,
+        group_by_length=training.group_by_length,
+        group_window_steps=training.group_window_steps,
+        nccl_timeout_s=training.nccl_timeout_s,
+        profile=training.profile,
+        cuda_graphs=training.cuda_graphs,
+        eval_steps=targs.eval_steps,
+        early_stopping_patience=targs.early_stopping_patience,
+        save_best_adapter=targs.save_best_adapter,
         max_seq_length=fast.max_seq_length,
         attention_coef=attention_coef(fast.model_name),
         seed=targs.seed,
@@ -340,8 +365,8 @@ def resolve_run(loaded: LoadedConfig, *, world_size: int, machine: MachineFacts,
         output_dir=str(Path(targs.output_dir).resolve()),
         resume_from_checkpoint=resume,
         resume_notes=resume_notes,
-        hyper_config=config["hyper_config"],
-        training_config=config["training_config"],
+        hyper_config=hyper,
+        training_config=targs,
     )
     resume_problem = check_resume(description)
     if resume_problem:

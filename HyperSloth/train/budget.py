@@ -466,8 +466,7 @@ def settle(description, load: Callable[[Any], Any], lengths: Sequence[int] | np.
     """
     from loguru import logger
 
-    fast = description.hyper_config["fast_model_args"]
-    gc_mode, longest = fast["use_gradient_checkpointing"], int(np.max(lengths))
+    gc_mode, longest = description.gradient_checkpointing, int(np.max(lengths))
     known = (description.token_budget_auto and not gc_mode and setup is not None
              and cached_needs_checkpointing(setup, lengths, description.global_batch_size))
     if known:
@@ -476,9 +475,8 @@ def settle(description, load: Callable[[Any], Any], lengths: Sequence[int] | np.
                        f"checkpointing on this GPU: loading with gradient checkpointing ({gc_mode!r})")
     loaded = load(gc_mode if known else None)
     if not description.token_budget_auto:
-        auto = description.hyper_config["training"]["tokens_per_micro_batch"] == "auto"
         return description, loaded, BudgetDecision(tokens=description.token_budget,
-                                                   source="auto-cpu" if auto else "explicit")
+                                                   source=description.token_budget_source)
 
     def measure_model(model_loaded, mode) -> BudgetDecision:
         return measure_auto(model_loaded.model, lengths=lengths, samples_per_step=description.global_batch_size,
@@ -494,12 +492,11 @@ def settle(description, load: Callable[[Any], Any], lengths: Sequence[int] | np.
                        f"checkpointing ({gc_mode!r}) for this run")
         loaded = None  # drop the first model before loading the second
         loaded, decision = _reload_and_measure(load, gc_mode, measure_model, decision)
-    hyper_config = {**description.hyper_config, "fast_model_args": {**fast, "use_gradient_checkpointing": gc_mode}}
     logger.info(decision.summary())
     logger.info(decision.probe_line())
     if loaded.backend == "unsloth":  # Unsloth's pre-train detector sees the probe's backward, resets its compile cache
         logger.info("Unsloth will warn that a forward/backward ran before trainer.train(): that was this probe")
-    settled = description.model_copy(update={"token_budget": decision.tokens, "hyper_config": hyper_config})
+    settled = description.model_copy(update={"token_budget": decision.tokens, "gradient_checkpointing": gc_mode})
     return settled, loaded, decision
 
 

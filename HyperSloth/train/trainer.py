@@ -390,11 +390,11 @@ class RunSetup:
     first_epoch_stats: dict[str, float]
 
 
-def sft_config_for(targs: TrainingArgsConfig, dtype: torch.dtype, rank: int, evaluate: bool = False,
-                   backend: str = "transformers") -> SFTConfig:
+def sft_config_for(targs: TrainingArgsConfig, dtype: torch.dtype, rank: int,
+                   evaluation: dict[str, Any] | None = None, backend: str = "transformers") -> SFTConfig:
     """TRL arguments: the user's, plus what plan-driven steps need (HF sees one batch per step, and
     leaves gradient_accumulation_steps at 1: the accumulation happens inside training_step), plus the
-    evaluation schedule when the run has an eval set.
+    evaluation schedule (`evaluation.eval_sft_kwargs`) when the run has an eval set.
 
     Gradient checkpointing belongs to the model loader (`FastModelArgs.use_gradient_checkpointing`). TRL's
     SFTConfig defaults `gradient_checkpointing` to True, and HF's `train()` then checkpoints every layer:
@@ -421,8 +421,7 @@ def sft_config_for(targs: TrainingArgsConfig, dtype: torch.dtype, rank: int, eva
         kwargs.setdefault("gradient_checkpointing", False)  # extra_args may still set it
     if kwargs.get("dataloader_num_workers") is None:  # collate ahead in a worker process when on GPUs
         kwargs["dataloader_num_workers"] = 1 if cuda else 0
-    if evaluate:
-        kwargs.update(eval_sft_kwargs(targs.eval_steps))
+    kwargs.update(evaluation or {})
     if rank != 0:  # one writer: rank 0 saves, reports and shows progress (others save their RNG only)
         kwargs.update(report_to="none", disable_tqdm=True)
     return SFTConfig(**kwargs)
@@ -436,13 +435,12 @@ def decoder_graphs(description: RunDescription, loaded_model, steps: PlanSteps, 
                    ) -> dict[str, Any]:
     """The trainer's CUDA-graph arguments: the installed `DecoderGraphs` and the planned row lengths to
     capture, or why the decoder runs eagerly (one log line)."""
-    hyper = description.hyper()
-    lora = hyper.lora_args
+    lora = description.hyper_config.lora_args
     spec = steps.plan(0).spec
     reason = graph_unavailable(
-        enabled=hyper.training.cuda_graphs, cuda=torch.cuda.is_available(), backend=loaded_model.backend,
+        enabled=description.cuda_graphs, cuda=torch.cuda.is_available(), backend=loaded_model.backend,
         mode=spec.mode, lora=lora is not None, lora_dropout=lora.lora_dropout if lora else 0.0,
-        checkpointing=hyper.fast_model_args.use_gradient_checkpointing)
+        checkpointing=description.gradient_checkpointing)
     if reason is not None:
         logger.info(f"eager decoder forward+backward: {reason}")
         return {"graphs_off": reason}
@@ -453,7 +451,7 @@ def decoder_graphs(description: RunDescription, loaded_model, steps: PlanSteps, 
     graphs = DecoderGraphs(params, layout, static_packed_info=unsloth_static_packed_rows,
                            max_rows=spec.token_budget // 2)
     graphs.install(loaded_model.model.get_base_model().model)
-    targs = description.training_args()
+    targs = description.training_config
     total = targs.max_steps or (targs.num_train_epochs or 1) * steps.steps_per_epoch
     counts: dict[int, int] = {}
     for index in range(min(total, GRAPH_PLAN_STEPS)):
@@ -469,7 +467,6 @@ def build_trainer(description: RunDescription, loaded_model, dataset, info: Dist
                   ) -> tuple[HyperSlothTrainer, RunSetup]:
     """Wire plan, data, gradient sync and TRL arguments into a HyperSlothTrainer for this rank; with
     `eval_dataset` (the rows of `description.eval_set`) also the evaluator, best adapter and early stopping."""
-    hyper, targs = description.hyper(), description.training_args()
     lengths, trainable = dataset_lengths(dataset, description.loss_type, description.max_seq_length)
     spec = plan_spec_for(description)
     per_epoch = steps_per_epoch(len(lengths), spec.samples_per_step)
@@ -492,11 +489,12 @@ def build_trainer(description: RunDescription, loaded_model, dataset, info: Dist
                                     packed_lengths=loaded_model.backend == "unsloth",
                                     bucket=loaded_model.backend == "unsloth")
         callbacks += eval_callbacks(description.output_dir, is_main=info.is_main,
-                                    save_best_adapter=targs.save_best_adapter,
-                                    early_stopping_patience=targs.early_stopping_patience)
+                                    save_best_adapter=description.save_best_adapter,
+                                    early_stopping_patience=description.early_stopping_patience)
     trainer = HyperSlothTrainer(
         model=model,
-        args=sft_config_for(targs, loaded_model.dtype, info.rank, evaluate=evaluator is not None,
+        args=sft_config_for(description.training_config, loaded_model.dtype, info.rank,
+                            evaluation=eval_sft_kwargs(description.eval_steps) if evaluator else None,
                             backend=loaded_model.backend),
         train_dataset=dataset,
         eval_dataset=eval_dataset,
@@ -506,7 +504,7 @@ def build_trainer(description: RunDescription, loaded_model, dataset, info: Dist
         plan_steps=steps,
         grad_sync=GradientSync(trainable_parameters(model), info.world_size),
         rank=info.rank,
-        profile=hyper.training.profile,
+        profile=description.profile,
         description=description,
         **decoder_graphs(description, loaded_model, steps, lengths, info.rank),
     )

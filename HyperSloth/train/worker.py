@@ -68,7 +68,7 @@ def run(description: RunDescription, info: dist.DistInfo) -> dict[str, Any] | No
 
     if description.backend == "unsloth":
         _prepare_unsloth(info.rank)  # before transformers/trl are imported below
-    dist.setup(info, timeout_s=description.hyper_config["training"]["nccl_timeout_s"])
+    dist.setup(info, timeout_s=description.nccl_timeout_s)
     try:
         return _train(description, info, out_dir)
     except BaseException as err:
@@ -107,23 +107,23 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path) -> d
     from HyperSloth.train.evaluation import eval_summary
     from HyperSloth.train.trainer import build_trainer
 
-    hyper = description.hyper()
     transformers.set_seed(description.seed)
     started = time.perf_counter()
     large_files_check = _check_large_files(description) if info.is_main else None
     # Loading and the micro-batch budget go together: "auto" is measured on the loaded model (every rank,
     # then the minimum), and a longest sample that fits only with checkpointing reloads the model with it.
     lengths = np.asarray(load_from_disk(description.dataset.path)["length"], dtype=np.int64)
-    setup = probe_cache.ProbeSetup(fast=description.hyper_config["fast_model_args"],
-                                   lora=description.hyper_config.get("lora_args"),
+    lora = description.hyper_config.lora_args
+    setup = probe_cache.ProbeSetup(fast=description.hyper_config.fast_model_args.model_dump(mode="json"),
+                                   lora=lora.model_dump(mode="json") if lora else None,
                                    backend=description.backend,
                                    cache=probe_cache.ProbeCache(probe_cache.cache_dir()))
-    description, loaded_model, budget_decision = budget.settle(description, _loader(hyper), lengths, setup)
-    logger.info(f"model {hyper.fast_model_args.model_name} loaded with {loaded_model.backend} ({loaded_model.dtype})")
+    description, loaded_model, budget_decision = budget.settle(description, _loader(description), lengths, setup)
+    logger.info(f"model {description.hyper_config.fast_model_args.model_name} loaded with {loaded_model.backend} ({loaded_model.dtype})")
     if info.is_main:
         run_files.atomic_write_json(run_files.resolved_file(out_dir), {
             "token_budget": budget_decision.as_record(),
-            "gradient_checkpointing": description.hyper_config["fast_model_args"]["use_gradient_checkpointing"]})
+            "gradient_checkpointing": description.gradient_checkpointing})
     # A hold-out leaves the training rows; the eval rows are checked against the resolved fingerprint.
     dataset, eval_dataset = split_for_run(load_from_disk(description.dataset.path), description.eval_set)
     trainer, setup = build_trainer(description, loaded_model, dataset, info, eval_dataset=eval_dataset)
@@ -137,7 +137,7 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path) -> d
     summary = _summary(trainer, setup, result, time.perf_counter() - started, info)
     summary["token_budget"] = budget_decision.as_record()  # the budget planned with, and what it came from
     summary["cuda_graphs"] = trainer.graphs_summary()
-    summary["gradient_checkpointing"] = description.hyper_config["fast_model_args"]["use_gradient_checkpointing"]
+    summary["gradient_checkpointing"] = description.gradient_checkpointing
     summary.update(eval_summary(trainer.state.log_history, description.eval_set, out_dir))
     run_files.atomic_write_json(out_dir / run_files.SUMMARY_FILE, summary)
     run_files.atomic_write_json(out_dir / run_files.CONFIG_FILE, description.resolved_config())
@@ -163,15 +163,15 @@ def _refuse_corrupt(checkpoint: str, problems: list[str]) -> None:
         raise CheckpointError(checkpoints.resume_problem(checkpoints.Check(Path(checkpoint), tuple(problems))))
 
 
-def _loader(hyper):
-    """`load(gradient_checkpointing)` for budget.settle: the configured model, or with that checkpointing."""
+def _loader(description: RunDescription):
+    """`load(gradient_checkpointing)` for budget.settle: the run's model, with the run's checkpointing (None)
+    or the one given."""
     from HyperSloth.train import model as model_lib
 
     def load(checkpointing):
-        fast = hyper.fast_model_args
-        if checkpointing is not None:
-            fast = fast.model_copy(update={"use_gradient_checkpointing": checkpointing})
-        return model_lib.load_model(fast, hyper.lora_args)
+        mode = description.gradient_checkpointing if checkpointing is None else checkpointing
+        fast = description.hyper_config.fast_model_args.model_copy(update={"use_gradient_checkpointing": mode})
+        return model_lib.load_model(fast, description.hyper_config.lora_args)
 
     return load
 

@@ -306,7 +306,7 @@ def test_a_full_disk_during_a_save_stops_training_and_keeps_the_previous_checkpo
     with contextlib.chdir(workdir):
         run = resolve_run(load_config(write_config(spec, workdir, model_dir)), world_size=1,
                           machine=MachineFacts(0, False, 2))
-    hyper = run.hyper()
+    hyper = run.hyper_config
     trainer, _ = build_trainer(run, load_model(hyper.fast_model_args, hyper.lora_args), dataset, DistInfo())
     trainer.args.max_steps, trainer.args.save_steps = 2, 1  # 4 samples a step, a save after each
 

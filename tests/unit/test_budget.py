@@ -6,6 +6,7 @@ import torch
 import torch.multiprocessing as mp
 
 from HyperSloth.launch.rendezvous import host_store
+from HyperSloth.plan.run import RunDescription
 from HyperSloth.train import budget, dist
 
 GIB = 2**30
@@ -178,13 +179,14 @@ def test_decision_summary_names_value_and_inputs():
 class _Description:
     """The few fields of a RunDescription that settle reads, with pydantic's model_copy(update=...)."""
 
-    def __init__(self, auto: bool, setting, budget=4096, gc=False):
-        self.token_budget, self.token_budget_auto, self.global_batch_size = budget, auto, 32
-        self.hyper_config = {"training": {"tokens_per_micro_batch": setting},
-                             "fast_model_args": {"use_gradient_checkpointing": gc}}
+    token_budget_auto = RunDescription.token_budget_auto  # the real property: source == "auto"
+
+    def __init__(self, source: str, budget=4096, gc=False):
+        self.token_budget, self.token_budget_source, self.global_batch_size = budget, source, 32
+        self.gradient_checkpointing = gc
 
     def model_copy(self, update):
-        copy = _Description(self.token_budget_auto, None)
+        copy = _Description(self.token_budget_source)
         copy.__dict__.update({**self.__dict__, **update})
         return copy
 
@@ -209,8 +211,8 @@ class _Loaded:
 def test_settle_keeps_explicit_and_cpu_budgets_without_measuring(monkeypatch):
     monkeypatch.setattr(budget, "measure_auto", lambda *a, **k: pytest.fail("nothing to measure"))
     loads = []
-    for setting, source in ((2048, "explicit"), ("auto", "auto-cpu")):
-        d, loaded, decision = budget.settle(_Description(False, setting, budget=2048), lambda gc: loads.append(gc) or _Loaded(), [10, 20])
+    for source in ("explicit", "auto-cpu"):
+        d, loaded, decision = budget.settle(_Description(source, budget=2048), lambda gc: loads.append(gc) or _Loaded(), [10, 20])
         assert (d.token_budget, decision.tokens, decision.source) == (2048, 2048, source)
     assert loads == [None, None]
 
@@ -218,18 +220,18 @@ def test_settle_keeps_explicit_and_cpu_budgets_without_measuring(monkeypatch):
 def test_settle_plans_with_the_measured_budget(monkeypatch):
     monkeypatch.setattr(budget, "measure_auto", _fake_measure({False: 30720, "unsloth": 300000}))
     loads = []
-    d, _, decision = budget.settle(_Description(True, "auto"), lambda gc: loads.append(gc) or _Loaded(), [100, 4096])
+    d, _, decision = budget.settle(_Description("auto"), lambda gc: loads.append(gc) or _Loaded(), [100, 4096])
     assert (d.token_budget, decision.tokens, decision.checkpointing_switched_on) == (30720, 30720, False)
-    assert loads == [None] and d.hyper_config["fast_model_args"]["use_gradient_checkpointing"] is False
+    assert loads == [None] and d.gradient_checkpointing is False
 
 
 def test_settle_turns_checkpointing_on_when_the_longest_sample_does_not_fit(monkeypatch):
     monkeypatch.setattr(budget, "measure_auto", _fake_measure({False: 30720, "unsloth": 300000}))
     loads = []
-    d, _, decision = budget.settle(_Description(True, "auto"), lambda gc: loads.append(gc) or _Loaded(), [100, 65536])
+    d, _, decision = budget.settle(_Description("auto"), lambda gc: loads.append(gc) or _Loaded(), [100, 65536])
     assert loads == [None, "unsloth"]  # loaded again, with Unsloth's checkpointing
     assert (d.token_budget, decision.checkpointing_switched_on, decision.gradient_checkpointing) == (300000, True, "unsloth")
-    assert d.hyper_config["fast_model_args"]["use_gradient_checkpointing"] == "unsloth"
+    assert d.gradient_checkpointing == "unsloth"
     assert (decision.probe_seconds, decision.probe_passes) == (4.0, 6)  # both probes counted
     assert decision.reload_seconds is not None and "6 forward+backward pass(es), 4.0 s" in decision.probe_line()
 
@@ -268,11 +270,11 @@ def test_settle_loads_with_checkpointing_at_once_when_the_cache_knows(monkeypatc
     monkeypatch.setattr(budget, "cached_needs_checkpointing", lambda setup, lengths, samples_per_step: True)
     loads = []
     setup = ProbeSetup(fast={}, lora=None, backend="unsloth")
-    d, _, decision = budget.settle(_Description(True, "auto"), lambda gc: loads.append(gc) or _Loaded(), [100, 65536],
+    d, _, decision = budget.settle(_Description("auto"), lambda gc: loads.append(gc) or _Loaded(), [100, 65536],
                                    setup)
     assert loads == ["unsloth"]  # one load, no probe without checkpointing
     assert decision.checkpointing_switched_on and decision.reload_seconds is None and decision.probe_passes == 3
-    assert d.hyper_config["fast_model_args"]["use_gradient_checkpointing"] == "unsloth"
+    assert d.gradient_checkpointing == "unsloth"
 
 
 def _linear(calls, base=4 * GIB, per_token=2**20):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from HyperSloth.plan.run import (
     write_run,
 )
 
+PACKAGE = Path(__file__).resolve().parents[2] / "HyperSloth"
 CPU = MachineFacts(cuda_device_count=0, unsloth_available=False, cpu_count=2)
 QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
                  head_dim=128)
@@ -82,7 +84,7 @@ def test_resolved_run_holds_every_derived_number(setup):
     assert (run.dataset.name, run.dataset.built_max_length, run.dataset.num_samples) == ("chat", 300, 40)
     assert run.dataset.path == str((setup / "data" / "built_dataset" / "chat").resolve())
     assert run.output_dir == str((setup / "out").resolve()) and run.seed == 7
-    assert run.hyper().training.gpus == [0, 1] and run.training_args().max_steps == 5
+    assert run.hyper_config.training.gpus == [0, 1] and run.training_config.max_steps == 5
     line = run.batch_line()
     assert "world size 2" in line and "8 samples per rank per step" in line and "global batch 16 samples" in line
 
@@ -213,6 +215,33 @@ def test_resume_from_a_missing_folder(setup):
         resolve(write_config(setup, targs_extra=f", resume_from_checkpoint={str(setup / 'nope')!r}"))
 
 
+def test_every_setting_the_workers_act_on_is_a_typed_field(setup):
+    extra = ", group_by_length=True, group_window_steps=8, nccl_timeout_s=60, profile=True, cuda_graphs=False"
+    run = resolve(write_config(setup, extra=extra, targs_extra=", save_best_adapter=False"))
+    assert (run.group_by_length, run.group_window_steps, run.nccl_timeout_s, run.profile, run.cuda_graphs) == (
+        True, 8, 60, True, False)
+    assert (run.gradient_checkpointing, run.eval_steps, run.early_stopping_patience, run.save_best_adapter) == (
+        False, None, None, False)
+    spec = plan_spec_for(run)
+    assert (spec.group_by_length, spec.group_window_steps) == (True, 8)
+    again = read_run(write_run(run, setup / "run.json"))  # validated once, typed on the way back
+    assert again == run and again.hyper_config.training.nccl_timeout_s == 60
+    assert again.resolved_config() == {"source_path": str(setup / "cfg.py"),
+                                       "hyper_config": json.loads(run.hyper_config.model_dump_json()),
+                                       "training_config": json.loads(run.training_config.model_dump_json())}
+
+
+def test_train_reads_the_config_only_to_load_the_model_and_to_pass_trl_its_arguments():
+    """What the workers act on is a field of the run (resolved once); in train/ the config dump serves only
+    the model loader (fast_model_args, lora_args) and TRL's arguments (training_config)."""
+    pattern = re.compile(r"hyper_config(?!\.(fast_model_args|lora_args)\b)|\.hyper\(\)|training_args\(\)")
+    offenders = [f"{path.name}:{n}: {line.strip()}" for path in sorted((PACKAGE / "train").glob("*.py"))
+                 for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert offenders == []
+    assert pattern.search('description.hyper_config["training"]') and pattern.search("run.hyper().training")
+    assert not pattern.search("description.hyper_config.lora_args")
+
+
 def test_rank_seeds_are_distinct_and_rank0_keeps_the_seed():
     seeds = [rank_seed(42, r) for r in range(8)]
     assert seeds[0] == 42 and len(set(seeds)) == 8
@@ -223,10 +252,11 @@ def test_rank_seeds_are_distinct_and_rank0_keeps_the_seed():
 def test_token_budget_auto_is_fixed_on_cpu_and_measured_on_gpus(setup):
     gpus = MachineFacts(cuda_device_count=2, unsloth_available=True, cpu_count=2)
     cpu_auto, gpu_auto = resolve(write_config(setup)), resolve(write_config(setup), machine=gpus)
-    assert (cpu_auto.token_budget, cpu_auto.token_budget_auto) == (4 * 512, False)  # per_device x max_seq
-    assert (gpu_auto.token_budget, gpu_auto.token_budget_auto) == (4 * 512, True)  # a stand-in until measured
+    assert (cpu_auto.token_budget, cpu_auto.token_budget_source) == (4 * 512, "auto-cpu")  # per_device x max_seq
+    assert (gpu_auto.token_budget, gpu_auto.token_budget_source) == (4 * 512, "auto")  # a stand-in until measured
+    assert (cpu_auto.token_budget_auto, gpu_auto.token_budget_auto) == (False, True)
     assert "automatic budget" in gpu_auto.batch_line()
     explicit = resolve(write_config(setup, extra=", tokens_per_micro_batch=1000"), machine=gpus)
-    assert (explicit.token_budget, explicit.token_budget_auto) == (1000, False)
+    assert (explicit.token_budget, explicit.token_budget_source, explicit.token_budget_auto) == (1000, "explicit", False)
     with pytest.raises(ConfigError, match="tokens_per_micro_batch"):
         resolve(write_config(setup, extra=", tokens_per_micro_batch=0"))
