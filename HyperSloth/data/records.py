@@ -116,8 +116,6 @@ def _iter_records(raw: list[RawRecord] | datasets.Dataset, order: np.ndarray, ch
             yield RawRecord(f"record #{i}", row)
 
 
-def first_records(raw: list[RawRecord] | datasets.Dataset, count: int) -> list[Any]:
-    """Up to ``count`` parsed records from the start of ``raw`` (for detecting what a source holds)."""
-    if isinstance(raw, list):
-        return [r.record for r in raw[: count * 2] if r.error is None][:count]
-    return raw.select(range(min(count, len(raw)))).to_list()
+def first_records(raw: list[RawRecord], count: int) -> list[Any]:
+    """Up to ``count`` parsed records from the start of a JSON source (for detecting what it holds)."""
+    return [r.record for r in raw[: count * 2] if r.error is None][:count]
