@@ -351,7 +351,7 @@ class HyperSlothTrainer(SFTTrainer):
         if self.state.best_model_checkpoint == str(folder):  # HF named the staging path: the final one
             self.state.best_model_checkpoint = final
             self.state.save_to_json(str(folder / run_files.TRAINER_STATE_FILE))
-        if self.description is not None:  # a resume compares its own run with this (run.check_resume)
+        if self.description is not None:  # a resume compares its own run with this (plan.run.check_resume)
             write_run(self.description, run_files.run_file(folder))
             run_files.atomic_write_json(folder / run_files.CONFIG_FILE, self.description.resolved_config())
 
