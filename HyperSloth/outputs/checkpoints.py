@@ -283,7 +283,8 @@ class Latest:
 
     def none_message(self) -> str:
         return (f"resume_from_checkpoint={LATEST!r}: {self.output_dir} holds no complete checkpoint"
-                f"{self._left_out()}: remove resume_from_checkpoint to start a new run there")
+                f"{self._left_out()}: remove resume_from_checkpoint to start a new run there (with --overwrite "
+                "when the folder holds an earlier run's files)")
 
 
 def find_latest(output_dir: str | os.PathLike, *, exclude: Path | None = None) -> Latest:

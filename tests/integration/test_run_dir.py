@@ -332,7 +332,7 @@ def test_latest_without_a_complete_checkpoint_is_one_clear_error(cli, tmp_path, 
     assert cli.run([str(write_config(tmp_path, extra_targs=", resume_from_checkpoint='latest'"))]) == 2
     err = capsys.readouterr().err
     assert f"resume_from_checkpoint='latest': {out} holds no complete checkpoint (skipped checkpoint-6" in err
-    assert "remove resume_from_checkpoint to start a new run" in err and cli.calls == []
+    assert "remove resume_from_checkpoint to start a new run there (with --overwrite" in err and cli.calls == []
 
 
 def test_a_checkpoint_without_manifest_resumes_with_one_warning(cli, tmp_path, capsys):
