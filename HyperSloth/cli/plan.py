@@ -45,7 +45,7 @@ class PlanSummary:
 
 
 def _dataset_columns(path: Path, loss_type: str, max_seq_length: int) -> tuple[np.ndarray, np.ndarray]:
-    """(lengths, trainable) of a built dataset; trainable = length - 1 when the loss covers every token."""
+    """(lengths, trainable) of a built dataset (`batching.sample_token_counts`); ConfigError saying what to change."""
     import datasets  # heavy; only the preview needs it
 
     try:

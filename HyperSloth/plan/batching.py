@@ -184,6 +184,22 @@ def _validate_inputs(lengths, trainable) -> tuple[np.ndarray, np.ndarray]:
     return lens, tr
 
 
+def sample_token_counts(columns, loss_type: str, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(lengths, trainable-token counts) per sample: the planner's two inputs, from a built dataset (or any
+    mapping of its `length` and `num_trainable` columns), of `rows` only when given.
+
+    The one place the trainable rule is written: a causal LM never predicts a sample's first token, so a
+    loss over every token (`loss_type="all"`) trains length - 1 of them; a response-only loss trains the
+    dataset's `num_trainable` column, counted by the same rule when the dataset was built.
+    """
+    lengths = np.asarray(columns["length"], dtype=np.int64)
+    lengths = lengths if rows is None else lengths[rows]
+    if loss_type == "all":
+        return lengths, np.maximum(lengths - 1, 0)
+    trainable = np.asarray(columns["num_trainable"], dtype=np.int64)
+    return lengths, trainable if rows is None else trainable[rows]
+
+
 def _epoch_order(lens: np.ndarray, spec: PlanSpec, epoch: int) -> tuple[np.ndarray, np.ndarray]:
     """(plan order, plain shuffle): step k is order[k*S:(k+1)*S]. Never reads num_ranks."""
     n, S = lens.size, spec.samples_per_step

@@ -24,7 +24,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from HyperSloth.config import ConfigError
-from HyperSloth.plan.batching import EpochPlan, PlanSpec, adaptive_partition_batches
+from HyperSloth.plan.batching import EpochPlan, PlanSpec, adaptive_partition_batches, sample_token_counts
 
 MAX_EVAL_FRACTION = 0.5  # beyond this the "hold-out" would be larger than what is trained on
 EVAL_ROWS_PER_RANK_PER_CHUNK = 256  # eval "steps" hold this many rows per rank: bounds the planner's work
@@ -127,10 +127,8 @@ def _load(path: Path, name: str):
 
 def _token_counts(dataset, indices: np.ndarray, loss_type: str) -> tuple[int, int]:
     """(tokens, scored target tokens) of the rows; position 0 of a row is never a target."""
-    lengths = np.asarray(dataset["length"], dtype=np.int64)[indices]
-    if loss_type == "all":
-        return int(lengths.sum()), int(np.maximum(lengths - 1, 0).sum())
-    return int(lengths.sum()), int(np.asarray(dataset["num_trainable"], dtype=np.int64)[indices].sum())
+    lengths, targets = sample_token_counts(dataset, loss_type, indices)
+    return int(lengths.sum()), int(targets.sum())
 
 
 def resolve_holdout(dataset_name: str, dataset_path: Path, *, fraction: float, seed: int, loss_type: str) -> EvalSet:
@@ -257,10 +255,7 @@ def eval_row_lengths(eval_set: EvalSet, loss_type: str) -> tuple[np.ndarray, np.
         rows = split_holdout(len(dataset), eval_set.fraction, eval_set.seed)[1]
     else:
         rows = np.arange(len(dataset), dtype=np.int64)
-    lengths = np.asarray(dataset["length"], dtype=np.int64)[rows]
-    if loss_type == "all":
-        return lengths, np.maximum(lengths - 1, 0)
-    return lengths, np.asarray(dataset["num_trainable"], dtype=np.int64)[rows]
+    return sample_token_counts(dataset, loss_type, rows)
 
 
 def describe_eval_plan(eval_set: EvalSet, plan: EpochPlan) -> list[str]:

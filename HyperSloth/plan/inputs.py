@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from HyperSloth.plan.batching import PlanSpec
+from HyperSloth.plan.batching import PlanSpec, sample_token_counts
 from HyperSloth.plan.run import RunDescription
 
 
@@ -27,10 +27,9 @@ def plan_spec_for(run: RunDescription) -> PlanSpec:
 
 
 def dataset_lengths(dataset, loss_type: str, max_seq_length: int) -> tuple[np.ndarray, np.ndarray]:
-    """(lengths, trainable-token counts) of a built dataset; trainable = length - 1 when the loss covers
-    every token (position 0 is never a target). ValueError, saying what to change, for an empty dataset
-    or samples longer than max_seq_length."""
-    lengths = np.asarray(dataset["length"], dtype=np.int64)
+    """(lengths, trainable-token counts) of a built dataset (`batching.sample_token_counts`); ValueError,
+    saying what to change, for an empty dataset or samples longer than max_seq_length."""
+    lengths, trainable = sample_token_counts(dataset, loss_type)
     if lengths.size == 0:
         raise ValueError("the dataset is empty: rebuild it from a file with samples")
     longest = int(lengths.max())
@@ -39,6 +38,4 @@ def dataset_lengths(dataset, loss_type: str, max_seq_length: int) -> tuple[np.nd
             f"the dataset holds samples of up to {longest} tokens but fast_model_args.max_seq_length is "
             f"{max_seq_length}: raise max_seq_length or rebuild the dataset with --max_seq_length {max_seq_length}"
         )
-    if loss_type == "all":
-        return lengths, np.maximum(lengths - 1, 0)
-    return lengths, np.asarray(dataset["num_trainable"], dtype=np.int64)
+    return lengths, trainable

@@ -31,7 +31,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-IGNORE_INDEX = -100
+from HyperSloth.data.masking import IGNORE_INDEX  # the label of a position that is not trained (one definition)
+
 # Rows longer than this are not bucketed. Their bucket step is >= 8,192 tokens, so padding would add ~4k-16k
 # tokens to a row that already costs seconds (Qwen3-8B 4-bit: ~60 us per token, 0.25-1 s; a new row shape
 # cost 0.05-0.1 s on an H200), and such rows come from long samples, whose shapes rarely repeat.
@@ -137,6 +138,18 @@ def collate(
     if mode == "sorted-pad":
         return collate_sorted_pad(samples, pad_token_id)
     raise ValueError(f"unknown batching mode {mode!r}; use 'packed' or 'sorted-pad'")
+
+
+def collate_rows(dataset, indices: Sequence[int], mode: str, loss_type: LossType, pad_token_id: int, *,
+                 with_lengths: bool = False, bucket: bool = False, bucket_limit: int | None = None
+                 ) -> dict[str, torch.Tensor]:
+    """One planned micro-batch as model inputs: rows `indices` of a built dataset (numpy-formatted
+    `input_ids` / `labels`), each with the labels its loss trains on (`sample_labels`), collated for the
+    planner's mode (`collate`). Training (trainer.PlanSteps) and evaluation (evaluation.Evaluator) both."""
+    rows = dataset[list(indices)]
+    samples = [(np.asarray(ids), sample_labels(np.asarray(ids), np.asarray(lab), loss_type))
+               for ids, lab in zip(rows["input_ids"], rows["labels"])]
+    return collate(samples, mode, pad_token_id, with_lengths=with_lengths, bucket=bucket, bucket_limit=bucket_limit)
 
 
 def to_device(prepare: Callable[[dict[str, Any]], dict[str, Any]], micro_batch: dict[str, Any]) -> dict[str, Any]:

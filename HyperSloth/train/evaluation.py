@@ -32,16 +32,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as torch_dist
 from loguru import logger
 from transformers import EarlyStoppingCallback, TrainerCallback
 
 from HyperSloth.outputs import run_files
-from HyperSloth.plan.batching import EpochPlan, PlanSpec
+from HyperSloth.plan.batching import EpochPlan, PlanSpec, sample_token_counts
 from HyperSloth.plan.eval_set import plan_eval
-from HyperSloth.train.collate import LossType, collate, count_trainable, sample_labels, to_device
+from HyperSloth.train.collate import LossType, collate_rows, count_trainable, to_device
 
 FINAL_ONLY_EVAL_STEPS = 2**31 - 1  # eval_steps=None: HF's loop then evaluates after the last step only
 
@@ -86,14 +85,9 @@ class Evaluator:
         for step in self.plan.steps:
             for indices in step.ranks[self.rank]:
                 if indices:
-                    yield self._collate(list(indices))
-
-    def _collate(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        rows = self.dataset[indices]
-        samples = [(np.asarray(ids), sample_labels(np.asarray(ids), np.asarray(lab), self.loss_type))
-                   for ids, lab in zip(rows["input_ids"], rows["labels"])]
-        return collate(samples, self.plan.spec.mode, self.pad_token_id, with_lengths=self.packed_lengths,
-                       bucket=self.bucket, bucket_limit=self.plan.spec.token_budget)
+                    yield collate_rows(self.dataset, indices, self.plan.spec.mode, self.loss_type,
+                                       self.pad_token_id, with_lengths=self.packed_lengths, bucket=self.bucket,
+                                       bucket_limit=self.plan.spec.token_budget)
 
     def local_sums(self, loss_sum: Callable[[dict[str, torch.Tensor]], torch.Tensor],
                    device: torch.device | str) -> torch.Tensor:
@@ -124,11 +118,7 @@ class Evaluator:
 def build_evaluator(eval_dataset, train_spec: PlanSpec, *, rank: int, loss_type: LossType, pad_token_id: int,
                     packed_lengths: bool = False, bucket: bool = False) -> Evaluator:
     """This rank's evaluator for the eval rows, planned with the training spec the worker resolved."""
-    lengths = np.asarray(eval_dataset["length"], dtype=np.int64)
-    if loss_type == "all":
-        trainable = np.maximum(lengths - 1, 0)
-    else:
-        trainable = np.asarray(eval_dataset["num_trainable"], dtype=np.int64)
+    lengths, trainable = sample_token_counts(eval_dataset, loss_type)
     return Evaluator(eval_dataset, plan_eval(lengths, trainable, train_spec), rank=rank, loss_type=loss_type,
                      pad_token_id=pad_token_id, packed_lengths=packed_lengths, bucket=bucket)
 

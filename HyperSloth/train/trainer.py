@@ -44,7 +44,7 @@ from HyperSloth.outputs import checkpoints, run_files
 from HyperSloth.plan.batching import EpochPlan, adaptive_partition_batches, steps_per_epoch
 from HyperSloth.plan.inputs import dataset_lengths, plan_spec_for
 from HyperSloth.plan.run import RunDescription, rank_seed, write_run
-from HyperSloth.train.collate import LossType, collate, packed_row_tokens, sample_labels, to_device
+from HyperSloth.train.collate import LossType, collate_rows, packed_row_tokens, to_device
 from HyperSloth.train.dist import DistInfo, GradientSync, all_ranks_ok
 from HyperSloth.train.evaluation import Evaluator, build_evaluator, eval_callbacks, eval_sft_kwargs, evaluate_in_trainer
 from HyperSloth.train.model import trainable_parameters
@@ -95,23 +95,17 @@ class PlanSteps(Dataset):
     def __getitem__(self, key: tuple[int, int]) -> dict[str, Any]:
         epoch, index = key
         step = self.plan(epoch).steps[index]
-        micro_batches = [self._collate(list(mb)) for mb in step.ranks[self.rank] if len(mb) > 0]
+        # Unsloth (GPU): packed rows padded to a few lengths, never past the budget, so kernels meet few
+        # shapes (collate.bucket_tokens; a new shape cost ~0.05-0.1 s per micro-batch on an H200).
+        micro_batches = [collate_rows(self.dataset, mb, self.mode, self.loss_type, self.pad_token_id,
+                                      with_lengths=self.packed_lengths, bucket=self.packed_lengths,
+                                      bucket_limit=self._plan.spec.token_budget)
+                         for mb in step.ranks[self.rank] if len(mb) > 0]
         return {
             "micro_batches": micro_batches,
             "num_items_in_batch": int(step.num_trainable),
             "real_tokens": int(step.real_tokens),
         }
-
-    def _collate(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        rows = self.dataset[indices]
-        samples = [
-            (np.asarray(ids), sample_labels(np.asarray(ids), np.asarray(lab), self.loss_type))
-            for ids, lab in zip(rows["input_ids"], rows["labels"])
-        ]
-        # Unsloth (GPU): packed rows padded to a few lengths, never past the budget, so kernels meet few
-        # shapes (collate.bucket_tokens; a new shape cost ~0.05-0.1 s per micro-batch on an H200).
-        return collate(samples, self.mode, self.pad_token_id, with_lengths=self.packed_lengths,
-                       bucket=self.packed_lengths, bucket_limit=self._plan.spec.token_budget)
 
 
 class StepSampler:

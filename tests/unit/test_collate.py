@@ -132,3 +132,25 @@ def test_long_rows_are_not_bucketed():
     assert collate(long_row, "packed", 0, bucket=True, bucket_limit=10**6)["input_ids"].shape[1] == LONG_ROW_TOKENS + 1000
     below = _samples(lengths=(LONG_ROW_TOKENS - 4000, 3000))  # 64,536 tokens: bucketed to 65,536
     assert collate(below, "packed", 0, bucket=True, bucket_limit=10**6)["input_ids"].shape[1] == LONG_ROW_TOKENS
+
+
+@pytest.mark.parametrize("loss_type", ["all", "response_only"])
+@pytest.mark.parametrize("mode", ["packed", "sorted-pad"])
+def test_collate_rows_is_collate_of_the_rows_labels(mode, loss_type):
+    """The one path from planned rows of a built dataset to model inputs (training and evaluation)."""
+    from HyperSloth.train.collate import collate, collate_rows, sample_labels
+
+    samples = _samples()
+    dataset = {"input_ids": [ids for ids, _ in samples], "labels": [lab for _, lab in samples]}
+
+    class Rows:  # a numpy-formatted dataset: rows by index list
+        def __getitem__(self, indices):
+            return {k: [v[i] for i in indices] for k, v in dataset.items()}
+
+    picked = [3, 1]
+    got = collate_rows(Rows(), picked, mode, loss_type, pad_token_id=0, with_lengths=True)
+    chosen = [(samples[i][0], sample_labels(*samples[i], loss_type)) for i in picked]
+    want = collate(chosen, mode, 0, with_lengths=True)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    if loss_type == "all":  # every token but each sample's first is a target: the planner's count
+        assert count_trainable(got["labels"]) == sum(len(samples[i][0]) - 1 for i in picked)

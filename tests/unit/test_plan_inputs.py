@@ -41,3 +41,16 @@ def test_dataset_lengths_loss_types_and_errors():
         dataset_lengths(data, "all", 8)
     with pytest.raises(ValueError, match="empty"):
         dataset_lengths({"length": np.array([], dtype=int), "num_trainable": []}, "all", 8)
+
+
+def test_sample_token_counts_is_the_one_trainable_rule():
+    from HyperSloth.plan.batching import sample_token_counts
+
+    data = {"length": [5, 1, 3], "num_trainable": [2, 0, 1]}
+    assert [a.tolist() for a in sample_token_counts(data, "all")] == [[5, 1, 3], [4, 0, 2]]
+    assert [a.tolist() for a in sample_token_counts(data, "response_only")] == [[5, 1, 3], [2, 0, 1]]
+    rows = np.array([2, 0])
+    assert [a.tolist() for a in sample_token_counts(data, "all", rows)] == [[3, 5], [2, 4]]
+    assert [a.tolist() for a in sample_token_counts(data, "response_only", rows)] == [[3, 5], [1, 2]]
+    # loss_type="all" never reads num_trainable (a column the caller need not load)
+    assert sample_token_counts({"length": [4]}, "all")[1].tolist() == [3]
