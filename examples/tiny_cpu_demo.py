@@ -1,6 +1,10 @@
-"""The tiny CPU demo: the `hypersloth-init` default template (no GPU, no internet needed).
+"""The tiny CPU demo: the `hypersloth-init` default template (no GPU, no internet needed); `make demo` trains it.
 
-Before training, build the two local inputs this file names:
+Its settings are the template itself, HyperSloth/templates/tiny_cpu.py, where each one is commented;
+`hypersloth-init my_config.py` writes that file for you to edit. Imported, not copied: the demo trains
+exactly what `hypersloth-init` writes.
+
+Before training, build the two local inputs it names:
     hypersloth-tiny-model                                 # random-weight tiny Qwen3 -> build/tiny-qwen3
     hypersloth-build-dataset --local_path data/sample_chat.jsonl --name sample-chat \
         --tokenizer build/tiny-qwen3 --max_seq_length 1024   # registers 'sample-chat' in data/
@@ -12,40 +16,4 @@ Global batch = per_device_train_batch_size x gradient_accumulation_steps x len(g
              = 4 x 2 x 2 = 16 samples per optimizer step.
 """
 
-from HyperSloth.config import DataConfig, FastModelArgs, HyperConfig, LoraArgs, TrainingArgsConfig, TrainingConfig
-
-hyper_config_model = HyperConfig(
-    # The dataset is looked up by name in data/data_config.json (written by hypersloth-build-dataset).
-    data=DataConfig(dataset_name="sample-chat", data_dir="data"),
-    training=TrainingConfig(
-        # One process per entry. Without CUDA the ids only count processes: [0, 1] = 2 CPU workers over gloo.
-        gpus=[0, 1],
-        # Loss on assistant tokens only; "all" also trains on the prompt.
-        loss_type="response_only",
-        # "packed" concatenates samples into rows (no padding, per-sample position ids);
-        # "sorted-pad" pads length-sorted rows instead.
-        batching="packed",
-    ),
-    fast_model_args=FastModelArgs(
-        model_name="build/tiny-qwen3",  # a local folder, made by `hypersloth-tiny-model`
-        max_seq_length=1024,  # the longest sample chat is 676 tokens
-        dtype="float32",  # CPU kernels are fastest and exact in float32
-        backend="transformers",  # Unsloth needs CUDA
-    ),
-    # A LoRA adapter on every attention and MLP projection; the update is scaled by lora_alpha / r.
-    lora_args=LoraArgs(r=16, lora_alpha=16),
-)
-
-training_config_model = TrainingArgsConfig(
-    output_dir="outputs/tiny-demo",
-    per_device_train_batch_size=4,  # samples per micro-batch on each process
-    gradient_accumulation_steps=2,  # micro-batches per optimizer step on each process
-    max_steps=30,  # optimizer steps; overrides num_train_epochs
-    learning_rate=1e-2,  # high because the model is tiny and random
-    warmup_steps=2,
-    lr_scheduler_type="linear",
-    optim="adamw_torch",  # 8-bit optimizers need CUDA
-    logging_steps=1,
-    save_steps=10,  # a checkpoint (adapter + resolved config) every 10 steps
-    report_to="none",  # "tensorboard" to write event files under output_dir
-)
+from HyperSloth.templates.tiny_cpu import hyper_config_model, training_config_model  # noqa: F401
