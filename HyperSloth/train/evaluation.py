@@ -28,7 +28,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +47,13 @@ FINAL_ONLY_EVAL_STEPS = 2**31 - 1  # eval_steps=None: HF's loop then evaluates a
 
 @dataclass(frozen=True)
 class EvalResult:
-    """One evaluation: token-mean loss over all ranks, the target tokens it averaged, and wall seconds."""
+    """One evaluation: mean loss over all ranks, the units it averaged (target tokens; pairs for DPO), wall
+    seconds, and an evaluator's extra means over the same units (DPO: the rewards)."""
 
     loss: float
     tokens: int
     seconds: float
+    extra: dict[str, float] = field(default_factory=dict)
 
 
 def sum_over_ranks(values: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -62,11 +64,19 @@ def sum_over_ranks(values: torch.Tensor, world_size: int) -> torch.Tensor:
 
 
 class Evaluator:
-    """This rank's share of the eval plan, and the exact distributed token-mean loss over it."""
+    """This rank's share of the eval plan, and the exact distributed token-mean loss over it.
+
+    Subclasses evaluate other rows (`columns`, `_collate`, `count`: the DPO trainer's pairs) and may report
+    `extra_keys`: sums the loss function returns after the loss, averaged over the same units.
+    """
+
+    columns: tuple[str, ...] = ("input_ids", "labels")
+    count_name = "tokens"  # what the loss is averaged over, in the metric name `eval_tokens`
+    extra_keys: tuple[str, ...] = ()
 
     def __init__(self, dataset, plan: EpochPlan, *, rank: int, loss_type: LossType, pad_token_id: int,
                  packed_lengths: bool = False, bucket: bool = False):
-        self.dataset = dataset.with_format("numpy", columns=["input_ids", "labels"])
+        self.dataset = dataset.with_format("numpy", columns=list(self.columns))
         self.plan = plan
         self.rank = rank
         self.world_size = plan.spec.num_ranks
@@ -89,30 +99,39 @@ class Evaluator:
                                        self.pad_token_id, with_lengths=self.packed_lengths, bucket=self.bucket,
                                        bucket_limit=self.plan.spec.token_budget)
 
+    def count(self, micro_batch: dict[str, torch.Tensor]) -> int:
+        """Units the micro-batch's loss sums over: its target tokens (counted on the host: no device sync)."""
+        return count_trainable(micro_batch["labels"])
+
     def local_sums(self, loss_sum: Callable[[dict[str, torch.Tensor]], torch.Tensor],
                    device: torch.device | str) -> torch.Tensor:
-        """float64 [sum of token losses, target tokens] over this rank's micro-batches.
+        """float64 [sum of losses, units, *extra sums] over this rank's micro-batches.
 
-        `loss_sum(micro_batch)` returns the summed token loss of a host micro-batch (it moves it to the device).
+        `loss_sum(micro_batch)` returns the summed loss of a host micro-batch (it moves it to the device),
+        followed by the `extra_keys` sums when the evaluator has any.
         """
-        totals = torch.zeros(2, dtype=torch.float64, device=device)
-        targets = 0
+        totals = torch.zeros(2 + len(self.extra_keys), dtype=torch.float64, device=device)
+        units = 0
         for micro_batch in self.micro_batches():
-            targets += count_trainable(micro_batch["labels"])  # counted on the host: no device sync
-            totals[0] += loss_sum(micro_batch).detach().to(torch.float64).reshape(())
-        totals[1] = targets
+            units += self.count(micro_batch)
+            sums = loss_sum(micro_batch).detach().to(torch.float64).reshape(-1)
+            totals[0] += sums[0]
+            totals[2:] += sums[1:]
+        totals[1] = units
         return totals
 
     def run(self, loss_sum: Callable[[dict[str, torch.Tensor]], torch.Tensor],
             device: torch.device | str) -> EvalResult:
-        """Evaluate on every rank (all must call it): one all-reduce, then total loss / total tokens."""
+        """Evaluate on every rank (all must call it): one all-reduce, then total loss / total units."""
         start = time.perf_counter()
-        totals = sum_over_ranks(self.local_sums(loss_sum, device), self.world_size)
-        loss, tokens = totals.tolist()
-        if int(tokens) != self.total_targets:  # identical on every rank: all raise together, none hangs
-            raise RuntimeError(f"evaluation scored {int(tokens)} target tokens but the eval plan holds "
+        totals = sum_over_ranks(self.local_sums(loss_sum, device), self.world_size).tolist()
+        loss, units, extra = totals[0], totals[1], totals[2:]
+        if int(units) != self.total_targets:  # identical on every rank: all raise together, none hangs
+            raise RuntimeError(f"evaluation scored {int(units)} {self.count_name} but the eval plan holds "
                                f"{self.total_targets}: collation and planner disagree (a HyperSloth bug)")
-        return EvalResult(loss=loss / max(tokens, 1.0), tokens=int(tokens), seconds=time.perf_counter() - start)
+        denominator = max(units, 1.0)
+        return EvalResult(loss=loss / denominator, tokens=int(units), seconds=time.perf_counter() - start,
+                          extra={key: value / denominator for key, value in zip(self.extra_keys, extra)})
 
 
 def build_evaluator(eval_dataset, train_spec: PlanSpec, *, rank: int, loss_type: LossType, pad_token_id: int,
@@ -134,7 +153,8 @@ def evaluate_in_trainer(trainer, evaluator: Evaluator, metric_key_prefix: str = 
     def loss_sum(micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
         micro_batch = to_device(trainer._prepare_inputs, micro_batch)
         with trainer.compute_loss_context_manager():
-            return trainer.micro_batch_loss(model, micro_batch, 1)
+            loss, sums = trainer.micro_batch_terms(model, micro_batch, 1)
+        return loss.reshape(1) if sums is None else torch.cat([loss.reshape(1), sums.to(loss.dtype)])
 
     was_training = model.training
     model.eval()  # no dropout; gradients are off below, so no activations are kept
@@ -143,10 +163,12 @@ def evaluate_in_trainer(trainer, evaluator: Evaluator, metric_key_prefix: str = 
             result = evaluator.run(loss_sum, trainer.args.device)
     finally:
         model.train(was_training)
-    metrics = {f"{metric_key_prefix}_loss": result.loss, f"{metric_key_prefix}_tokens": result.tokens,
+    metrics = {f"{metric_key_prefix}_loss": result.loss, f"{metric_key_prefix}_{evaluator.count_name}": result.tokens,
+               **{f"{metric_key_prefix}_{key}": value for key, value in result.extra.items()},
                f"{metric_key_prefix}_runtime": result.seconds}
-    logger.info(f"step {trainer.state.global_step}: eval_loss {result.loss:.6f} over {result.tokens:,} target "
-                f"tokens ({result.seconds:.2f} s)")
+    what = "target tokens" if evaluator.count_name == "tokens" else evaluator.count_name
+    logger.info(f"step {trainer.state.global_step}: eval_loss {result.loss:.6f} over {result.tokens:,} {what} "
+                f"({result.seconds:.2f} s)")
     trainer.log(dict(metrics))
     # Callbacks first: they compare with the best of the earlier evaluations (as HF's own order does).
     trainer.control = trainer.callback_handler.on_evaluate(trainer.args, trainer.state, trainer.control, metrics)

@@ -60,7 +60,10 @@ class PlanSteps(Dataset):
     """Item `(epoch, step)`: this rank's collated micro-batches of that step of the plan.
 
     The epoch travels inside the index, so the item is correct in DataLoader worker processes too.
+    Subclasses collate other rows (`columns`, `_collate`: the DPO trainer's pairs).
     """
+
+    columns: tuple[str, ...] = ("input_ids", "labels")
 
     def __init__(
         self,
@@ -74,7 +77,7 @@ class PlanSteps(Dataset):
         pad_token_id: int,
         packed_lengths: bool = False,
     ):
-        self.dataset = dataset.with_format("numpy", columns=["input_ids", "labels"])
+        self.dataset = dataset.with_format("numpy", columns=list(self.columns))
         self.plan_for_epoch = plan_for_epoch
         self.steps_per_epoch = steps_per_epoch
         self.rank = rank
@@ -216,32 +219,49 @@ class HyperSlothTrainer(SFTTrainer):
             persistent_workers=False,
         )
 
+    # Scalars all-reduced with the gradients once per step: the loss, then a subclass's per-step sums.
+    step_sums_width = 1
+
     def training_step(self, model, inputs: dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
         """Forward/backward every micro-batch of this rank's share, then sum gradients over ranks."""
         model.train()
         # A step with no trainable token (possible only with response_only on odd data) gives loss 0.
         denominator = max(int(inputs["num_items_in_batch"]), 1)
-        local_loss = torch.zeros((), dtype=torch.float32, device=self.args.device)
+        local = torch.zeros(self.step_sums_width, dtype=torch.float32, device=self.args.device)
         self.timer.mark("data")
         for micro_batch in inputs["micro_batches"]:
-            local_loss += self.micro_batch_forward_backward(model, micro_batch, denominator)
-        global_loss = self.grad_sync.all_reduce(local_loss.reshape(1))[0]
+            loss, sums = self.micro_batch_forward_backward(model, micro_batch, denominator)
+            local[0] += loss
+            if sums is not None:
+                local[1:] += sums.float()
+        step_sums = self.grad_sync.all_reduce(local)
         self.timer.mark("allreduce")
         self.tokens_this_run += int(inputs["real_tokens"])
         self.state.num_input_tokens_seen += int(inputs["real_tokens"])
-        self._step_losses.append(global_loss.detach())  # kept on device: no host sync per step
-        return global_loss.to(self.args.device)
+        self.record_step(step_sums, inputs)
+        return step_sums[0].to(self.args.device)
 
-    def micro_batch_forward_backward(self, model, micro_batch: dict[str, Any], denominator: int) -> torch.Tensor:
-        """One micro-batch's forward and backward (gradients added to `param.grad`); returns its loss.
-        With CUDA graphs the model's decoder replays its graphs inside this same call (step_graph.py)."""
+    def micro_batch_terms(self, model, micro_batch: dict[str, Any], denominator: int
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the micro-batch's loss share, its per-step sums or None): SFT has the loss only."""
+        return self.micro_batch_loss(model, micro_batch, denominator), None
+
+    def record_step(self, step_sums: torch.Tensor, inputs: dict[str, Any]) -> None:
+        """Keep the step's global numbers (identical on every rank); `step_sums[0]` is the loss."""
+        self._step_losses.append(step_sums[0].detach())  # kept on device: no host sync per step
+
+    def micro_batch_forward_backward(self, model, micro_batch: dict[str, Any], denominator: int
+                                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One micro-batch's forward and backward (gradients added to `param.grad`); returns its loss and its
+        per-step sums (`micro_batch_terms`). With CUDA graphs the model's decoder replays its graphs inside
+        this same call (step_graph.py)."""
         micro_batch = to_device(self._prepare_inputs, micro_batch)
         with self.compute_loss_context_manager():
-            loss = self.micro_batch_loss(model, micro_batch, denominator)
+            loss, sums = self.micro_batch_terms(model, micro_batch, denominator)
         self.timer.mark("forward")
         self.accelerator.backward(loss)
         self.timer.mark("backward")
-        return loss.detach().float()
+        return loss.detach().float(), None if sums is None else sums.detach()
 
     def train(self, *args, **kwargs):
         self.capture_planned_graphs()
@@ -502,9 +522,13 @@ def build_trainer(description: RunDescription, loaded_model, dataset, info: Dist
         description=description,
         **decoder_graphs(description, loaded_model, steps, lengths, info.rank),
     )
-    stats = steps.plan(0).stats
-    setup = RunSetup(
-        backend=loaded_model.backend,
+    return trainer, run_setup(loaded_model.backend, spec, per_epoch, steps.plan(0).stats)
+
+
+def run_setup(backend: str, spec, per_epoch: int, stats) -> RunSetup:
+    """What the worker reports about a run planned with `spec` (epoch 0's `PlanStats`)."""
+    return RunSetup(
+        backend=backend,
         mode=spec.mode,
         samples_per_step=spec.samples_per_step,
         steps_per_epoch=per_epoch,
@@ -514,4 +538,3 @@ def build_trainer(description: RunDescription, loaded_model, dataset, info: Dist
             "imbalance": stats.imbalance,
         },
     )
-    return trainer, setup

@@ -317,10 +317,10 @@ class _FakeTrainer:
         self.prepared.append(set(batch))  # what HF's Trainer would move to the device
         return dict(batch)
 
-    def micro_batch_loss(self, model, batch, denominator):
+    def micro_batch_terms(self, model, batch, denominator):
         assert denominator == 1 and not torch.is_grad_enabled() and not model.training
         self.lengths_seen.append(batch.pop("packed_seq_lengths", None))
-        return model(**batch, num_items_in_batch=denominator, use_cache=False).loss
+        return model(**batch, num_items_in_batch=denominator, use_cache=False).loss, None
 
     def log(self, logs):
         self.logged.append(logs)
