@@ -14,6 +14,7 @@ import difflib
 import importlib.util
 import itertools
 import json
+import math
 import os
 import sys
 import traceback
@@ -236,6 +237,19 @@ class TrainingConfig(BaseModel):
         "log line saying why). Same loss and gradients; fewer kernel launches (HyperSloth.train.step_graph).",
     )
 
+    method: Literal["sft", "dpo"] = Field(
+        "sft",
+        description="'sft' trains on conversations (a dataset built from chats); 'dpo' on preference pairs (a "
+        "dataset built from prompt/chosen/rejected rows) with DPO's sigmoid loss against the reference model: "
+        "the base model with the LoRA adapter disabled, or the initial adapter with lora_args.init_adapter_path "
+        "(docs/dpo.md).",
+    )
+    dpo_beta: float = Field(
+        0.1,
+        description="method='dpo': beta of the DPO loss, > 0; larger keeps the policy closer to the reference "
+        "(TRL's default 0.1). Ignored by 'sft'.",
+    )
+
     @field_validator("gpus")
     @classmethod
     def _valid_gpu_ids(cls, gpus: list[int]) -> list[int]:
@@ -248,6 +262,22 @@ class TrainingConfig(BaseModel):
         if duplicates:
             raise ValueError(f"GPU ids must be distinct, {duplicates} appear more than once in {gpus}")
         return gpus
+
+    @field_validator("dpo_beta")
+    @classmethod
+    def _positive_beta(cls, beta: float) -> float:
+        if not (math.isfinite(beta) and beta > 0):
+            raise ValueError(f"dpo_beta must be a finite number > 0 (DPO's beta, e.g. 0.1), got {beta}")
+        return beta
+
+    @model_validator(mode="after")
+    def _dpo_settings(self) -> TrainingConfig:
+        if self.method == "dpo" and self.batching != "packed":
+            raise ValueError("method='dpo' packs each pair's two sequences padding-free: set batching='packed'")
+        if self.method == "dpo" and self.loss_type == "all":
+            raise ValueError("method='dpo' scores the completions only (the prompt is context): leave loss_type "
+                             "at 'response_only'")
+        return self
 
 
 class TrainingArgsConfig(BaseModel):
@@ -350,6 +380,10 @@ class HyperConfig(BaseModel):
                     "fine-tuning, or full_finetuning=False to train a LoRA adapter"
                 )
             self.lora_args = None  # full_finetuning=True with lora_args left at its default means "no LoRA"
+        if self.lora_args is None and self.training.method == "dpo":
+            raise ValueError("method='dpo' needs a LoRA adapter (the reference model is the same weights with the "
+                             "adapter disabled, no second copy): give lora_args, or use method='sft' for full "
+                             "fine-tuning")
         if self.lora_args is None:
             if model.load_in_4bit or model.load_in_8bit:
                 raise ValueError(
