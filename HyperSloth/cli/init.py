@@ -13,12 +13,14 @@ TEMPLATES: dict[str, str] = {
     "tiny-cpu": "tiny_cpu.py",
     "lora-2gpu": "lora_2gpu.py",
     "qlora-2gpu": "qlora_2gpu.py",
+    "dpo-2gpu": "dpo_2gpu.py",
 }
 # What must exist before training with each template (its model and its registered dataset).
 PREPARE: dict[str, list[str]] = {
     "tiny-cpu": ["hypersloth-tiny-model", "hypersloth-build-dataset --local_path data/sample_chat.jsonl --name sample-chat --tokenizer build/tiny-qwen3 --max_seq_length 1024"],
     "lora-2gpu": ["hypersloth-build-dataset --local_path FILE_OR_DIR --tokenizer MODEL --name my-chat   # your data, named as in the config"],
     "qlora-2gpu": ["hypersloth-build-dataset --local_path FILE_OR_DIR --tokenizer MODEL --name my-chat   # your data, named as in the config"],
+    "dpo-2gpu": ["hypersloth-build-dataset --local_path FILE_OR_DIR --tokenizer MODEL --name my-pairs   # prompt/chosen/rejected rows"],
 }
 
 
@@ -47,6 +49,7 @@ def init(path: str = "hypersloth_config.py", template: str = "tiny-cpu", force: 
       tiny-cpu    tiny random Qwen3 on 2 CPU worker processes (no GPU, no download); the default
       lora-2gpu   16-bit LoRA of unsloth/Qwen3-0.6B on GPUs [0, 1]
       qlora-2gpu  4-bit QLoRA of unsloth/Qwen3-8B-bnb-4bit on GPUs [0, 1]
+      dpo-2gpu    DPO (preference pairs) of a LoRA adapter of unsloth/Qwen3-0.6B on GPUs [0, 1]
 
     Args:
       path: where to write the config file.
@@ -80,7 +83,8 @@ commands that prepare its model and dataset. Nothing is written when a flag is w
 templates:
   tiny-cpu          tiny random Qwen3 on 2 CPU worker processes (no GPU, no download); the default
   lora-2gpu         16-bit LoRA of unsloth/Qwen3-0.6B on GPUs [0, 1]
-  qlora-2gpu        4-bit QLoRA of unsloth/Qwen3-8B-bnb-4bit on GPUs [0, 1]""",
+  qlora-2gpu        4-bit QLoRA of unsloth/Qwen3-8B-bnb-4bit on GPUs [0, 1]
+  dpo-2gpu          DPO on preference pairs: LoRA of unsloth/Qwen3-0.6B on GPUs [0, 1] (docs/dpo.md)""",
     positionals=(Positional("path", "PATH", "where to write the config (default hypersloth_config.py)", required=False),),
     flags=(
         Flag("template", "one of the templates above (underscores work too: tiny_cpu)", value="NAME"),

@@ -24,6 +24,7 @@ from HyperSloth.config import ConfigError, load_config
 from HyperSloth.plan.batching import EpochPlan, PlanSpec, PlanStats, adaptive_partition_batches
 from HyperSloth.plan.eval_set import describe_eval_plan, eval_row_lengths, plan_eval, training_rows
 from HyperSloth.plan.inputs import dataset_lengths, plan_spec_for
+from HyperSloth.plan.pairs import pair_plan_inputs
 from HyperSloth.plan.run import MachineFacts, resolve_run
 
 
@@ -42,10 +43,14 @@ class PlanSummary:
     max_micro_batch_tokens: int  # computed tokens of the largest micro-batch (padding included)
     plan_seconds: float
     eval_lines: tuple[str, ...] = ()  # the eval set and one evaluation's plan (none without an eval set)
+    unit: str = "samples"  # what the plan deals: "samples", or "pairs" for DPO (one unit = both sequences)
 
 
-def _dataset_columns(path: Path, loss_type: str, max_seq_length: int) -> tuple[np.ndarray, np.ndarray]:
-    """(lengths, trainable) of a built dataset (`batching.sample_token_counts`); ConfigError saying what to change."""
+def _dataset_columns(path: Path, loss_type: str, max_seq_length: int, method: str = "sft"
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(lengths, trainable, scored tokens) per row of a built dataset, as the trainer plans it: samples
+    (trainable = length - 1 when the loss covers every token), or pairs for DPO (one planning unit each, see
+    HyperSloth.plan.pairs; the scored tokens are the completions'); `batching.sample_token_counts` for samples."""
     import datasets  # heavy; only the preview needs it
 
     try:
@@ -57,7 +62,11 @@ def _dataset_columns(path: Path, loss_type: str, max_seq_length: int) -> tuple[n
     if missing:
         raise ConfigError(f"{path} has no column(s) {missing}: rebuild it with `hypersloth-build-dataset`")
     try:
-        return dataset_lengths(dataset, loss_type, max_seq_length)
+        if method == "dpo":
+            lengths, units = pair_plan_inputs(dataset, max_seq_length)
+            return lengths, units, np.asarray(dataset["num_trainable"], dtype=np.int64)
+        lengths, trainable = dataset_lengths(dataset, loss_type, max_seq_length)
+        return lengths, trainable, trainable
     except ValueError as err:
         raise ConfigError(f"{path}: {err}") from None
 
@@ -80,9 +89,10 @@ def preview(config_path: str, *, num_ranks: int | None = None) -> PlanSummary:
     world = len(loaded.hyper.training.gpus) if num_ranks is None else num_ranks
     description = resolve_run(loaded, world_size=world, machine=MachineFacts.assumed_for(loaded.hyper))
     path = Path(description.dataset.path)
-    lengths, trainable = _dataset_columns(path, description.loss_type, description.max_seq_length)
+    lengths, trainable, scored = _dataset_columns(path, description.loss_type, description.max_seq_length,
+                                                  description.method)
     rows = training_rows(description.eval_set, lengths.size)  # a hold-out is never trained on
-    lengths, trainable = lengths[rows], trainable[rows]
+    lengths, trainable, scored = lengths[rows], trainable[rows], scored[rows]
     start = time.perf_counter()
     try:
         spec = plan_spec_for(description)
@@ -96,9 +106,9 @@ def preview(config_path: str, *, num_ranks: int | None = None) -> PlanSummary:
     run_steps = targs.max_steps or per_epoch * (targs.num_train_epochs or 1)
     return PlanSummary(
         config_path=str(loaded.path), dataset_path=str(path), num_samples=int(lengths.size),
-        trainable_tokens=int(trainable.sum()), spec=spec, steps_per_epoch=per_epoch, run_steps=run_steps,
+        trainable_tokens=int(scored.sum()), spec=spec, steps_per_epoch=per_epoch, run_steps=run_steps,
         stats=plan.stats, max_micro_batch_tokens=_max_micro_batch_tokens(plan, lengths), plan_seconds=seconds,
-        eval_lines=eval_lines,
+        eval_lines=eval_lines, unit="pairs" if description.method == "dpo" else "samples",
     )
 
 
@@ -106,7 +116,10 @@ def _eval_lines(description, spec: PlanSpec) -> tuple[str, ...]:
     """The eval set and the plan of one evaluation, planned as the workers will (HyperSloth.plan.eval_set)."""
     if description.eval_set is None:
         return ()
-    eval_plan = plan_eval(*eval_row_lengths(description.eval_set, description.loss_type), spec)
+    lengths, trainable = eval_row_lengths(description.eval_set, description.loss_type)
+    if description.method == "dpo":  # the trainer plans one unit per pair (HyperSloth.plan.pairs)
+        trainable = np.ones_like(lengths)
+    eval_plan = plan_eval(lengths, trainable, spec)
     return tuple(describe_eval_plan(description.eval_set, eval_plan))
 
 
@@ -134,9 +147,11 @@ def format_summary(summary: PlanSummary) -> str:
     oversized = f"; {st.oversized_samples} sample(s) over the budget run alone" if st.oversized_samples else ""
     lines = [
         f"HyperSloth plan preview: {summary.config_path}",
-        f"  dataset        {summary.dataset_path}: {summary.num_samples:,} samples, {st.real_tokens:,} tokens, "
+        f"  dataset        {summary.dataset_path}: {summary.num_samples:,} {summary.unit}, {st.real_tokens:,} tokens"
+        f"{' (prompt counted once per completion)' if summary.unit == 'pairs' else ''}, "
         f"{summary.trainable_tokens:,} trainable",
-        f"  ranks          {spec.num_ranks}; global batch {spec.samples_per_step} samples per optimizer step",
+        f"  ranks          {spec.num_ranks}; global batch {spec.samples_per_step} {summary.unit} per optimizer step"
+        f"{'; a pair is never split: both sequences share a micro-batch' if summary.unit == 'pairs' else ''}",
         f"  batching       {_batching_line(spec)}",
         f"  steps          {summary.steps_per_epoch} per epoch; the run takes {summary.run_steps}",
         f"  micro-batches  {st.micro_batches_per_rank} per rank per epoch (per step: mean {per_step:.2f}, "

@@ -39,7 +39,8 @@ def load_summary(output_dir: str | os.PathLike) -> dict[str, Any]:
 def format_console(summary: Mapping[str, Any]) -> str:
     """A 5-8 line summary of a run for the terminal."""
     lines = [_headline(summary)]
-    rows = [("loss", _loss_text(summary)), ("eval", _eval_text(summary)), ("throughput", _throughput_text(summary)),
+    rows = [("loss", _loss_text(summary)), ("rewards", _rewards_text(summary)), ("eval", _eval_text(summary)),
+            ("throughput", _throughput_text(summary)),
             ("padding", _padding_text(summary)), ("balance", _balance_text(summary)),
             ("time", _time_text(summary)), ("memory", _memory_text(summary))]
     lines += [f"  {label:<12}{text}" for label, text in rows if text]
@@ -123,6 +124,28 @@ def _logged_at(summary: Mapping[str, Any], key: str, config: Mapping[str, Any]) 
         total = int(_num(summary, "steps") or 0)
         steps = _logged_steps(len(values), total, _logging_steps(config))
     return dict(zip((int(s) for s in steps), values))
+
+
+REWARD_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")  # TRL's names
+
+
+def _rewards(summary: Mapping[str, Any]) -> dict[str, list[float | None]]:
+    """A DPO run's per-step `rewards/*` (summary["step_rewards"]), each as long as step_losses; {} otherwise."""
+    rewards = summary.get("step_rewards")
+    if not isinstance(rewards, Mapping):
+        return {}
+    columns = {key: _series(rewards, key) for key in REWARD_KEYS}
+    count = len(_series(summary, "step_losses"))
+    return columns if all(len(v) == count for v in columns.values()) else {}
+
+
+def _rewards_text(summary: Mapping[str, Any]) -> str | None:
+    last = {key.split("/")[1]: values[-1] for key, values in _rewards(summary).items() if values}
+    if len(last) != len(REWARD_KEYS) or None in last.values():
+        return None
+    return (f"last step: chosen {last['chosen']:+.4f}, rejected {last['rejected']:+.4f}, margin "
+            f"{last['margins']:+.4f}, accuracy {100 * last['accuracies']:.1f}% (DPO, beta "
+            f"{_fmt(_num(summary, 'dpo_beta'), 'g')})")
 
 
 def _eval_points(summary: Mapping[str, Any]) -> list[tuple[int, float, int | None]]:
@@ -268,7 +291,8 @@ def _markdown(summary: Mapping[str, Any], config: Mapping[str, Any], ranks: Sequ
              "```\n" + format_console(summary) + "\n```\n", _metrics_table(summary)]
     if image is not None:
         parts.append(f"## Curves\n\n![loss and learning rate per step]({image.name})\n")
-    parts += [_eval_table(summary), _steps_table(summary, config), _phase_table(summary), _ranks_section(ranks),
+    parts += [_eval_table(summary), _steps_table(summary, config), _rewards_table(summary), _phase_table(summary),
+              _ranks_section(ranks),
               _config_section(config)]
     return "\n".join(p for p in parts if p)
 
@@ -326,6 +350,22 @@ def _steps_table(summary: Mapping[str, Any], config: Mapping[str, Any]) -> str:
     note = f" (every {stride}th)" if stride > 1 else ""
     return (f"## Steps{note}\n\n| step | loss | learning rate | grad norm | seconds |\n|---|---|---|---|---|\n"
             + rows)
+
+
+def _rewards_table(summary: Mapping[str, Any]) -> str:
+    rewards = _rewards(summary)
+    if not rewards:
+        return ""
+    steps = _loss_steps(summary)
+    count = len(steps)
+    stride = max(1, math.ceil(count / MAX_TABLE_ROWS))
+    picked = sorted(set(range(0, count, stride)) | {count - 1})
+    rows = "".join(f"| {steps[i]} | " + " | ".join(_fmt(rewards[k][i], ".4f") for k in REWARD_KEYS) + " |\n"
+                   for i in picked)
+    note = f" (every {stride}th step)" if stride > 1 else ""
+    return (f"## Preference rewards{note}\n\nMeans over each step's pairs, all ranks: reward = beta x (policy - "
+            "reference) log-probability of the completion; accuracy = share of pairs whose chosen reward is higher."
+            f"\n\n| step | {' | '.join(REWARD_KEYS)} |\n|---|---|---|---|---|\n{rows}")
 
 
 def _phase_table(summary: Mapping[str, Any]) -> str:

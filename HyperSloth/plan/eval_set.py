@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from HyperSloth.config import ConfigError
 from HyperSloth.plan.batching import EpochPlan, PlanSpec, adaptive_partition_batches, sample_token_counts
+from HyperSloth.plan.pairs import PAIR_COLUMNS, PREFERENCE_KIND, dataset_kind, kind_problem, longest_sequence
 
 MAX_EVAL_FRACTION = 0.5  # beyond this the "hold-out" would be larger than what is trained on
 EVAL_ROWS_PER_RANK_PER_CHUNK = 256  # eval "steps" hold this many rows per rank: bounds the planner's work
@@ -97,21 +98,23 @@ def split_holdout(num_rows: int, fraction: float, seed: int) -> tuple[np.ndarray
 
 
 def rows_fingerprint(dataset, indices: np.ndarray) -> str:
-    """SHA-256 over the given rows' indices, lengths and token ids (an HF `Dataset` with `input_ids`)."""
+    """SHA-256 over the given rows' indices, lengths and token ids (an HF `Dataset` with `input_ids`, or a
+    preference dataset: its prompt, chosen and rejected ids, in that order)."""
     import pyarrow.compute as pc
 
     indices = np.asarray(indices, dtype=np.int64)
     if getattr(dataset, "_indices", None) is not None:  # a select()ed view: hash the rows it shows
         dataset = dataset.flatten_indices()
-    column = dataset.data.column("input_ids")
-    taken = pc.take(column, indices).combine_chunks() if len(indices) else None
+    names = ["input_ids"] if "input_ids" in dataset.column_names else list(PAIR_COLUMNS)
     digest = hashlib.sha256()
     digest.update(indices.tobytes())
-    if taken is not None:
-        offsets = taken.offsets.to_numpy().astype(np.int64)
-        digest.update(np.diff(offsets).tobytes())
-        values = taken.values.to_numpy(zero_copy_only=False).astype(np.int64)
-        digest.update(values[offsets[0]:offsets[-1]].tobytes())
+    for name in names:
+        taken = pc.take(dataset.data.column(name), indices).combine_chunks() if len(indices) else None
+        if taken is not None:
+            offsets = taken.offsets.to_numpy().astype(np.int64)
+            digest.update(np.diff(offsets).tobytes())
+            values = taken.values.to_numpy(zero_copy_only=False).astype(np.int64)
+            digest.update(values[offsets[0]:offsets[-1]].tobytes())
     return digest.hexdigest()
 
 
@@ -157,20 +160,25 @@ def resolve_holdout(dataset_name: str, dataset_path: Path, *, fraction: float, s
 
 
 def resolve_eval_dataset(name: str, path: Path, registry_entry: dict[str, Any], *, model_name: str,
-                         loss_type: str, max_seq_length: int | None = None) -> EvalSet:
-    """A separately built eval dataset; ConfigError when it was tokenised for another model or is empty."""
+                         loss_type: str, max_seq_length: int | None = None, method: str = "sft") -> EvalSet:
+    """A separately built eval dataset; ConfigError when it was tokenised for another model, holds the other
+    kind of rows than `method` trains on, or is empty."""
     from HyperSloth.data.tokenizer_check import tokenizer_mismatch
 
     mismatch = tokenizer_mismatch(registry_entry, model_name, name)
     if mismatch:
         raise ConfigError(f"eval dataset: {mismatch} (or set data.eval_dataset_name to a dataset built with the "
                           "model's tokenizer)")
+    kind = dataset_kind(registry_entry)
+    wrong_kind = kind_problem(kind, method, name)
+    if wrong_kind:
+        raise ConfigError(f"eval {wrong_kind}")
     dataset = _load(path, name)
     if len(dataset) == 0:
         raise ConfigError(f"eval dataset '{name}' is empty: rebuild it from a file with conversations, or use "
                           "data.eval_fraction to hold out part of the training dataset")
     rows = np.arange(len(dataset), dtype=np.int64)
-    longest = int(np.max(dataset["length"]))
+    longest = longest_sequence(dataset) if kind == PREFERENCE_KIND else int(np.max(dataset["length"]))
     if max_seq_length is not None and longest > max_seq_length:
         raise ConfigError(f"eval dataset '{name}' holds samples of up to {longest} tokens but "
                           f"fast_model_args.max_seq_length is {max_seq_length}: raise max_seq_length or rebuild it "
@@ -192,7 +200,8 @@ def resolve_eval_set(hyper, *, seed: int, train_path: Path) -> EvalSet | None:
         eval_data = data.model_copy(update={"dataset_name": data.eval_dataset_name})
         return resolve_eval_dataset(data.eval_dataset_name, eval_data.dataset_path().resolve(),
                                     eval_data.registry_entry(), model_name=hyper.fast_model_args.model_name,
-                                    loss_type=loss_type, max_seq_length=hyper.fast_model_args.max_seq_length)
+                                    loss_type=loss_type, max_seq_length=hyper.fast_model_args.max_seq_length,
+                                    method=hyper.training.method)
     if data.eval_fraction > 0:
         return resolve_holdout(data.dataset_name, Path(train_path), fraction=data.eval_fraction, seed=seed,
                                loss_type=loss_type)

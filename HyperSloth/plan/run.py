@@ -36,6 +36,7 @@ from HyperSloth.config import (
 )
 from HyperSloth.outputs import checkpoints, run_files
 from HyperSloth.plan.eval_set import EvalSet, resolve_eval_set
+from HyperSloth.plan.pairs import PREFERENCE_KIND, REQUIRED_PAIR_COLUMNS, dataset_kind, kind_problem, longest_sequence
 
 REQUIRED_COLUMNS = ("input_ids", "labels", "length", "num_trainable")
 
@@ -116,7 +117,9 @@ class DatasetFacts(BaseModel):
     path: str = Field(description="Absolute path of the save_to_disk folder.")
     columns: tuple[str, ...]
     num_samples: int
-    built_max_length: int = Field(description="Longest sample in tokens (the registry's stats.max_tokens).")
+    built_max_length: int = Field(description="Longest sample in tokens (the registry's stats.max_tokens); "
+                                  "preference pairs: the longest prompt + completion.")
+    kind: Literal["sft", "preference"] = Field("sft", description="Chats, or preference pairs (docs/dpo.md).")
     fingerprint: str = Field(description="Identifies the built data: a resume must train on the same.")
 
 
@@ -134,6 +137,8 @@ class RunDescription(BaseModel):
     dtype: Literal["bfloat16", "float16", "float32"]
     batching: Literal["packed", "sorted-pad"]
     loss_type: Literal["all", "response_only"]
+    method: Literal["sft", "dpo"] = Field("sft", description="training.method: the loss and the dataset kind.")
+    dpo_beta: float | None = Field(None, description="training.dpo_beta of a DPO run; None for SFT.")
     micro_batch_size: int = Field(gt=0, description="per_device_train_batch_size.")
     samples_per_rank_per_step: int = Field(gt=0, description="per_device_train_batch_size x gradient_accumulation_steps.")
     global_batch_size: int = Field(gt=0, description="Samples per optimizer step over all workers.")
@@ -193,14 +198,17 @@ class RunDescription(BaseModel):
         budget = "an automatic budget (measured at start)" if self.token_budget_auto else f"{self.token_budget:,} tokens"
         per_step = (f"packed into micro-batches of <= {budget}"
                     if self.micro_batches_per_step is None else f"{self.micro_batches_per_step} micro-batches")
-        return (f"world size {self.world_size}, micro-batch {self.micro_batch_size} samples, "
-                f"{self.samples_per_rank_per_step} samples per rank per step ({per_step}), "
-                f"global batch {self.global_batch_size} samples per optimizer step; {self.batching} batching, "
-                f"{self.backend} {self.dtype} on {self.device}")
+        unit = "pairs" if self.method == "dpo" else "samples"
+        method = f"; DPO, beta {self.dpo_beta}" if self.method == "dpo" else ""
+        return (f"world size {self.world_size}, micro-batch {self.micro_batch_size} {unit}, "
+                f"{self.samples_per_rank_per_step} {unit} per rank per step ({per_step}), "
+                f"global batch {self.global_batch_size} {unit} per optimizer step; {self.batching} batching, "
+                f"{self.backend} {self.dtype} on {self.device}{method}")
 
     def planning_key(self) -> dict[str, Any]:
         """What decides which samples form each optimizer step: a resume must match it exactly."""
         return {
+            "method": self.method,
             "samples per step": self.global_batch_size,
             "seed": self.seed,
             "planning mode": f"{self.batching}, group_by_length={self.group_by_length}, "
@@ -250,12 +258,16 @@ def dataset_fingerprint(folder: Path) -> str:
 
 
 def _built_max_length(folder: Path, entry: dict[str, Any]) -> int:
+    """The longest sequence: the registry's stats.max_tokens (over sequences, also for preference pairs)."""
     stats = entry.get("stats") if isinstance(entry.get("stats"), dict) else {}
     if isinstance(stats.get("max_tokens"), int):
         return int(stats["max_tokens"])
-    import datasets  # a registry written without stats: read the column (slower)
+    import datasets  # a registry written without stats: read the columns (slower)
 
-    return int(np.max(datasets.load_from_disk(str(folder))["length"]))
+    dataset = datasets.load_from_disk(str(folder))
+    if dataset_kind(entry) == PREFERENCE_KIND:
+        return longest_sequence(dataset)  # a pair's `length` holds two sequences
+    return int(np.max(dataset["length"]))
 
 
 def dataset_facts(hyper: HyperConfig, problems: list[str]) -> DatasetFacts | None:
@@ -273,13 +285,20 @@ def dataset_facts(hyper: HyperConfig, problems: list[str]) -> DatasetFacts | Non
         problems.append(f"dataset '{name}' is registered but its folder {folder} is missing or incomplete: "
                         f"rebuild it with `{rebuild}`")
         return None
+    kind = dataset_kind(entry)
+    problem = kind_problem(kind, hyper.training.method, name)
+    if problem:
+        problems.append(problem)
+        return None
     columns = tuple((info.get("features") or {}).keys())
-    missing = [c for c in REQUIRED_COLUMNS if c not in columns]
+    required = REQUIRED_PAIR_COLUMNS if kind == PREFERENCE_KIND else REQUIRED_COLUMNS
+    missing = [c for c in required if c not in columns]
     if missing:
         problems.append(f"dataset '{name}' ({folder}) has no column(s) {missing}: rebuild it with `{rebuild}`")
         return None
     facts = DatasetFacts(name=name, path=str(folder), columns=columns, num_samples=int(entry.get("num_samples", 0)),
-                         built_max_length=_built_max_length(folder, entry), fingerprint=dataset_fingerprint(folder))
+                         built_max_length=_built_max_length(folder, entry), kind=kind,
+                         fingerprint=dataset_fingerprint(folder))
     if facts.built_max_length > hyper.fast_model_args.max_seq_length:
         length = hyper.fast_model_args.max_seq_length
         problems.append(
@@ -345,6 +364,8 @@ def resolve_run(loaded: LoadedConfig, *, world_size: int, machine: MachineFacts,
         dtype=fast.resolved_dtype(cuda_available=cuda),
         batching=training.batching,
         loss_type=training.loss_type,
+        method=training.method,
+        dpo_beta=training.dpo_beta if training.method == "dpo" else None,
         **batch_numbers(targs.per_device_train_batch_size, targs.gradient_accumulation_steps, world_size,
                         training.batching),
         **token_budget(training, targs.per_device_train_batch_size, fast.max_seq_length, cuda),

@@ -105,7 +105,6 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path) -> d
     from HyperSloth.plan.eval_set import split_for_run
     from HyperSloth.train import model as model_lib
     from HyperSloth.train.evaluation import eval_summary
-    from HyperSloth.train.trainer import build_trainer
 
     transformers.set_seed(description.seed)
     started = time.perf_counter()
@@ -126,7 +125,7 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path) -> d
             "gradient_checkpointing": description.gradient_checkpointing})
     # A hold-out leaves the training rows; the eval rows are checked against the resolved fingerprint.
     dataset, eval_dataset = split_for_run(load_from_disk(description.dataset.path), description.eval_set)
-    trainer, setup = build_trainer(description, loaded_model, dataset, info, eval_dataset=eval_dataset)
+    trainer, setup = _builder(description.method)(description, loaded_model, dataset, info, eval_dataset=eval_dataset)
     if large_files_check is not None:
         _refuse_corrupt(description.resume_from_checkpoint, large_files_check.result())
     result = trainer.train(resume_from_checkpoint=description.resume_from_checkpoint)
@@ -135,6 +134,8 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path) -> d
         return None
     trainer.save_model(str(out_dir))
     summary = _summary(trainer, setup, result, time.perf_counter() - started, info)
+    if description.method == "dpo":  # TRL's names, one value per step (a mean over the step's global pairs)
+        summary.update(method="dpo", dpo_beta=description.dpo_beta, step_rewards=trainer.step_rewards)
     summary["token_budget"] = budget_decision.as_record()  # the budget planned with, and what it came from
     summary["cuda_graphs"] = trainer.graphs_summary()
     summary["gradient_checkpointing"] = description.gradient_checkpointing
@@ -161,6 +162,17 @@ def _check_large_files(description: RunDescription):
 def _refuse_corrupt(checkpoint: str, problems: list[str]) -> None:
     if problems:
         raise CheckpointError(checkpoints.resume_problem(checkpoints.Check(Path(checkpoint), tuple(problems))))
+
+
+def _builder(method: str):
+    """The trainer factory of a training method: SFT (`trainer.build_trainer`) or DPO (`dpo_trainer`)."""
+    if method == "dpo":
+        from HyperSloth.train.dpo_trainer import build_dpo_trainer
+
+        return build_dpo_trainer
+    from HyperSloth.train.trainer import build_trainer
+
+    return build_trainer
 
 
 def _loader(description: RunDescription):
