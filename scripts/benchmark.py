@@ -1,4 +1,5 @@
-"""Benchmark HyperSloth against Unsloth at its best (1 GPU) and Unsloth's own DDP path (2 GPUs).
+"""Benchmark HyperSloth against Unsloth at its best (1 GPU), Unsloth's own DDP path (2 GPUs), and TRL's
+DPOTrainer with Unsloth (DPO, 1 GPU).
 
 One command runs named workloads through named systems, each system in its own process(es):
 
@@ -38,6 +39,17 @@ besides `startup_s` (launch to the end of step 1) and `probe_s` (HyperSloth's bu
     python scripts/benchmark.py --workloads longctx-0.6b --long-tokens 131072 --warmup 0 --steps 1 \
         --slots reference,hypersloth-1,unsloth-best-gc,unsloth-best --num-gpus 1
 
+Preference-pair workload (`dpo-0.6b`, DPO; scripts/bench_dpo.py): Qwen3-0.6B shapes, synthetic pairs with
+lognormal prompt (median ~245) and completion (median ~150, chosen and rejected each) lengths, global batch
+32 pairs, beta 0.1. `hypersloth-N` trains it with training.method="dpo" at product defaults; the stock rows
+are `trl-dpo-PxA`: FastLanguageModel + get_peft_model + TRL's DPOTrainer, P pairs per device x A
+accumulation steps (32x1, 16x2, 8x4, 4x8: run them all, the fastest that fits is TRL's best), checkpointing
+off, fused AdamW. Tokens/s counts each pair's packed tokens (2 x prompt + chosen + rejected), for every
+system; `rewards_margins` is logged per step beside the losses. E.g. on one GPU:
+
+    python scripts/benchmark.py --workloads dpo-0.6b --num-gpus 1 \
+        --slots hypersloth-1,trl-dpo-32x1,trl-dpo-16x2,trl-dpo-8x4 --tag dpo
+
 Per system: every optimizer step's wall time (a CUDA synchronise at each step end); the first step is the
 cold one (compilation); the first `--warmup` steps are left out of mean, median and p90.
 
@@ -45,7 +57,9 @@ MFU: FLOP per step = sum over samples of (4 * N * L + 6 * n_layers * d_attn * L^
 touched per token (all linear layers incl. lm_head; LoRA training needs the forward, 2N, and the
 input-gradient backward, 2N, but no base-weight gradients), the second term causal attention
 (QK^T and AV, forward + 2x backward, half of the L x L scores). Peak: 989 TFLOP/s (H200 dense bf16) per
-GPU. Gradient-checkpoint recomputation is not counted (it is overhead, not useful work).
+GPU. Gradient-checkpoint recomputation is not counted (it is overhead, not useful work). DPO: sum over the
+pairs' sequences (prompt + chosen, prompt + rejected) of (6 * N * L + 8 * n_layers * d_attn * L^2): the
+policy's pass as above plus the reference model's forward (2N, and the forward attention term).
 """
 
 from __future__ import annotations
@@ -62,7 +76,8 @@ from pathlib import Path
 
 import numpy as np
 
-import bench_longctx  # scripts/ is on sys.path when this file runs
+import bench_dpo  # scripts/ is on sys.path when this file runs
+import bench_longctx
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {  # hidden, layers, heads, kv heads, intermediate, tied embeddings (Qwen3 public configs)
@@ -88,10 +103,13 @@ class Workload:
     low: int
     high: int
     long_sample: int = 0  # > 0: the first sample of step 1 is this long (the long-context workloads)
+    pairs: bool = False  # preference pairs for DPO (scripts/bench_dpo.py); mu..high are the completions'
 
     @property
     def max_len(self) -> int:
         """The longest sample: every system is given it as max_seq_length (no system should cut it)."""
+        if self.pairs:  # a prompt + one completion
+            return bench_dpo.PROMPT.high + bench_dpo.COMPLETION.high
         return max(self.high, self.long_sample)
 
     @property
@@ -113,6 +131,8 @@ WORKLOADS = {
     # One very long chat among 31 short ones in step 1 (its length: --long-tokens).
     "longctx-0.6b": Workload("0.6b", *SHORT, long_sample=LONG_TOKENS),
     "longctx-8b": Workload("8b", *SHORT, long_sample=LONG_TOKENS),
+    # Preference pairs, global batch 32 pairs: HyperSloth's DPO against TRL's DPOTrainer (scripts/bench_dpo.py).
+    "dpo-0.6b": Workload("0.6b", *vars(bench_dpo.COMPLETION).values(), pairs=True),
 }
 
 SYSTEMS = {
@@ -129,6 +149,10 @@ SYSTEMS = {
     # Long-context workloads: the exact step-1 loss (every sample alone, unpacked), the attention floor, and
     # with --exactness the packed-vs-alone gradient check of the long sample (scripts/longctx.py).
     "reference": dict(runner="reference", gpus=1, gc=False),
+    # DPO workloads: stock Unsloth + TRL's DPOTrainer, pairs per device x accumulation (scripts/bench_dpo.py);
+    # hypersloth-N runs the same workloads with training.method="dpo".
+    **{name: dict(runner="trl-dpo", gpus=1, micro=micro, accum=accum, gc=False)
+       for name, (micro, accum) in bench_dpo.TRL_SPLITS.items()},
 }
 
 
@@ -168,6 +192,8 @@ def build_checkpoint(model: str, folder: Path) -> None:
 
 def build_data(work: Path, w: Workload, steps: int) -> dict:
     """Synthetic samples, registered for HyperSloth and ordered by its plan for the stock trainers."""
+    if w.pairs:
+        return bench_dpo.build_pair_data(work, steps, GLOBAL_BATCH, VOCAB, SEED)
     from datasets import Dataset
 
     from HyperSloth.plan.batching import PlanSpec, adaptive_partition_batches
@@ -190,13 +216,17 @@ def build_data(work: Path, w: Workload, steps: int) -> dict:
     return {"order": order, "lengths": lengths.tolist(), "step_tokens": step_tokens}
 
 
-def flops_per_step(model: str, step_lengths: list[int]) -> float:
+def flops_per_step(model: str, step_lengths: list[int], dpo: bool = False) -> float:
+    """Useful FLOPs of one step over its sequences (module docstring); `dpo` adds the reference model's
+    forward to every sequence: 6 N L + 8 layers d_attn L^2."""
     s = SHAPES[model]
     d, layers, ff = s["hidden_size"], s["num_hidden_layers"], s["intermediate_size"]
     attn = s["num_attention_heads"] * HEAD_DIM
     kv = s["num_key_value_heads"] * HEAD_DIM
     per_layer = d * (attn + 2 * kv) + attn * d + 3 * d * ff
     n = layers * per_layer + d * VOCAB
+    if dpo:
+        return float(sum(6 * n * L + 8 * layers * attn * L * L for L in step_lengths))
     return float(sum(4 * n * L + 6 * layers * attn * L * L for L in step_lengths))
 
 
@@ -272,8 +302,8 @@ def hypersloth_config(a, out: Path) -> Path:
 from HyperSloth.config import *
 hyper_config_model = HyperConfig(
     data=DataConfig(dataset_name="bench", data_dir="{a.work}/data"),
-    training=TrainingConfig(gpus={list(range(a.gpus))}, loss_type="all", batching="packed", profile={a.profile},
-                            cuda_graphs={a.graphs},
+    training=TrainingConfig(gpus={list(range(a.gpus))}, {'method="dpo"' if w.pairs else 'loss_type="all"'},
+                            batching="packed", profile={a.profile}, cuda_graphs={a.graphs},
                             tokens_per_micro_batch={a.token_budget!r}),
     fast_model_args=FastModelArgs(model_name="{a.checkpoint}", max_seq_length={w.max_len}, dtype="bfloat16",
                                   load_in_4bit={w.four_bit}, backend="unsloth",
@@ -303,6 +333,11 @@ def rank_phases(out: Path) -> dict[int, list[dict]]:
     return phases
 
 
+def run_trl_dpo(a) -> dict:
+    w = workload_of(a.workload, a.long_tokens)
+    return bench_dpo.run_trl_dpo(a, max_len=w.max_len, lr=LR, seed=SEED, projections=PROJECTIONS, clock=_clock())
+
+
 def run_reference(a) -> dict:
     w = workload_of(a.workload, a.long_tokens)
     return bench_longctx.run_reference(a, w, SHAPES[w.model], HEAD_DIM, SEED, PROJECTIONS)
@@ -319,6 +354,7 @@ def run_hypersloth(a) -> dict:
             "padding_pct": summary.get("padding_pct"), "token_budget": summary.get("token_budget"),
             "gradient_checkpointing": summary.get("gradient_checkpointing"),
             "first_step_end_unix": summary.get("first_step_end_unix"), "cuda_graphs": summary.get("cuda_graphs"),
+            "rewards_margins": (summary.get("step_rewards") or {}).get("rewards/margins"),
             # HyperSloth never cuts a sample: one longer than max_seq_length is refused before training.
             "longest_sample_tokens": (summary.get("token_budget") or {}).get("longest_sample")}
 
@@ -358,8 +394,9 @@ def record_for(name: str, workload: str, raw: dict, data: dict, a, launched: flo
     steps = range(a.warmup, a.warmup + len(timed))
     tokens = sum(data["step_tokens"][k] for k in steps)
     batch = GLOBAL_BATCH
-    flops = sum(flops_per_step(w.model, [data["lengths"][i] for i in data["order"][k * batch:(k + 1) * batch]])
-                for k in steps)
+    sequences = [data["step_sequences"][k] if w.pairs else [data["lengths"][i] for i in data["order"][k * batch:(k + 1) * batch]]
+                 for k in steps]
+    flops = sum(flops_per_step(w.model, lengths, dpo=w.pairs) for lengths in sequences)
     seconds = sum(timed)
     budget = raw.get("token_budget")
     return {
@@ -379,6 +416,7 @@ def record_for(name: str, workload: str, raw: dict, data: dict, a, launched: flo
         "cuda_graphs": raw.get("cuda_graphs"),
         "startup_s": raw["first_step_end_unix"] - launched if raw.get("first_step_end_unix") else None,
         "probe_s": (budget or {}).get("probe_seconds") if isinstance(budget, dict) else None,
+        "rewards_margins": raw.get("rewards_margins"),
     }
 
 
@@ -442,6 +480,19 @@ def parse_slots(text: str) -> list[list[str]]:
     if unknown:
         raise SystemExit(f"unknown systems {unknown}; known: {sorted(SYSTEMS)}")
     return slots
+
+
+def check_pairing(workloads: list[str], slots: list[list[str]]) -> None:
+    """DPO systems (trl-dpo-*) run only the pair workloads (dpo-*), SFT stock systems only the others;
+    hypersloth-N runs both. SystemExit naming the mismatch, before anything is built."""
+    for workload in workloads:
+        pairs = WORKLOADS[workload].pairs
+        wrong = sorted({s for slot in slots for s in slot
+                        if SYSTEMS[s]["runner"] in (("unsloth", "reference") if pairs else ("trl-dpo",))})
+        if wrong:
+            kind = "preference-pair (DPO)" if pairs else "SFT"
+            raise SystemExit(f"systems {wrong} cannot run the {kind} workload {workload}: use hypersloth-N and "
+                             f"{'trl-dpo-*' if pairs else 'unsloth-*'} systems with it")
 
 
 def render(records_path: Path, out_dir: Path) -> None:
@@ -519,7 +570,8 @@ def main() -> None:
         build_checkpoint(a.model, Path(a.checkpoint))
         return
     if a.as_system:
-        runners = {"unsloth": run_stock_unsloth, "hypersloth": run_hypersloth, "reference": run_reference}
+        runners = {"unsloth": run_stock_unsloth, "hypersloth": run_hypersloth, "reference": run_reference,
+                   "trl-dpo": run_trl_dpo}
         result = runners[a.as_system](a)
         if result is not None:
             Path(a.result).write_text(json.dumps(result))
@@ -530,6 +582,7 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown workloads {unknown}; known: {sorted(WORKLOADS)}")
     slots = parse_slots(a.slots)
+    check_pairing(workloads, slots)
     build_checkpoints(sorted({WORKLOADS[w].model for w in workloads}), a)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     for workload in workloads:
