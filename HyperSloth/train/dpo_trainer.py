@@ -17,6 +17,7 @@ early stopping) is the SFT trainer's, unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -48,10 +49,10 @@ from HyperSloth.train.trainer import (
 )
 
 
-def collate_pair_rows(dataset, indices: list[int], *, pad_token_id: int, with_lengths: bool, bucket: bool,
+def collate_pair_rows(dataset, indices: Sequence[int], *, pad_token_id: int, with_lengths: bool, bucket: bool,
                       bucket_limit: int | None) -> dict[str, Any]:
     """The pairs `indices` of a numpy-formatted preference dataset as one packed micro-batch (+ `num_pairs`)."""
-    rows = dataset[indices]
+    rows = dataset[list(indices)]
     pairs = [tuple(np.asarray(rows[c][k]) for c in PAIR_COLUMNS) for k in range(len(indices))]
     batch = collate_pairs(pairs, pad_token_id=pad_token_id, with_lengths=with_lengths, bucket=bucket,
                           bucket_limit=bucket_limit)
@@ -64,7 +65,7 @@ class PairPlanSteps(PlanSteps):
 
     columns = PAIR_COLUMNS
 
-    def _collate(self, indices: list[int]) -> dict[str, Any]:
+    def _collate(self, indices: Sequence[int]) -> dict[str, Any]:
         return collate_pair_rows(self.dataset, indices, pad_token_id=self.pad_token_id,
                                  with_lengths=self.packed_lengths, bucket=self.packed_lengths,
                                  bucket_limit=self._plan.spec.token_budget)
@@ -77,7 +78,7 @@ class PairEvaluator(Evaluator):
     count_name = "pairs"
     extra_keys = REWARD_KEYS
 
-    def _collate(self, indices: list[int]) -> dict[str, Any]:
+    def _collate(self, indices: Sequence[int]) -> dict[str, Any]:
         return collate_pair_rows(self.dataset, indices, pad_token_id=self.pad_token_id,
                                  with_lengths=self.packed_lengths, bucket=self.bucket,
                                  bucket_limit=self.plan.spec.token_budget)

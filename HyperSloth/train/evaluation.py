@@ -95,9 +95,12 @@ class Evaluator:
         for step in self.plan.steps:
             for indices in step.ranks[self.rank]:
                 if indices:
-                    yield collate_rows(self.dataset, indices, self.plan.spec.mode, self.loss_type,
-                                       self.pad_token_id, with_lengths=self.packed_lengths, bucket=self.bucket,
-                                       bucket_limit=self.plan.spec.token_budget)
+                    yield self._collate(indices)
+
+    def _collate(self, indices) -> dict[str, torch.Tensor]:
+        return collate_rows(self.dataset, indices, self.plan.spec.mode, self.loss_type, self.pad_token_id,
+                            with_lengths=self.packed_lengths, bucket=self.bucket,
+                            bucket_limit=self.plan.spec.token_budget)
 
     def count(self, micro_batch: dict[str, torch.Tensor]) -> int:
         """Units the micro-batch's loss sums over: its target tokens (counted on the host: no device sync)."""

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from HyperSloth.train.collate import IGNORE_INDEX, bucket_tokens, collate_packed
+from HyperSloth.train.collate import IGNORE_INDEX, collate_packed, packed_row_tokens
 REFERENCE_ADAPTER = "reference"  # the frozen copy of the initial adapter (init_adapter_path)
 # Target positions per log-prob chunk. The chunk's logits are transient (~2 GB at 151,936 vocab: bf16 logits, their
 # fp32 copy and softmax temporaries), outside what the budget probe measures, so well under its safety margin.
@@ -56,14 +56,11 @@ def collate_pairs(pairs: Sequence[Pair], *, pad_token_id: int = 0, with_lengths:
                   bucket: bool = False, bucket_limit: int | None = None) -> dict[str, torch.Tensor]:
     """One packed row of the pairs' 2n segments and its targets (see the module docstring).
 
-    `bucket` pads the row to `collate.bucket_tokens` (never past `bucket_limit` unless the row already is),
-    as the SFT collator does on Unsloth; the pad segment has no target.
+    `bucket` pads the row as the SFT collator does on Unsloth (`collate.packed_row_tokens`: a few row
+    lengths, never past `bucket_limit` unless the row already is); the padding segments have no target.
     """
     segments = [seg for pair in pairs for seg in pair_segments(*pair)]
-    real = sum(len(ids) for ids, _ in segments)
-    pad_to = None
-    if bucket:
-        pad_to = bucket_tokens(real) if bucket_limit is None else min(bucket_tokens(real), max(real, bucket_limit))
+    pad_to = packed_row_tokens(sum(len(ids) for ids, _ in segments), bucket_limit) if bucket else None
     batch = collate_packed(segments, with_lengths=with_lengths, pad_to=pad_to, pad_token_id=pad_token_id)
     segment_of = np.repeat(np.arange(len(segments), dtype=np.int64), [len(ids) for ids, _ in segments])
     labels = batch.pop("labels")[0].numpy()  # the collator's: -100 on prompts, segment starts and padding
