@@ -154,6 +154,34 @@ def test_no_import_cycles():
     assert cycles(import_graph()) == []
 
 
+def test_importing_plan_and_the_entry_points_loads_no_model_library():
+    """At run time too, through every module-level import: the preview and hypersloth-train start without
+    the GPU stack (torch's import alone takes seconds). launch.rendezvous imports torch.distributed, and is
+    imported only when the launcher binds the store."""
+    import subprocess
+    import sys
+
+    names = sorted(m for m in import_graph() if stage(m) == "plan") + [
+        "HyperSloth.cli.plan", "HyperSloth.cli.train", "HyperSloth.launch.local", "HyperSloth.launch.tmux"]
+    code = (f"import importlib, sys\nfor name in {names!r}:\n    importlib.import_module(name)\n"
+            f"print(sorted(sys.modules.keys() & {sorted(MODEL_LIBRARIES)!r}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_the_trainable_rule_and_ignore_index_are_written_once():
+    """One trainable-token rule (plan.batching.sample_token_counts) and one IGNORE_INDEX (data.masking)."""
+    def length_minus_one(node: ast.AST) -> bool:  # `length(s) - 1`, the rule's arithmetic
+        return (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub) and isinstance(node.left, ast.Name)
+                and "length" in node.left.id and isinstance(node.right, ast.Constant) and node.right.value == 1)
+
+    sources = {p: p.read_text() for p in PACKAGE.rglob("*.py")}
+    rule = [p.name for p, text in sources.items() for node in ast.walk(ast.parse(text)) if length_minus_one(node)]
+    assert rule == ["batching.py"]
+    assert length_minus_one(ast.parse("max(length - 1, 0)").body[0].value.args[0])
+    assert [p.name for p, text in sources.items() if "IGNORE_INDEX = " in text] == ["masking.py"]
+
+
 # ---------------------------------------------------------------- the checker finds what it forbids
 
 
