@@ -57,21 +57,43 @@ class WorkerSpec:
     env: dict[str, str]
 
 
+ERROR_LINES = 8  # at most this many lines of the failing rank's own error; the traceback stays in its log
+
+
 @dataclass(frozen=True)
 class RankFailure:
-    """The first rank that exited non-zero, with the end of its stderr."""
+    """The rank that failed first: its own error (from its failure record) or, when it left none (it
+    died before it could write one), the end of its stderr."""
 
     rank: int
     gpu: int
     exit_code: int
     stderr_tail: list[str]
     stderr_path: Path
+    error: str | None = None  # "Type: message" as the rank recorded it when it raised
 
     def describe(self) -> str:
-        """One line: which rank, which GPU, how it ended."""
+        """One line: which rank, which GPU, how it ended. A rank that raised is named with its error even
+        when the launcher had to stop it afterwards (SIGTERM while it was still tearing down)."""
+        if self.error:
+            return f"rank {self.rank} (gpu {self.gpu}) failed with {self.error.splitlines()[0]}"
         killed = self.exit_code < 0
         how = f"was killed by {signal.Signals(-self.exit_code).name}" if killed else f"failed with exit code {self.exit_code}"
         return f"rank {self.rank} (gpu {self.gpu}) {how}"
+
+    def details(self) -> list[str]:
+        """What to show under `describe`: the rest of the error (up to ERROR_LINES lines) or the stderr tail."""
+        if self.error:
+            return self.error.splitlines()[1:ERROR_LINES]
+        return self.stderr_tail
+
+
+def recorded_error(logs_dir: Path, rank: int) -> str | None:
+    """The error rank `rank` recorded in its failure record when it raised, or None."""
+    try:
+        return str(json.loads(run_files.rank_file_in(logs_dir, rank, "failure.json").read_text())["error"])
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def is_torchrun_env(env: Mapping[str, str] = os.environ) -> bool:
@@ -284,7 +306,8 @@ class _Supervisor:
             spec = self.specs[first]
             code = self.procs[first].returncode
         tail = self.pumps[spec.rank].tail()
-        return RankFailure(spec.rank, spec.gpu, code, tail, run_files.rank_file_in(self.logs_dir, spec.rank, "stderr"))
+        return RankFailure(spec.rank, spec.gpu, code, tail, run_files.rank_file_in(self.logs_dir, spec.rank, "stderr"),
+                           recorded_error(self.logs_dir, spec.rank))
 
     def stop(self) -> None:
         """Stop every child's process group (also ones whose leader already exited) and reap them."""
@@ -343,9 +366,11 @@ def _say(message: str) -> None:
 
 def _report_failure(failure: RankFailure, others: int, logs_dir: Path) -> None:
     _say(f"{failure.describe()}; stopped the other {others} worker(s).")
-    _say(f"last {len(failure.stderr_tail)} lines of {failure.stderr_path}:")
-    print("\n".join("    " + line for line in failure.stderr_tail), file=sys.stderr, flush=True)
-    _say(f"full logs: {run_files.rank_file_in(logs_dir, failure.rank, 'log')} and {failure.stderr_path}")
+    if failure.error is None:
+        _say(f"last {len(failure.stderr_tail)} lines of {failure.stderr_path}:")
+    if failure.details():
+        print("\n".join("    " + line for line in failure.details()), file=sys.stderr, flush=True)
+    _say(f"full traceback: {run_files.rank_file_in(logs_dir, failure.rank, 'log')} (stderr: {failure.stderr_path})")
 
 
 def launch(

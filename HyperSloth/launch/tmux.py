@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from HyperSloth.launch.local import (
+    ERROR_LINES,
     MASTER_ADDR,
     STDERR_TAIL_LINES,
     LaunchError,
@@ -26,6 +27,7 @@ from HyperSloth.launch.local import (
     WorkerSpec,
     build_worker_specs,
     cuda_device_count,
+    recorded_error,
     stop_process_groups,
 )
 from HyperSloth.outputs import run_files
@@ -250,7 +252,9 @@ def _follow_ranks(logs: Path, gpus: Sequence[int], grace_s: float, poll_s: float
         codes.update(_read_exit_codes(logs, world))
         if failed is None and (failed := next((r for r, c in sorted(codes.items()) if c != 0), None)) is not None:
             print(f"\n[rank {failed} (gpu {gpus[failed]}) failed with exit code {codes[failed]}; stopping the others]")
-            print("\n".join("    " + line for line in _log_tail(rank_file_in(logs, failed, "log"))), flush=True)
+            error = recorded_error(logs, failed)  # its own error; the traceback stays in its log
+            shown = error.splitlines()[:ERROR_LINES] if error else _log_tail(rank_file_in(logs, failed, "log"))
+            print("\n".join("    " + line for line in shown), flush=True)
         if failed is not None:  # again each round: a rank whose window had not started yet has no pid before
             codes.update(_stop_tmux_ranks(logs, [r for r in range(world) if r not in codes], grace_s))
         time.sleep(poll_s)

@@ -17,6 +17,13 @@ from loguru import logger
 from HyperSloth.outputs import run_files
 
 FORMAT = "<green>{time:HH:mm:ss}</green> <cyan>[rank {extra[rank]}]</cyan> <level>{level: <7}</level> {message}"
+# A record bound with this extra key goes to the rank's log file only (a worker's traceback: the console
+# gets one line naming the error).
+FILE_ONLY = "file_only"
+
+
+def _console(record) -> bool:
+    return not record["extra"].get(FILE_ONLY)
 
 
 def log_path(output_dir: str | Path, rank: int) -> Path:
@@ -44,12 +51,14 @@ def configure(rank: int, output_dir: str | Path, *, console_all_ranks: bool = Fa
     logger.remove()
     logger.configure(extra={"rank": rank})
     # mode="w": a log holds one run, never an earlier run's lines before it.
-    logger.add(path, format=FORMAT, level="DEBUG", enqueue=False, colorize=False, mode="w")
+    # diagnose=False: a traceback without loguru's dumps of every variable (tensors, whole configs).
+    logger.add(path, format=FORMAT, level="DEBUG", enqueue=False, colorize=False, mode="w", diagnose=False)
     logging.getLogger("transformers.training_args").addFilter(_OwnProcessGroupFilter())
     if rank == 0 or console_all_ranks:
-        logger.add(sys.stderr, format=FORMAT, level="INFO", colorize=sys.stderr.isatty())
+        logger.add(sys.stderr, format=FORMAT, level="INFO", colorize=sys.stderr.isatty(), filter=_console,
+                   diagnose=False)
     else:
-        logger.add(sys.stderr, format=FORMAT, level="ERROR", colorize=False)
+        logger.add(sys.stderr, format=FORMAT, level="ERROR", colorize=False, filter=_console, diagnose=False)
         warnings.filterwarnings("ignore")
         # Through the environment, not `transformers.logging`: importing transformers here would come
         # before Unsloth's import, which must be first (worker.py). transformers reads it on import.

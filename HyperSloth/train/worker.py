@@ -37,7 +37,8 @@ def main_from_cli(run_path: str) -> None:
 
 
 def main(description: RunDescription, info: dist.DistInfo) -> None:
-    """Train `description` as rank `info.rank`; exits non-zero (with the error in its log) on failure."""
+    """Train `description` as rank `info.rank`. On failure: the traceback goes to this rank's log file only,
+    one line naming the error to stderr (the launcher shows it), and exit 2 (a config problem) or 1."""
     try:
         run(description, info)
     except ConfigError as err:
@@ -47,9 +48,14 @@ def main(description: RunDescription, info: dist.DistInfo) -> None:
         logger.error(str(err))
         print(f"[rank {info.rank}] error: {err}", file=sys.stderr, flush=True)
         sys.exit(1)
-    except Exception:
-        logger.exception("worker failed")
-        raise
+    except Exception as err:
+        log = logs.log_path(description.output_dir, info.rank)
+        # Not re-raised: Python would print the traceback again on stderr (and torch once more, each line
+        # prefixed "[rank0]:"), ~150 lines for one error. The log file holds it once.
+        logger.bind(**{logs.FILE_ONLY: True}).opt(exception=err).error("worker failed")
+        print(f"[rank {info.rank}] {type(err).__name__}: {err}\n[rank {info.rank}] traceback in {log}",
+              file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 def run(description: RunDescription, info: dist.DistInfo) -> dict[str, Any] | None:
@@ -57,22 +63,21 @@ def run(description: RunDescription, info: dist.DistInfo) -> dict[str, Any] | No
     if info.world_size != description.world_size:
         raise ConfigError(f"this worker is one of {info.world_size} but the run was resolved for "
                           f"{description.world_size}: start it with `hypersloth-train CONFIG`")
-    dist.isolate_process(info)
     out_dir = Path(description.output_dir)
-    logs.configure(info.rank, out_dir)
-    logger.info(f"worker {info.rank}/{info.world_size} ({info.launched_by}) config={description.config_path}")
-    if info.is_main:
-        logger.info(description.batch_line())
-        for note in description.resume_notes:
-            logger.info(note)
-
-    if description.backend == "unsloth":
-        _prepare_unsloth(info.rank)  # before transformers/trl are imported below
-    dist.setup(info, timeout_s=description.nccl_timeout_s)
     try:
+        dist.isolate_process(info)
+        logs.configure(info.rank, out_dir)
+        logger.info(f"worker {info.rank}/{info.world_size} ({info.launched_by}) config={description.config_path}")
+        if info.is_main:
+            logger.info(description.batch_line())
+            for note in description.resume_notes:
+                logger.info(note)
+        if description.backend == "unsloth":
+            _prepare_unsloth(info.rank)  # before transformers/trl are imported below
+        dist.setup(info, timeout_s=description.nccl_timeout_s)
         return _train(description, info, out_dir)
     except BaseException as err:
-        _record_failure(out_dir, info.rank, err)
+        _record_failure(out_dir, info.rank, err)  # before the process group goes down
         raise
     finally:
         dist.teardown()

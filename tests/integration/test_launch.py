@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import HyperSloth.train
 import HyperSloth.cli.train as train_cli
 import HyperSloth.launch.local as launch_mod
 import HyperSloth.launch.tmux as tmux_mod
@@ -182,6 +183,38 @@ def test_failing_rank_stops_the_others_and_is_reported(fake, tmp_path, capfd):
     assert "stopped the other 1 worker(s)" in err
     for record in fake.read(2):  # the sleeping rank 0 and every grandchild are gone
         assert not alive(record["pid"]) and not alive(record["child_pid"])
+
+
+# Rank 0 raises (it stamps its failure record, as HyperSloth.worker does) and is still tearing down when its
+# peer, which lost its collective, exits first: the launcher then stops rank 0 with SIGTERM.
+RAISING_RANK0 = textwrap.dedent('''
+    import json, os, sys, time
+    logs, rank = sys.argv[1], int(os.environ["HYPERSLOTH_RANK"])
+    if rank == 0:
+        record = {"rank": 0, "time": time.time(),
+                  "error": "ModuleNotFoundError: No module named 'wandb'\\nreport_to='wandb' needs it"}
+        with open(os.path.join(logs, "rank0.failure.json"), "w") as f:
+            json.dump(record, f)
+        print("[rank 0] ModuleNotFoundError: No module named 'wandb'", file=sys.stderr, flush=True)
+        time.sleep(60)
+    time.sleep(0.5)
+    print("RuntimeError: Connection closed by peer", file=sys.stderr, flush=True)
+    sys.exit(1)
+''')
+
+
+def test_the_first_failing_rank_is_named_with_its_own_error_in_a_few_lines(tmp_path, capfd):
+    script, out = tmp_path / "raising.py", tmp_path / "out"
+    script.write_text(RAISING_RANK0)
+    argv = [sys.executable, str(script), str(out / "logs")]
+    assert launch("cfg.py", [0, 1], out, worker_argv=argv, cuda=False, grace_s=1.0) == 1
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith(("hypersloth-train", "    "))]
+    assert lines[1] == ("hypersloth-train: rank 0 (gpu 0) failed with ModuleNotFoundError: No module named 'wandb'; "
+                        "stopped the other 1 worker(s).")
+    assert lines[2:] == ["    report_to='wandb' needs it",
+                         f"hypersloth-train: full traceback: {out / 'logs' / 'rank0.log'} "
+                         f"(stderr: {out / 'logs' / 'rank0.stderr'})"]
+    assert "SIGTERM" not in "\n".join(lines) and "Connection closed" not in "\n".join(lines)
 
 
 def test_launcher_raising_mid_spawn_leaves_no_worker(fake, tmp_path, monkeypatch):
@@ -427,6 +460,9 @@ def test_under_torchrun_the_worker_runs_in_process(cli, tmp_path, monkeypatch):
     worker = types.ModuleType("HyperSloth.train.worker")
     worker.main = lambda description, info: seen.append((description.world_size, info.rank, os.getpid()))
     monkeypatch.setitem(sys.modules, "HyperSloth.train.worker", worker)
+    # `from HyperSloth.train import worker` finds the package attribute first, set once any test imported the
+    # real one.
+    monkeypatch.setattr(HyperSloth.train, "worker", worker, raising=False)
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_RANK", "1")

@@ -242,8 +242,10 @@ def test_a_worker_failing_mid_training_stops_the_run_and_names_its_rank(runs):
     assert mark.is_file(), f"the failure was never injected:\n{run.output[-3000:]}"
     seconds = run.ended_at - float(mark.read_text())
     assert 0 <= seconds < 30, f"the CLI exited {seconds:.1f} s after rank 1 failed"
-    assert "rank 1 (gpu 1) failed with exit code 1" in run.output
-    assert "RuntimeError: injected failure in training step 3" in run.output
+    # Named with its own error, in a few lines: the traceback is in rank 1's log, never on the console.
+    assert "rank 1 (gpu 1) failed with RuntimeError: injected failure in training step 3" in run.output
+    assert "Traceback" in (run.out / "logs" / "rank1.log").read_text() and "Traceback" not in run.output
+    assert len(run.output.splitlines()) < 60, run.output
     assert not (run.out / "train_summary.json").exists()
     assert processes_mentioning(str(run.out / "run.json")) == []
 

@@ -1,0 +1,55 @@
+"""A worker that fails: one line naming its error on the console, the traceback once, in its own log."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+from loguru import logger
+
+from HyperSloth.outputs import logs
+from HyperSloth.train import worker
+
+
+@pytest.fixture
+def restore_loguru():
+    yield
+    logger.remove()
+    logger.add(sys.stderr)  # loguru's default handler, as other tests expect it
+
+
+def test_a_failing_worker_prints_its_error_in_two_lines_and_logs_the_traceback(tmp_path, monkeypatch, capfd,
+                                                                               restore_loguru):
+    def failing_run(description, info):
+        logs.configure(info.rank, tmp_path)
+
+        def load_model():
+            raise ValueError(f"{tmp_path / 'model'} holds no config.json")
+
+        load_model()
+
+    monkeypatch.setattr(worker, "run", failing_run)
+    with pytest.raises(SystemExit) as exit_info:
+        worker.main(types.SimpleNamespace(output_dir=str(tmp_path)), types.SimpleNamespace(rank=0))
+    assert exit_info.value.code == 1
+    log = tmp_path / "logs" / "rank0.log"
+    err = capfd.readouterr().err.splitlines()
+    assert err == [f"[rank 0] ValueError: {tmp_path / 'model'} holds no config.json", f"[rank 0] traceback in {log}"]
+    text = log.read_text()
+    # Once, without loguru's variable dumps (its "└" annotations).
+    assert text.count("Traceback") == 1 and "in load_model" in text and "└" not in text
+
+
+def test_a_config_problem_found_by_a_worker_exits_2_with_its_message(tmp_path, monkeypatch, capfd, restore_loguru):
+    from HyperSloth.config import ConfigError
+
+    def refusing_run(description, info):
+        raise ConfigError("lora_args.target_modules ['nope'] match no module of this model")
+
+    monkeypatch.setattr(worker, "run", refusing_run)
+    with pytest.raises(SystemExit) as exit_info:
+        worker.main(types.SimpleNamespace(output_dir=str(tmp_path)), types.SimpleNamespace(rank=1))
+    assert exit_info.value.code == 2
+    assert capfd.readouterr().err.splitlines() == ["[rank 1] lora_args.target_modules ['nope'] match no module of "
+                                                  "this model"]
