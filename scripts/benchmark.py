@@ -147,7 +147,7 @@ SYSTEMS = {
     "hypersloth-2-gc": dict(runner="hypersloth", gpus=2, gc="unsloth"),
     "hypersloth-2-profile": dict(runner="hypersloth", gpus=2, gc=False, profile=True),
     # Long-context workloads: the exact step-1 loss (every sample alone, unpacked), the attention floor, and
-    # with --exactness the packed-vs-alone gradient check of the long sample (scripts/longctx.py).
+    # with --exactness the packed-vs-alone gradient check of the long sample (scripts/bench_longctx.py).
     "reference": dict(runner="reference", gpus=1, gc=False),
     # DPO workloads: stock Unsloth + TRL's DPOTrainer, pairs per device x accumulation (scripts/bench_dpo.py);
     # hypersloth-N runs the same workloads with training.method="dpo".
