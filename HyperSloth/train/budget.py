@@ -245,12 +245,7 @@ def measure(peak_of: PeakFn, *, limit_bytes: int, cap: int, probe_tokens: Sequen
         return result if can_switch else {**result, **_prove_longest(peak_of, must_fit, tokens, limit_bytes, is_oom)}
     if verify_at_most is not None and tokens > verify_at_most > points[-1][0]:
         size = _round_down(verify_at_most)
-        try:
-            peak = int(peak_of(size))
-        except BaseException as err:  # noqa: BLE001
-            if not is_oom(err):
-                raise
-            peak = None
+        peak = _peak_or_none(peak_of, size, is_oom)
         if peak is not None and peak <= limit_bytes:
             points.append((size, peak))
             bound, tokens = _extrapolate(fit, points[-2], points[-1], limit_bytes, cap)
@@ -261,16 +256,21 @@ def measure(peak_of: PeakFn, *, limit_bytes: int, cap: int, probe_tokens: Sequen
     return {**result, "tokens": tokens, "verified_tokens": tokens, "verified_peak_bytes": verified}
 
 
+def _peak_or_none(peak_of: PeakFn, size: int, is_oom: Callable[[BaseException], bool]) -> int | None:
+    """The peak of one pass at `size` tokens, or None when it ran out of memory (other errors propagate)."""
+    try:
+        return int(peak_of(size))
+    except BaseException as err:  # noqa: BLE001
+        if not is_oom(err):
+            raise
+        return None
+
+
 def _prove_longest(peak_of: PeakFn, longest: int, line_tokens: int, limit_bytes: int,
                    is_oom: Callable[[BaseException], bool]) -> dict[str, Any]:
     """One pass at the longest sample (rounded up to `ROUND_TO`); its size as the budget if it fits."""
     size = -(-longest // ROUND_TO) * ROUND_TO
-    try:
-        peak = int(peak_of(size))
-    except BaseException as err:  # noqa: BLE001
-        if not is_oom(err):
-            raise
-        peak = None
+    peak = _peak_or_none(peak_of, size, is_oom)
     if peak is not None and peak <= limit_bytes:
         return {"tokens": size, "verified_tokens": size, "verified_peak_bytes": peak}
     seen = "ran out of memory" if peak is None else f"peaked at {peak / 2**30:.1f} GiB"
