@@ -23,6 +23,8 @@ from collections.abc import Iterable, MutableMapping
 from dataclasses import dataclass
 from datetime import timedelta
 
+from typing import Any
+
 import torch
 import torch.distributed as torch_dist
 
@@ -139,6 +141,16 @@ def all_ranks_ok(ok: bool) -> bool:
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
     torch_dist.all_reduce(flag, op=torch_dist.ReduceOp.MIN)
     return bool(flag.item())
+
+
+def gather_objects(value: Any) -> list[Any]:
+    """`value` of every rank, in rank order (`[value]` for one process). A collective: every rank calls it,
+    so it also waits for every rank to reach it."""
+    if not torch_dist.is_initialized():
+        return [value]
+    gathered: list[Any] = [None] * torch_dist.get_world_size()
+    torch_dist.all_gather_object(gathered, value)
+    return gathered
 
 
 class GradientSync:

@@ -134,7 +134,8 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path) -> d
     if large_files_check is not None:
         _refuse_corrupt(description.resume_from_checkpoint, large_files_check.result())
     result = trainer.train(resume_from_checkpoint=description.resume_from_checkpoint)
-    _write_weight_digest(trainer.model, out_dir, info.rank)
+    # Every rank's record is written before the gather, which waits for all: rank 0's report sees them all.
+    require_identical_weights(dist.gather_objects(_write_weight_digest(trainer.model, out_dir, info.rank)))
     if not info.is_main:
         return None
     trainer.save_model(str(out_dir))
@@ -193,8 +194,23 @@ def _loader(description: RunDescription):
     return load
 
 
-def _write_weight_digest(model, out_dir: Path, rank: int) -> None:
-    """A hash of this rank's trainable weights: all ranks must end with identical adapters."""
+def require_identical_weights(digests: list[str]) -> None:
+    """RuntimeError naming the ranks whose trained weights differ from the others' (the most common
+    digest; rank 0's on a tie): the gradient sync failed and no adapter of this run can be trusted.
+    Every rank raises it, so the run exits non-zero and nothing is saved."""
+    counts = {d: digests.count(d) for d in digests}
+    reference = max(dict.fromkeys(digests), key=lambda d: counts[d])  # first-seen order: rank 0's wins a tie
+    differ = [rank for rank, digest in enumerate(digests) if digest != reference]
+    if differ:
+        agree = [rank for rank, digest in enumerate(digests) if digest == reference]
+        raise RuntimeError(f"rank(s) {differ} ended with trained weights that differ from rank(s) {agree} "
+                           "(sha256 of the trainable parameters, logs/rank*.final.json): the ranks did not stay "
+                           "in sync, so the adapter is not saved; this is a HyperSloth bug, please report it")
+
+
+def _write_weight_digest(model, out_dir: Path, rank: int) -> str:
+    """A hash of this rank's trainable weights (returned and written to its final record): all ranks must end
+    with identical adapters."""
     digest = hashlib.sha256()
     count = 0
     for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
@@ -204,6 +220,7 @@ def _write_weight_digest(model, out_dir: Path, rank: int) -> None:
             count += param.numel()
     record = {"rank": rank, "sha256": digest.hexdigest(), "trainable_params": count, "peak_gpu_gb": _peak_gpu_gb()}
     run_files.atomic_write_json(run_files.rank_file(out_dir, rank, "final.json"), record)
+    return record["sha256"]
 
 
 def _summary(trainer, setup, result, wall_s: float, info: dist.DistInfo) -> dict[str, Any]:

@@ -53,3 +53,33 @@ def test_a_config_problem_found_by_a_worker_exits_2_with_its_message(tmp_path, m
     assert exit_info.value.code == 2
     assert capfd.readouterr().err.splitlines() == ["[rank 1] lora_args.target_modules ['nope'] match no module of "
                                                   "this model"]
+
+
+def test_ranks_that_end_with_different_weights_fail_the_run_naming_them():
+    worker.require_identical_weights(["a", "a", "a"])  # agreement: nothing raised
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[2\] ended with trained weights that differ from "
+                                           r"rank\(s\) \[0, 1, 3\]"):
+        worker.require_identical_weights(["a", "a", "b", "a"])
+    # Rank 0 is the odd one out: the majority names it.
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[0\] ended .* rank\(s\) \[1, 2\]"):
+        worker.require_identical_weights(["x", "a", "a"])
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] ended .* rank\(s\) \[0\]"):  # a tie: rank 0's
+        worker.require_identical_weights(["a", "b"])
+
+
+def test_one_process_gathers_its_own_value():
+    from HyperSloth.train import dist
+
+    assert dist.gather_objects("digest") == ["digest"]
+
+
+def test_the_digest_is_written_before_it_is_returned_for_the_gather(tmp_path):
+    import json
+
+    import torch
+
+    model = torch.nn.Linear(3, 2)
+    model.bias.requires_grad_(False)
+    digest = worker._write_weight_digest(model, tmp_path, 1)
+    record = json.loads((tmp_path / "logs" / "rank1.final.json").read_text())
+    assert record["sha256"] == digest and record["trainable_params"] == 6 and record["rank"] == 1
