@@ -24,6 +24,18 @@ PREPARE: dict[str, list[str]] = {
 }
 
 
+SAMPLE_CHAT = "data/sample_chat.jsonl"  # as the templates spell it: relative to a HyperSloth checkout
+
+
+def _for_this_folder(text: str, target: Path) -> str:
+    """The template's text with commands that work from any folder: the config named as written (not
+    hypersloth_config.py) and the shipped sample chats by their absolute path (when this install has them)."""
+    from HyperSloth.train.tiny_model import DEFAULT_DATA_PATH
+
+    text = text.replace("hypersloth_config.py", str(target))
+    return text.replace(SAMPLE_CHAT, str(DEFAULT_DATA_PATH)) if DEFAULT_DATA_PATH.is_file() else text
+
+
 def _template_key(template: str) -> str:
     return template.strip().lower().replace("_", "-")
 
@@ -66,11 +78,11 @@ def init(path: str = "hypersloth_config.py", template: str = "tiny-cpu", force: 
     if target.is_dir():
         _fail(f"{target} is a folder; give a file path such as {target / 'hypersloth_config.py'}")
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(text)
+    target.write_text(_for_this_folder(text, target))
     print(f"Wrote {target} (template {_template_key(str(template))})")
     print("Next:")
     for step in PREPARE[_template_key(str(template))]:
-        print(f"  {step}")
+        print(f"  {_for_this_folder(step, target)}")
     print(f"  hypersloth-plan {target}     # check the batch plan")
     print(f"  hypersloth-train {target}    # train")
 

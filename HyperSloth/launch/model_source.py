@@ -37,6 +37,14 @@ def _cached(repo_id: str) -> bool:
     return isinstance(found, str)
 
 
+def _local_hint(name: str) -> str:
+    """For an "org/name" that is no folder here: it may be a relative path meant from another folder."""
+    if not _HUB_ID.match(name):
+        return ""
+    return (f"; or, if '{name}' is a local folder: {Path(name).expanduser().resolve()} does not exist (a relative "
+            "path counts from the folder you run in: run from the folder that holds it, or give an absolute path)")
+
+
 def hub_problem(name: str, what: str = "model", *, timeout_s: float = HUB_TIMEOUT_S) -> str | None:
     """None when `name` is a local folder, a cached Hub repo in offline mode, or a Hub repo that answers
     within `timeout_s`; otherwise one line saying what is wrong and what to change."""
@@ -53,7 +61,7 @@ def hub_problem(name: str, what: str = "model", *, timeout_s: float = HUB_TIMEOU
     if constants.HF_HUB_OFFLINE:
         return None if _cached(name) else (
             f"{what} '{name}' is not in the local Hugging Face cache and HF_HUB_OFFLINE=1: download it "
-            f"first (`hf download {name}` with network), or set {what} to a local folder")
+            f"first (`hf download {name}` with network), or set {what} to a local folder{_local_hint(name)}")
     try:
         model_info(name, timeout=timeout_s)
     except GatedRepoError:
@@ -61,11 +69,11 @@ def hub_problem(name: str, what: str = "model", *, timeout_s: float = HUB_TIMEOU
                 "and log in (`hf auth login`), or use a local copy")
     except RepositoryNotFoundError:
         return (f"{what} '{name}' is not on the Hugging Face Hub (or is private): check the spelling, "
-                "log in for a private repo, or use a local folder")
+                f"log in for a private repo, or use a local folder{_local_hint(name)}")
     except Exception as err:  # noqa: BLE001 - network errors come in many types; all mean "not reachable"
         if _cached(name):
             return None  # transformers will use the cached copy
         return (f"cannot reach the Hugging Face Hub at {constants.ENDPOINT} for {what} '{name}' "
                 f"({type(err).__name__}) and it is not cached: check the network or HF_ENDPOINT, "
-                f"download it first (`hf download {name}`), or set {what} to a local folder")
+                f"download it first (`hf download {name}`), or set {what} to a local folder{_local_hint(name)}")
     return None

@@ -24,6 +24,20 @@ def test_writes_each_template_and_it_loads(tmp_path, template):
     assert "hypersloth-train cfg/my_config.py" in result.stdout
     loaded = load_config(written)
     assert loaded.hyper.training.gpus == [0, 1]
+    # The file's own commands name it as written, not hypersloth_config.py.
+    text = written.read_text()
+    assert "hypersloth-train cfg/my_config.py" in text and "hypersloth_config.py" not in text
+
+
+def test_tiny_cpu_next_steps_work_from_any_folder(tmp_path):
+    from HyperSloth.train.tiny_model import DEFAULT_DATA_PATH
+
+    result = run_init(tmp_path, "my.py")
+    assert result.returncode == 0, result.stderr
+    # The sample chats by their absolute path: `data/sample_chat.jsonl` exists only in a checkout's root.
+    assert f"--local_path {DEFAULT_DATA_PATH} " in result.stdout and DEFAULT_DATA_PATH.is_file()
+    assert "data/sample_chat.jsonl " not in result.stdout.replace(str(DEFAULT_DATA_PATH), "")
+    assert f"--local_path {DEFAULT_DATA_PATH} " in (tmp_path / "my.py").read_text()
 
 
 def test_default_is_tiny_cpu_and_underscore_names_work(tmp_path):
