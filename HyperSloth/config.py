@@ -260,7 +260,9 @@ class TrainingConfig(BaseModel):
             raise ValueError(f"GPU ids must be >= 0, got {negative}")
         duplicates = sorted({g for g in gpus if gpus.count(g) > 1})
         if duplicates:
-            raise ValueError(f"GPU ids must be distinct, {duplicates} appear more than once in {gpus}")
+            listed = ", ".join(map(str, duplicates))
+            verb = "appears" if len(duplicates) == 1 else "appear"
+            raise ValueError(f"GPU ids must be distinct: {listed} {verb} more than once in {gpus}")
         return gpus
 
     @field_validator("dpo_beta")

@@ -1,7 +1,8 @@
 """Evaluate while training: hold out 5% of the conversations, keep the best adapter, stop early.
 
 The quick start (`sharegpt_lora_2gpus.py`) with an eval set. Register the data once:
-    hypersloth-build-dataset mlabonne/FineTome-100k --name finetome-1k ...   # first 1,000 rows
+    hypersloth-build-dataset --hf_dataset mlabonne/FineTome-100k -n 1000 --name finetome-1k \
+        --tokenizer unsloth/Qwen3-4B --max_seq_length 2048   # 1,000 rows
 Then:
     hypersloth-plan examples/eval_holdout.py        # the training plan and the eval plan
     hypersloth-train examples/eval_holdout.py

@@ -1,7 +1,8 @@
 """The quick start: LoRA of Qwen3-4B on 1,000 ShareGPT conversations, two GPUs.
 
 Register the data once (FineTome is ShareGPT-style: {"conversations": [{"from": ..., "value": ...}]}):
-    hypersloth-build-dataset mlabonne/FineTome-100k --name finetome-1k ...   # first 1,000 rows
+    hypersloth-build-dataset --hf_dataset mlabonne/FineTome-100k -n 1000 --name finetome-1k \
+        --tokenizer unsloth/Qwen3-4B --max_seq_length 2048   # 1,000 rows
 Then:
     hypersloth-plan examples/sharegpt_lora_2gpus.py
     hypersloth-train examples/sharegpt_lora_2gpus.py

@@ -197,7 +197,8 @@ class RunDescription(BaseModel):
         """The derived batch numbers in one line, like torchtitan's start-up log."""
         budget = "an automatic budget (measured at start)" if self.token_budget_auto else f"{self.token_budget:,} tokens"
         per_step = (f"packed into micro-batches of <= {budget}"
-                    if self.micro_batches_per_step is None else f"{self.micro_batches_per_step} micro-batches")
+                    if self.micro_batches_per_step is None else
+                    f"{self.micro_batches_per_step} micro-batch{'es' if self.micro_batches_per_step != 1 else ''}")
         unit = "pairs" if self.method == "dpo" else "samples"
         method = f"; DPO, beta {self.dpo_beta}" if self.method == "dpo" else ""
         return (f"world size {self.world_size}, micro-batch {self.micro_batch_size} {unit}, "

@@ -170,7 +170,7 @@ def test_every_problem_reported(tmp_path):
                     "fast_model_args": {}, "lora_args": {"r": 0}}
     """
     message = load_error(tmp_path, body)
-    assert "training.gpus: GPU ids must be distinct, [0] appear more than once" in message
+    assert "training.gpus: GPU ids must be distinct: 0 appears more than once" in message
     assert "unknown field 'training.gpu'" in message
     assert "fast_model_args.model_name: required field is missing" in message
     assert "lora_args.r: Input should be greater than 0 (got 0)" in message
@@ -191,7 +191,7 @@ def validation_message(build) -> str:
 
 def test_duplicate_gpu_ids():
     message = validation_message(lambda: TrainingConfig(gpus=[1, 0, 1]))
-    assert "training.gpus: GPU ids must be distinct, [1] appear more than once in [1, 0, 1]" in message
+    assert "training.gpus: GPU ids must be distinct: 1 appears more than once in [1, 0, 1]" in message
 
 
 def test_negative_gpu_id():

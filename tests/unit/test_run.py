@@ -89,6 +89,13 @@ def test_resolved_run_holds_every_derived_number(setup):
     assert "world size 2" in line and "8 samples per rank per step" in line and "global batch 16 samples" in line
 
 
+def test_one_micro_batch_per_step_is_singular_in_the_batch_line(setup):
+    run = resolve(write_config(setup, batching="sorted-pad", per_device=2, accumulation=1), world_size=2)
+    assert run.micro_batches_per_step == 1
+    assert "1 micro-batch)" in run.batch_line() or "1 micro-batch " in run.batch_line()
+    assert "1 micro-batches" not in run.batch_line()
+
+
 def test_sorted_pad_runs_accumulation_micro_batches_and_world_size_scales_the_step(setup):
     run = resolve(write_config(setup, batching="sorted-pad", per_device=2, accumulation=3), world_size=5)
     assert (run.global_batch_size, run.micro_batches_per_step) == (2 * 3 * 5, 3)
