@@ -166,12 +166,17 @@ def _eval_text(summary: Mapping[str, Any]) -> str | None:
 
 
 def _throughput_text(summary: Mapping[str, Any]) -> str | None:
-    rate, tokens, runtime = (_num(summary, k) for k in ("tokens_per_s", "tokens_seen", "train_runtime_s"))
+    rate, total, runtime = (_num(summary, k) for k in ("tokens_per_s", "tokens_seen", "train_runtime_s"))
+    # The time covers this process's steps only: after a resume, so does the token count set against it.
+    part = _num(summary, "tokens_this_run")
+    tokens = part if part is not None else total
     if rate is None and tokens is None:
         return None
     parts = [f"{rate:,.0f} tokens/s" if rate is not None else None,
              f"{tokens:,.0f} tokens" + (f" in {runtime:.1f} s of training" if runtime is not None else "")
              if tokens is not None else None]
+    if part is not None and total is not None and total != part:
+        parts.append(f"{total:,.0f} tokens over the whole run (resumed)")
     return "; ".join(p for p in parts if p)
 
 
@@ -312,6 +317,12 @@ def _eval_table(summary: Mapping[str, Any]) -> str:
             f"{kept}.\n\n| step | eval loss | eval tokens | |\n|---|---|---|---|\n{rows}")
 
 
+def _ordinal(n: int) -> str:
+    """2nd, 3rd, 4th, 11th, 21st."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
 def _fmt(value: float | None, spec: str, unit: str = "") -> str:
     return "—" if value is None else f"{value:{spec}}{unit}"
 
@@ -344,10 +355,12 @@ def _steps_table(summary: Mapping[str, Any], config: Mapping[str, Any]) -> str:
     lrs, norms = _logged_at(summary, "learning_rates", config), _logged_at(summary, "grad_norms", config)
     stride = max(1, math.ceil(len(losses) / MAX_TABLE_ROWS))
     picked = sorted(set(range(0, len(losses), stride)) | {len(losses) - 1})
-    second = lambda i: seconds[i] if len(seconds) == len(losses) else None  # noqa: E731
+    # After a resume the step times cover only the steps this process ran: the last len(seconds) steps.
+    timed = dict(zip(range(steps[-1] - len(seconds) + 1, steps[-1] + 1), seconds)) if seconds else {}
+    second = lambda i: timed.get(steps[i])  # noqa: E731
     rows = "".join(f"| {steps[i]} | {_fmt(losses[i], '.4f')} | {_fmt(lrs.get(steps[i]), '.3g')} | "
                    f"{_fmt(norms.get(steps[i]), '.4f')} | {_fmt(second(i), '.3f')} |\n" for i in picked)
-    note = f" (every {stride}th)" if stride > 1 else ""
+    note = f" (every {_ordinal(stride)})" if stride > 1 else ""
     return (f"## Steps{note}\n\n| step | loss | learning rate | grad norm | seconds |\n|---|---|---|---|---|\n"
             + rows)
 
@@ -362,7 +375,7 @@ def _rewards_table(summary: Mapping[str, Any]) -> str:
     picked = sorted(set(range(0, count, stride)) | {count - 1})
     rows = "".join(f"| {steps[i]} | " + " | ".join(_fmt(rewards[k][i], ".4f") for k in REWARD_KEYS) + " |\n"
                    for i in picked)
-    note = f" (every {stride}th step)" if stride > 1 else ""
+    note = f" (every {_ordinal(stride)} step)" if stride > 1 else ""
     return (f"## Preference rewards{note}\n\nMeans over each step's pairs, all ranks: reward = beta x (policy - "
             "reference) log-probability of the completion; accuracy = share of pairs whose chosen reward is higher."
             f"\n\n| step | {' | '.join(REWARD_KEYS)} |\n|---|---|---|---|---|\n{rows}")

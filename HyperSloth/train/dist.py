@@ -23,8 +23,6 @@ from collections.abc import Iterable, MutableMapping
 from dataclasses import dataclass
 from datetime import timedelta
 
-from typing import Any
-
 import torch
 import torch.distributed as torch_dist
 
@@ -143,14 +141,18 @@ def all_ranks_ok(ok: bool) -> bool:
     return bool(flag.item())
 
 
-def gather_objects(value: Any) -> list[Any]:
-    """`value` of every rank, in rank order (`[value]` for one process). A collective: every rank calls it,
-    so it also waits for every rank to reach it."""
+def same_on_all_ranks(digest: str) -> bool:
+    """True when every rank passed the same hex `digest` (True for one process): one all-reduce MIN of the
+    digest's bytes next to their negatives, i.e. the smallest and the largest value of every byte. A
+    collective like `all_ranks_ok`: every rank calls it, so it also waits for every rank."""
     if not torch_dist.is_initialized():
-        return [value]
-    gathered: list[Any] = [None] * torch_dist.get_world_size()
-    torch_dist.all_gather_object(gathered, value)
-    return gathered
+        return True
+    device = torch.device("cuda", torch.cuda.current_device()) if torch_dist.get_backend() == "nccl" else "cpu"
+    values = torch.tensor(list(bytes.fromhex(digest)), dtype=torch.int32, device=device)
+    both = torch.cat([values, -values])
+    torch_dist.all_reduce(both, op=torch_dist.ReduceOp.MIN)
+    smallest, largest = both[: len(values)], -both[len(values):]
+    return bool(torch.equal(smallest, largest))
 
 
 class GradientSync:

@@ -37,6 +37,7 @@ import torch
 from loguru import logger
 from torch.utils.data import DataLoader, Dataset
 from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
 from trl import SFTConfig, SFTTrainer
 
 from HyperSloth.config import TrainingArgsConfig
@@ -142,6 +143,28 @@ def _only_item(batch: list[dict[str, Any]]) -> dict[str, Any]:
     return batch[0]
 
 
+class LossHistory(TrainerCallback, ExportableState):
+    """The global loss of every optimizer step of the whole run, kept in each checkpoint's trainer state
+    (HF saves an ExportableState callback's `state()` under `stateful_callbacks`), so that after a resume the
+    summary, the console line and the report cover steps 1..N, not only the steps run since the resume.
+
+    HF restores callback states only with `restore_callback_states_from_checkpoint`; this one reads its
+    record back itself in `on_train_begin`, when HF has already loaded the checkpoint's state."""
+
+    def __init__(self, trainer: HyperSlothTrainer):
+        self._trainer = trainer
+        self.earlier: list[float] = []  # the losses of the steps before the resume
+
+    def state(self) -> dict[str, Any]:
+        return {"args": {}, "attributes": {"losses": self.earlier + self._trainer.step_losses_this_run}}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        record = (state.stateful_callbacks or {}).get(type(self).__name__)
+        losses = record.get("attributes", {}).get("losses", []) if isinstance(record, dict) else []
+        # A checkpoint of an older HyperSloth has no record: then only this part's steps are known.
+        self.earlier = list(losses[:state.global_step]) if len(losses) >= state.global_step else []
+
+
 class StepGarbageCollection(TrainerCallback):
     """Python's cyclic garbage collector at fixed steps, the same steps on every rank.
 
@@ -193,9 +216,11 @@ class HyperSlothTrainer(SFTTrainer):
         self.grad_sync = grad_sync
         self.timer = PhaseTimer(profile)
         self.clock = StepClock(self.timer)
-        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self.clock, StepGarbageCollection()]
         self.tokens_this_run = 0  # for throughput; the cumulative count lives in the checkpointed state
         self._step_losses: list[torch.Tensor] = []
+        self.loss_history = LossHistory(self)
+        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self.clock, StepGarbageCollection(),
+                               self.loss_history]
         self._flop_parameters: int | None = None  # 6 x non-embedding parameters (floating_point_ops)
         super().__init__(*args, **kwargs)
 
@@ -205,9 +230,16 @@ class HyperSlothTrainer(SFTTrainer):
         return int(self.state.num_input_tokens_seen)
 
     @property
-    def step_losses(self) -> list[float]:
-        """The global loss of every optimizer step run by this trainer (identical on all ranks)."""
+    def step_losses_this_run(self) -> list[float]:
+        """The global loss of every optimizer step run by this process (identical on all ranks)."""
         return [float(t) for t in self._step_losses]
+
+    @property
+    def step_losses(self) -> list[float]:
+        """The global loss of every optimizer step of the whole run, from step 1 also after a resume (the
+        earlier ones from the checkpoint, `LossHistory`); only this process's steps after resuming from a
+        checkpoint that does not hold them."""
+        return self.loss_history.earlier + self.step_losses_this_run
 
     def get_train_dataloader(self) -> DataLoader:
         workers = self.args.dataloader_num_workers
@@ -321,9 +353,27 @@ class HyperSlothTrainer(SFTTrainer):
         self.eval_seconds += metrics[f"{metric_key_prefix}_runtime"]
         return metrics
 
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
+                          tags: str | list[str] | None = None) -> None:
+        """TRL's card, which links the base model on the Hub: for a local base folder TRL passes None and the
+        card read "a fine-tuned version of [None](https://huggingface.co/None)" (trl 1.15). Rank 0 writes
+        it, naming the local folder instead."""
+        if self.rank != 0:
+            return
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        card, broken = Path(self.args.output_dir) / "README.md", "[None](https://huggingface.co/None)"
+        text = card.read_text() if card.is_file() else ""
+        if broken in text:
+            base = getattr(self.model.config, "_name_or_path", "") or "a local model"
+            card.write_text(text.replace(broken, f"the local model `{base}`"))
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:
             logs["tokens_seen"] = self.tokens_seen
+        if "train_loss" in logs and self.step_losses:
+            # HF divides this process's summed losses by every step of the run: after a resume that mean
+            # was below every logged loss. The mean step loss of the whole run instead.
+            logs["train_loss"] = sum(self.step_losses) / len(self.step_losses)
         if "train_runtime" in logs:
             for key in _PER_PROCESS_SPEED_KEYS:
                 logs.pop(key, None)

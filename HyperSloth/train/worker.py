@@ -8,6 +8,7 @@ the config file, and knows nothing about how it was started beyond `DistInfo`.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 import time
@@ -134,8 +135,10 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path) -> d
     if large_files_check is not None:
         _refuse_corrupt(description.resume_from_checkpoint, large_files_check.result())
     result = trainer.train(resume_from_checkpoint=description.resume_from_checkpoint)
-    # Every rank's record is written before the gather, which waits for all: rank 0's report sees them all.
-    require_identical_weights(dist.gather_objects(_write_weight_digest(trainer.model, out_dir, info.rank)))
+    # Every rank's record is written before the collective, which waits for all: rank 0's report sees them all.
+    # A mismatch fails the run on every rank before anything is saved (the adapter could be any rank's).
+    if not dist.same_on_all_ranks(_write_weight_digest(trainer.model, out_dir, info.rank)):
+        raise RuntimeError(weights_mismatch(_recorded_digests(out_dir, info.world_size)))
     if not info.is_main:
         return None
     trainer.save_model(str(out_dir))
@@ -194,18 +197,29 @@ def _loader(description: RunDescription):
     return load
 
 
-def require_identical_weights(digests: list[str]) -> None:
-    """RuntimeError naming the ranks whose trained weights differ from the others' (the most common
-    digest; rank 0's on a tie): the gradient sync failed and no adapter of this run can be trusted.
-    Every rank raises it, so the run exits non-zero and nothing is saved."""
+def _recorded_digests(out_dir: Path, world_size: int) -> list[str]:
+    """Every rank's weight digest from its final record ("?" where a record cannot be read here, e.g. on
+    another node's disk)."""
+    digests = []
+    for rank in range(world_size):
+        try:
+            digests.append(str(json.loads(run_files.rank_file(out_dir, rank, "final.json").read_text())["sha256"]))
+        except (OSError, ValueError, KeyError):
+            digests.append("?")
+    return digests
+
+
+def weights_mismatch(digests: list[str]) -> str:
+    """What to say when the ranks' trained weights differ: the ranks whose digest differs from the most
+    common one (rank 0's on a tie), from the ranks' final records."""
     counts = {d: digests.count(d) for d in digests}
     reference = max(dict.fromkeys(digests), key=lambda d: counts[d])  # first-seen order: rank 0's wins a tie
     differ = [rank for rank, digest in enumerate(digests) if digest != reference]
-    if differ:
-        agree = [rank for rank, digest in enumerate(digests) if digest == reference]
-        raise RuntimeError(f"rank(s) {differ} ended with trained weights that differ from rank(s) {agree} "
-                           "(sha256 of the trainable parameters, logs/rank*.final.json): the ranks did not stay "
-                           "in sync, so the adapter is not saved; this is a HyperSloth bug, please report it")
+    agree = [rank for rank, digest in enumerate(digests) if digest == reference]
+    which = (f"rank(s) {differ} ended with trained weights that differ from rank(s) {agree}" if differ
+             else "the ranks ended with different trained weights")
+    return (f"{which} (sha256 of the trainable parameters, logs/rank*.final.json): the ranks did not stay in "
+            "sync, so the adapter is not saved; this is a HyperSloth bug, please report it")
 
 
 def _write_weight_digest(model, out_dir: Path, rank: int) -> str:
@@ -242,7 +256,8 @@ def _summary(trainer, setup, result, wall_s: float, info: dist.DistInfo) -> dict
         "learning_rates": [h.get("learning_rate") for h in history],
         "first_loss": trainer.step_losses[0] if trainer.step_losses else None,
         "last_loss": trainer.step_losses[-1] if trainer.step_losses else None,
-        "tokens_seen": trainer.tokens_seen,
+        "tokens_seen": trainer.tokens_seen,  # the whole run's, also after a resume
+        "tokens_this_run": trainer.tokens_this_run,  # this process's: what train_runtime_s and tokens_per_s cover
         "train_runtime_s": runtime,
         "tokens_per_s": trainer.tokens_this_run / runtime if runtime else None,
         "padding_pct": stats["padding_pct"],

@@ -60,7 +60,9 @@ def _worker(rank: int, port: int, queue) -> None:
         # One bucket: afterwards the fp32 gradients are views of one reduced buffer (assigned, not copied).
         dist.GradientSync(params, world_size=2).all_reduce(torch.tensor([0.0]))
         storages = {p.grad.untyped_storage().data_ptr() for p in params if p.dtype == torch.float32}
-        queue.put((rank, sums, float(loss[0]), len(storages)))
+        # The end-of-run weight check: equal digests agree, one differing byte on one rank does not.
+        agreed = (dist.same_on_all_ranks("ab" * 32), dist.same_on_all_ranks("ab" * 31 + ("ab" if rank else "ac")))
+        queue.put((rank, sums, float(loss[0]), len(storages), agreed))
     finally:
         dist.teardown()
 
@@ -73,8 +75,9 @@ def test_gradient_sync_sums_every_bucket_and_fills_missing_grads():
     for p in procs:
         p.start()
     got = [queue.get(timeout=120) for _ in procs]
-    results = {rank: (grads, loss) for rank, grads, loss, _ in got}
-    assert [storages for *_, storages in got] == [1, 1]
+    results = {rank: (grads, loss) for rank, grads, loss, _, _ in got}
+    assert [storages for *_, storages, _ in got] == [1, 1]
+    assert [agreed for *_, agreed in got] == [(True, False), (True, False)]
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0

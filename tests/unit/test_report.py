@@ -111,6 +111,30 @@ def test_resumed_run_numbers_every_curve_and_table_by_global_step(tmp_path):
     assert (tmp_path / "report.png").is_file()
 
 
+def test_a_resumed_run_is_described_whole_in_the_report_and_console_line(tmp_path):
+    # Resumed at step 4 of 6: the losses of all 6 steps (the first 3 from the checkpoint), the times and
+    # tokens of this process's 3 steps, the token count of the whole run.
+    summary = {**full_summary(steps=6), "first_step": 1, "step_losses": [3.0, 2.5, 2.25, 2.0, 1.5, 1.75],
+               "log_steps": [1, 2, 3, 4, 5, 6], "step_seconds": [0.1, 0.2, 0.3], "tokens_seen": 8000,
+               "tokens_this_run": 4000, "train_runtime_s": 2.0, "tokens_per_s": 2000.0,
+               "learning_rates": [1e-3 * s for s in range(1, 7)], "grad_norms": [0.1 * s for s in range(1, 7)]}
+    console = format_console(summary)
+    assert "2,000 tokens/s; 4,000 tokens in 2.0 s of training; 8,000 tokens over the whole run" in console
+    text = write_report(make_run(tmp_path, summary)).read_text()
+    assert "| 1 | 3.0000 | 0.001 | 0.1000 | — |" in text and "| 3 | 2.2500 | 0.003 | 0.3000 | — |" in text
+    assert "| 4 | 2.0000 | 0.004 | 0.4000 | 0.100 |" in text and "| 6 | 1.7500 | 0.006 | 0.6000 | 0.300 |" in text
+
+
+def test_a_long_run_shows_every_kth_step_with_a_correct_ordinal(tmp_path):
+    steps = 40  # two rows per table row: every 2nd step
+    summary = {**full_summary(steps=steps), "step_losses": [3.0 - 0.01 * s for s in range(steps)],
+               "log_steps": list(range(1, steps + 1)), "step_seconds": [0.1] * steps,
+               "learning_rates": [1e-3] * steps, "grad_norms": [0.5] * steps}
+    text = write_report(make_run(tmp_path, summary)).read_text()
+    assert "## Steps (every 2nd step)" in text or "## Steps (every 2nd)" in text
+    assert "2th" not in text
+
+
 def test_missing_summary_names_the_folder(tmp_path):
     with pytest.raises(FileNotFoundError, match="train_summary.json not found"):
         write_report(tmp_path)

@@ -83,3 +83,23 @@ def test_checkpointing_is_the_loaders_not_trls_default(tmp_path):
     assert trainer.sft_config_for(targs, torch.float32, rank=0, backend="unsloth").gradient_checkpointing is True
     forced = targs.model_copy(update={"extra_args": {"gradient_checkpointing": True}})
     assert trainer.sft_config_for(forced, torch.float32, rank=0).gradient_checkpointing is True
+
+
+def test_loss_history_is_kept_in_the_checkpoint_state_and_read_back_on_resume():
+    from types import SimpleNamespace
+
+    from transformers import TrainerControl, TrainerState
+
+    from HyperSloth.train.trainer import LossHistory
+
+    first = LossHistory(SimpleNamespace(step_losses_this_run=[3.0, 2.5, 2.25]))
+    state = TrainerState(stateful_callbacks=[first])  # what HF writes into checkpoint-3's trainer_state.json
+    assert state.stateful_callbacks["LossHistory"]["attributes"]["losses"] == [3.0, 2.5, 2.25]
+    state.global_step = 3
+    resumed = LossHistory(SimpleNamespace(step_losses_this_run=[2.0]))
+    resumed.on_train_begin(None, state, TrainerControl())
+    assert resumed.earlier == [3.0, 2.5, 2.25]
+    assert resumed.state()["attributes"]["losses"] == [3.0, 2.5, 2.25, 2.0]  # saved again at the next checkpoint
+    older = LossHistory(SimpleNamespace(step_losses_this_run=[]))
+    older.on_train_begin(None, TrainerState(global_step=3), TrainerControl())  # an older checkpoint: no record
+    assert older.earlier == []
