@@ -24,6 +24,8 @@ How "auto" is decided on a GPU, once per run, after the model is loaded and befo
      up to 71 GiB, and within 2.5-5 GiB on 8B, inside the 11 GiB safety margin; docs/benchmarks.md);
    - the transformers backend (SDPA with a packed mask: memory not linear in tokens) always verifies at
      the budget.
+   "The longest sample" below stands for the heaviest micro-batch the plan can form (`heaviest_micro_batch`):
+   with sorted-pad batching, the per-device batch of the longest samples, each padded to the longest.
    When the line already says the longest sample cannot fit and checkpointing is still off, nothing is
    verified: the worker switches checkpointing on and measures again (`needs_checkpointing`). With
    checkpointing on, one pass at the longest sample decides: its size becomes the budget if it fits, else
@@ -275,10 +277,11 @@ def _prove_longest(peak_of: PeakFn, longest: int, line_tokens: int, limit_bytes:
         return {"tokens": size, "verified_tokens": size, "verified_peak_bytes": peak}
     seen = "ran out of memory" if peak is None else f"peaked at {peak / 2**30:.1f} GiB"
     raise RuntimeError(
-        f"the longest sample ({longest:,} tokens) does not fit one micro-batch on this GPU even with gradient "
-        f"checkpointing: its forward+backward {seen}, and {limit_bytes / 2**30:.1f} GiB may be used (the measured "
-        f"line allows about {line_tokens:,} tokens). Drop the longer samples (rebuild the dataset with "
-        f"--max_seq_length {line_tokens}) or train on a GPU with more memory")
+        f"the heaviest micro-batch ({longest:,} tokens: the longest sample, or with sorted-pad the per-device batch "
+        f"of the longest samples) does not fit on this GPU even with gradient checkpointing: its forward+backward "
+        f"{seen}, and {limit_bytes / 2**30:.1f} GiB may be used (the measured line allows about {line_tokens:,} "
+        f"tokens). Drop the longer samples (rebuild the dataset with --max_seq_length {line_tokens}), lower "
+        "per_device_train_batch_size (sorted-pad), or train on a GPU with more memory")
 
 
 def probe_segments(longest: Sequence[int], tokens: int) -> list[int]:
@@ -466,7 +469,7 @@ def settle(description, load: Callable[[Any], Any], lengths: Sequence[int] | np.
     """
     from loguru import logger
 
-    gc_mode, longest = description.gradient_checkpointing, int(np.max(lengths))
+    gc_mode, longest = description.gradient_checkpointing, heaviest_micro_batch(description, lengths)
     known = (description.token_budget_auto and not gc_mode and setup is not None
              and cached_needs_checkpointing(setup, lengths, description.global_batch_size))
     if known:
@@ -481,13 +484,13 @@ def settle(description, load: Callable[[Any], Any], lengths: Sequence[int] | np.
     def measure_model(model_loaded, mode) -> BudgetDecision:
         return measure_auto(model_loaded.model, lengths=lengths, samples_per_step=description.global_batch_size,
                             gradient_checkpointing=mode, with_lengths=model_loaded.backend == "unsloth",
-                            setup=setup, must_fit=longest, can_switch=not mode)
+                            setup=setup, must_fit=longest, can_switch=not mode)  # the heaviest micro-batch
 
     decision = measure_model(loaded, gc_mode)
     decision.checkpointing_switched_on = bool(known)
     if not gc_mode and needs_checkpointing(decision.tokens, longest):
         gc_mode = _checkpointing_mode(loaded.backend)
-        logger.warning(f"the longest sample ({longest:,} tokens) does not fit one micro-batch without gradient "
+        logger.warning(f"the heaviest micro-batch ({_heaviest_text(description, longest)}) does not fit without gradient "
                        f"checkpointing (measured budget {decision.tokens:,} tokens): turning on gradient "
                        f"checkpointing ({gc_mode!r}) for this run")
         loaded = None  # drop the first model before loading the second
@@ -498,6 +501,23 @@ def settle(description, load: Callable[[Any], Any], lengths: Sequence[int] | np.
         logger.info("Unsloth will warn that a forward/backward ran before trainer.train(): that was this probe")
     settled = description.model_copy(update={"token_budget": decision.tokens, "gradient_checkpointing": gc_mode})
     return settled, loaded, decision
+
+
+def heaviest_micro_batch(description, lengths: Sequence[int] | np.ndarray) -> int:
+    """Tokens of the heaviest micro-batch the plan can form, which "auto" must fit: packed, the longest sample
+    (a row never holds more than the budget, except a sample longer than it); sorted-pad, the per-device batch
+    of the longest samples, each padded to the longest. The probe row of that many tokens is cut into the
+    dataset's longest samples (`probe_segments`), so it computes what that padded micro-batch computes."""
+    longest = int(np.max(lengths))
+    if getattr(description, "batching", "packed") != "sorted-pad":
+        return longest
+    return min(int(description.micro_batch_size), len(lengths)) * longest
+
+
+def _heaviest_text(description, tokens: int) -> str:
+    if getattr(description, "batching", "packed") == "sorted-pad":
+        return f"{tokens:,} tokens: sorted-pad's per-device batch of the longest samples, padded"
+    return f"the longest sample, {tokens:,} tokens"
 
 
 def _checkpointing_mode(backend: str) -> bool | str:

@@ -181,9 +181,9 @@ class _Description:
 
     token_budget_auto = RunDescription.token_budget_auto  # the real property: source == "auto"
 
-    def __init__(self, source: str, budget=4096, gc=False):
+    def __init__(self, source: str, budget=4096, gc=False, batching="packed", micro_batch_size=4):
         self.token_budget, self.token_budget_source, self.global_batch_size = budget, source, 32
-        self.gradient_checkpointing = gc
+        self.gradient_checkpointing, self.batching, self.micro_batch_size = gc, batching, micro_batch_size
 
     def model_copy(self, update):
         copy = _Description(self.token_budget_source)
@@ -191,12 +191,12 @@ class _Description:
         return copy
 
 
-def _fake_measure(budgets):
+def _fake_measure(budgets, heaviest=None):
     """measure_auto stand-in: the budget measured for each checkpointing mode."""
     def measure_auto(model, *, lengths, samples_per_step, gradient_checkpointing, with_lengths, must_fit, can_switch,
                      setup):
-        # Without checkpointing a longest sample that does not fit switches it on; with it, it must be proven.
-        assert must_fit == int(max(lengths)) and can_switch == (not gradient_checkpointing)
+        # Without checkpointing a heaviest micro-batch that does not fit switches it on; with it, it must be proven.
+        assert must_fit == (heaviest or int(max(lengths))) and can_switch == (not gradient_checkpointing)
         return budget.BudgetDecision(tokens=budgets[gradient_checkpointing], source="auto",
                                      longest_sample=int(max(lengths)), gradient_checkpointing=gradient_checkpointing,
                                      probe_seconds=2.0, probe_passes=3, cache="measured")
@@ -234,6 +234,22 @@ def test_settle_turns_checkpointing_on_when_the_longest_sample_does_not_fit(monk
     assert d.gradient_checkpointing == "unsloth"
     assert (decision.probe_seconds, decision.probe_passes) == (4.0, 6)  # both probes counted
     assert decision.reload_seconds is not None and "6 forward+backward pass(es), 4.0 s" in decision.probe_line()
+
+
+def test_sorted_pad_auto_must_fit_its_padded_micro_batch_of_the_longest_samples(monkeypatch):
+    # 4 samples of up to 9,000 tokens padded to the longest: 36,000 tokens, more than the 30,720 that fit.
+    monkeypatch.setattr(budget, "measure_auto", _fake_measure({False: 30720, "unsloth": 300000}, heaviest=36000))
+    loads = []
+    sorted_pad = _Description("auto", batching="sorted-pad", micro_batch_size=4)
+    d, _, decision = budget.settle(sorted_pad, lambda gc: loads.append(gc) or _Loaded(), [100, 9000, 8000, 7000, 50])
+    assert loads == [None, "unsloth"] and d.gradient_checkpointing == "unsloth"
+    # Packed, the same data fits: a row never holds more than the budget, only one sample can exceed it.
+    monkeypatch.setattr(budget, "measure_auto", _fake_measure({False: 30720, "unsloth": 300000}))
+    loads.clear()
+    d, _, _ = budget.settle(_Description("auto"), lambda gc: loads.append(gc) or _Loaded(), [100, 9000, 8000, 7000, 50])
+    assert loads == [None] and d.gradient_checkpointing is False
+    # A per-device batch larger than the dataset is capped by the dataset.
+    assert budget.heaviest_micro_batch(_Description("auto", batching="sorted-pad", micro_batch_size=8), [5, 7]) == 14
 
 
 def test_the_probe_shrinks_unsloths_checkpointing_buffers(monkeypatch):
@@ -344,7 +360,7 @@ def test_with_checkpointing_on_the_longest_sample_is_proven_by_one_pass_or_refus
     out = budget.measure(flatter_beyond_the_probes, limit_bytes=limit, cap=10**6, must_fit=40000, can_switch=False,
                          verify_at_most=32768)
     assert out["tokens"] == out["verified_tokens"] == 40192 and calls == [2048, 8192, 40192]  # one pass at it
-    with pytest.raises(RuntimeError, match=r"longest sample \(65,536 tokens\) does not fit .* --max_seq_length 29952"):
+    with pytest.raises(RuntimeError, match=r"heaviest micro-batch \(65,536 tokens: .* does not fit .* --max_seq_length 29952"):
         budget.measure(_linear([]), limit_bytes=limit, cap=10**6, must_fit=65536, can_switch=False)
 
     def oom(tokens):
