@@ -112,10 +112,15 @@ class HyperSlothDPOTrainer(HyperSlothTrainer):
         self._step_rewards.append(means)
         self._unlogged_rewards.append(means)
 
+    def step_series_this_run(self) -> dict[str, list[Any]]:
+        rows = torch.stack(self._step_rewards).tolist() if self._step_rewards else []
+        return {**super().step_series_this_run(), "rewards": rows}
+
     @property
     def step_rewards(self) -> dict[str, list[float]]:
-        """Every step's `rewards/*` (means over the step's global pairs), identical on all ranks."""
-        rows = torch.stack(self._step_rewards).tolist() if self._step_rewards else []
+        """Every step's `rewards/*` (means over the step's global pairs), identical on all ranks; the whole run's
+        after a resume, as the losses (`StepHistory`)."""
+        rows = self.step_history.earlier.get("rewards", []) + self.step_series_this_run()["rewards"]
         return {key: [row[k] for row in rows] for k, key in enumerate(REWARD_KEYS)}
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

@@ -143,26 +143,28 @@ def _only_item(batch: list[dict[str, Any]]) -> dict[str, Any]:
     return batch[0]
 
 
-class LossHistory(TrainerCallback, ExportableState):
-    """The global loss of every optimizer step of the whole run, kept in each checkpoint's trainer state
-    (HF saves an ExportableState callback's `state()` under `stateful_callbacks`), so that after a resume the
-    summary, the console line and the report cover steps 1..N, not only the steps run since the resume.
+class StepHistory(TrainerCallback, ExportableState):
+    """Every optimizer step's values of the whole run (the global loss; DPO adds its rewards), kept in each
+    checkpoint's trainer state (HF saves an ExportableState callback's `state()` under `stateful_callbacks`),
+    so that after a resume the summary, the console line and the report cover steps 1..N, not only the
+    steps run since the resume.
 
     HF restores callback states only with `restore_callback_states_from_checkpoint`; this one reads its
     record back itself in `on_train_begin`, when HF has already loaded the checkpoint's state."""
 
     def __init__(self, trainer: HyperSlothTrainer):
         self._trainer = trainer
-        self.earlier: list[float] = []  # the losses of the steps before the resume
+        self.earlier: dict[str, list[Any]] = {}  # per series, the values of the steps before the resume
 
     def state(self) -> dict[str, Any]:
-        return {"args": {}, "attributes": {"losses": self.earlier + self._trainer.step_losses_this_run}}
+        now = self._trainer.step_series_this_run()
+        return {"args": {}, "attributes": {"series": {k: self.earlier.get(k, []) + v for k, v in now.items()}}}
 
     def on_train_begin(self, args, state, control, **kwargs):
         record = (state.stateful_callbacks or {}).get(type(self).__name__)
-        losses = record.get("attributes", {}).get("losses", []) if isinstance(record, dict) else []
+        series = record.get("attributes", {}).get("series", {}) if isinstance(record, dict) else {}
         # A checkpoint of an older HyperSloth has no record: then only this part's steps are known.
-        self.earlier = list(losses[:state.global_step]) if len(losses) >= state.global_step else []
+        self.earlier = {k: list(v[:state.global_step]) for k, v in series.items() if len(v) >= state.global_step}
 
 
 class StepGarbageCollection(TrainerCallback):
@@ -218,9 +220,9 @@ class HyperSlothTrainer(SFTTrainer):
         self.clock = StepClock(self.timer)
         self.tokens_this_run = 0  # for throughput; the cumulative count lives in the checkpointed state
         self._step_losses: list[torch.Tensor] = []
-        self.loss_history = LossHistory(self)
+        self.step_history = StepHistory(self)
         kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self.clock, StepGarbageCollection(),
-                               self.loss_history]
+                               self.step_history]
         self._flop_parameters: int | None = None  # 6 x non-embedding parameters (floating_point_ops)
         super().__init__(*args, **kwargs)
 
@@ -237,9 +239,13 @@ class HyperSlothTrainer(SFTTrainer):
     @property
     def step_losses(self) -> list[float]:
         """The global loss of every optimizer step of the whole run, from step 1 also after a resume (the
-        earlier ones from the checkpoint, `LossHistory`); only this process's steps after resuming from a
+        earlier ones from the checkpoint, `StepHistory`); only this process's steps after resuming from a
         checkpoint that does not hold them."""
-        return self.loss_history.earlier + self.step_losses_this_run
+        return self.step_history.earlier.get("losses", []) + self.step_losses_this_run
+
+    def step_series_this_run(self) -> dict[str, list[Any]]:
+        """Per-step values of this process's steps that `StepHistory` keeps for the whole run."""
+        return {"losses": self.step_losses_this_run}
 
     def get_train_dataloader(self) -> DataLoader:
         workers = self.args.dataloader_num_workers

@@ -85,21 +85,25 @@ def test_checkpointing_is_the_loaders_not_trls_default(tmp_path):
     assert trainer.sft_config_for(forced, torch.float32, rank=0).gradient_checkpointing is True
 
 
-def test_loss_history_is_kept_in_the_checkpoint_state_and_read_back_on_resume():
+def test_step_history_is_kept_in_the_checkpoint_state_and_read_back_on_resume():
     from types import SimpleNamespace
 
     from transformers import TrainerControl, TrainerState
 
-    from HyperSloth.train.trainer import LossHistory
+    from HyperSloth.train.trainer import StepHistory
 
-    first = LossHistory(SimpleNamespace(step_losses_this_run=[3.0, 2.5, 2.25]))
+    def trainer(losses, rewards):
+        return SimpleNamespace(step_series_this_run=lambda: {"losses": losses, "rewards": rewards})
+
+    first = StepHistory(trainer([3.0, 2.5, 2.25], [[0.1], [0.2], [0.3]]))
     state = TrainerState(stateful_callbacks=[first])  # what HF writes into checkpoint-3's trainer_state.json
-    assert state.stateful_callbacks["LossHistory"]["attributes"]["losses"] == [3.0, 2.5, 2.25]
+    assert state.stateful_callbacks["StepHistory"]["attributes"]["series"]["losses"] == [3.0, 2.5, 2.25]
     state.global_step = 3
-    resumed = LossHistory(SimpleNamespace(step_losses_this_run=[2.0]))
+    resumed = StepHistory(trainer([2.0], [[0.4]]))
     resumed.on_train_begin(None, state, TrainerControl())
-    assert resumed.earlier == [3.0, 2.5, 2.25]
-    assert resumed.state()["attributes"]["losses"] == [3.0, 2.5, 2.25, 2.0]  # saved again at the next checkpoint
-    older = LossHistory(SimpleNamespace(step_losses_this_run=[]))
+    assert resumed.earlier == {"losses": [3.0, 2.5, 2.25], "rewards": [[0.1], [0.2], [0.3]]}
+    series = resumed.state()["attributes"]["series"]  # saved again at the next checkpoint
+    assert series == {"losses": [3.0, 2.5, 2.25, 2.0], "rewards": [[0.1], [0.2], [0.3], [0.4]]}
+    older = StepHistory(trainer([], []))
     older.on_train_begin(None, TrainerState(global_step=3), TrainerControl())  # an older checkpoint: no record
-    assert older.earlier == []
+    assert older.earlier == {}
