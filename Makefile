@@ -27,8 +27,11 @@ install-gpu: $(STAMP)
 demo: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash scripts/demo.sh
 
+# One pytest worker per core (pytest-xdist); --dist loadscope keeps each module on one worker, so a module's
+# shared runs (tests/integration/training_fixtures.py) start once. TEST_WORKERS=0 runs in this process.
+TEST_WORKERS ?= auto
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
 clean:
 	rm -rf $(VENV) build outputs data/built_dataset data/data_config.json data/data_config.json.lock

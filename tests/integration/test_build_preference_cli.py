@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from HyperSloth.cli.build_dataset import main
 from HyperSloth.data import build, preference
-from HyperSloth.train.tiny_model import build_tiny_model, build_tiny_tokenizer
+from HyperSloth.train.tiny_model import build_tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = REPO / "data" / "sample_preference.jsonl"
@@ -23,9 +23,9 @@ ROWS = [json.loads(line) for line in SAMPLE.read_text(encoding="utf-8").splitlin
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
+def tiny(tiny_model_dir) -> str:
     """The tiny model's folder: its ChatML tokenizer is trained on the shipped sample chats."""
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-qwen3"))
+    return str(tiny_model_dir)
 
 
 @pytest.fixture()

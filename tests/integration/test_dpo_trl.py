@@ -106,17 +106,16 @@ def _hypersloth_run(tmp_path: Path, model_dir: Path, lora, count: int) -> dict:
 
 
 @pytest.mark.parametrize("initial_adapter", [False, True], ids=["new-adapter", "initial-adapter"])
-def test_the_logged_dpo_loss_equals_trl_dpotrainer(tmp_path, monkeypatch, initial_adapter):
+def test_the_logged_dpo_loss_equals_trl_dpotrainer(tmp_path, monkeypatch, initial_adapter, tiny_model_dir):
     import torch
     import trl.trainer.utils as trl_utils
     from trl_cpu_kernel import ReferenceLogProbFunction
 
     from HyperSloth.config import LoraArgs
     from HyperSloth.train.model import load_model
-    from HyperSloth.train.tiny_model import build_tiny_model
 
     monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", ReferenceLogProbFunction)
-    model_dir = build_tiny_model(tmp_path / "tiny-qwen3")
+    model_dir = tiny_model_dir
     lora = LoraArgs(r=8, lora_alpha=16, lora_dropout=0.0)
     if initial_adapter:  # an "SFT" adapter with B != 0, so the reference is not the base model
         first = load_model(_fast_args(model_dir), lora).model

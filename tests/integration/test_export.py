@@ -45,8 +45,8 @@ def load_base(path: Path):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3")
+def tiny(tiny_model_dir) -> Path:
+    return tiny_model_dir
 
 
 @pytest.fixture(scope="module")

@@ -152,12 +152,11 @@ class RunResult:
         return self
 
 
-def build_inputs(workdir: Path) -> Path:
-    """Tiny model in workdir/tiny-qwen3 and dataset `chat` registered in workdir/data; returns the model."""
+def build_inputs(workdir: Path, model_dir: Path) -> Path:
+    """Dataset `chat` registered in workdir/data, tokenised with the tiny model in `model_dir` (the session's
+    `tiny_model_dir`, built once per test run); returns the model folder."""
     from HyperSloth.data.build import build_dataset
-    from HyperSloth.train.tiny_model import build_tiny_model
 
-    model_dir = build_tiny_model(workdir / "tiny-qwen3")
     source = workdir / "chat.jsonl"
     with SAMPLE_CHAT.open() as lines:
         source.write_text("".join(line for _, line in zip(range(NUM_CONVERSATIONS), lines)))
@@ -338,8 +337,8 @@ def pool_fixtures(name: str, specs) -> tuple:
         return tmp_path_factory.mktemp(name)
 
     @pytest.fixture(scope="module")
-    def model_dir(workdir):
-        return build_inputs(workdir)
+    def model_dir(workdir, tiny_model_dir):
+        return build_inputs(workdir, tiny_model_dir)
 
     @pytest.fixture(scope="module")
     def runs(request, workdir, model_dir):
