@@ -8,7 +8,6 @@ the config file, and knows nothing about how it was started beyond `DistInfo`.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sys
 import time
@@ -137,8 +136,9 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path) -> d
     result = trainer.train(resume_from_checkpoint=description.resume_from_checkpoint)
     # Every rank's record is written before the collective, which waits for all: rank 0's report sees them all.
     # A mismatch fails the run on every rank before anything is saved (the adapter could be any rank's).
-    if not dist.same_on_all_ranks(_write_weight_digest(trainer.model, out_dir, info.rank)):
-        raise RuntimeError(weights_mismatch(_recorded_digests(out_dir, info.world_size)))
+    digests = dist.exchange("weights_sha256", _write_weight_digest(trainer.model, out_dir, info.rank))
+    if len(set(digests)) > 1:
+        raise RuntimeError(weights_mismatch(digests))
     if not info.is_main:
         return None
     trainer.save_model(str(out_dir))
@@ -197,29 +197,16 @@ def _loader(description: RunDescription):
     return load
 
 
-def _recorded_digests(out_dir: Path, world_size: int) -> list[str]:
-    """Every rank's weight digest from its final record ("?" where a record cannot be read here, e.g. on
-    another node's disk)."""
-    digests = []
-    for rank in range(world_size):
-        try:
-            digests.append(str(json.loads(run_files.rank_file(out_dir, rank, "final.json").read_text())["sha256"]))
-        except (OSError, ValueError, KeyError):
-            digests.append("?")
-    return digests
-
-
 def weights_mismatch(digests: list[str]) -> str:
     """What to say when the ranks' trained weights differ: the ranks whose digest differs from the most
-    common one (rank 0's on a tie), from the ranks' final records."""
+    common one (rank 0's on a tie)."""
     counts = {d: digests.count(d) for d in digests}
     reference = max(dict.fromkeys(digests), key=lambda d: counts[d])  # first-seen order: rank 0's wins a tie
     differ = [rank for rank, digest in enumerate(digests) if digest != reference]
     agree = [rank for rank, digest in enumerate(digests) if digest == reference]
-    which = (f"rank(s) {differ} ended with trained weights that differ from rank(s) {agree}" if differ
-             else "the ranks ended with different trained weights")
-    return (f"{which} (sha256 of the trainable parameters, logs/rank*.final.json): the ranks did not stay in "
-            "sync, so the adapter is not saved; this is a HyperSloth bug, please report it")
+    return (f"rank(s) {differ} ended with trained weights that differ from rank(s) {agree} (sha256 of the "
+            "trainable parameters, logs/rank*.final.json): the ranks did not stay in sync, so the adapter is not "
+            "saved; this is a HyperSloth bug, please report it")
 
 
 def _write_weight_digest(model, out_dir: Path, rank: int) -> str:
