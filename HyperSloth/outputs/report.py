@@ -151,7 +151,7 @@ def _rewards_text(summary: Mapping[str, Any]) -> str | None:
 def _eval_points(summary: Mapping[str, Any]) -> list[tuple[int, float, int | None]]:
     """(step, eval_loss, eval_tokens) of every evaluation in the summary's "eval" list."""
     entries = summary.get("eval") if isinstance(summary.get("eval"), list) else []
-    return [(int(e["step"]), float(e["eval_loss"]), e.get("eval_tokens")) for e in entries
+    return [(int(e["step"]), float(e["eval_loss"]), e.get("eval_pairs", e.get("eval_tokens"))) for e in entries
             if isinstance(e, Mapping) and isinstance(e.get("step"), int) and _num(e, "eval_loss") is not None]
 
 
@@ -313,8 +313,10 @@ def _eval_table(summary: Mapping[str, Any]) -> str:
                    f"{'best' if points[i][0] == best_step else ''} |\n" for i in picked)
     best = summary.get("best_eval") if isinstance(summary.get("best_eval"), Mapping) else {}
     kept = f"; its adapter is in `{best['adapter']}`" if best.get("step") == best_step and best.get("adapter") else ""
-    return (f"## Evaluation\n\nToken-mean loss on the held-out rows, over all ranks. Lowest at step {best_step}"
-            f"{kept}.\n\n| step | eval loss | eval tokens | |\n|---|---|---|---|\n{rows}")
+    pairs = bool(_rewards(summary))  # a DPO run: the loss is the mean DPO loss over the held-out pairs
+    unit, what = ("pairs", "Mean DPO loss on the held-out pairs") if pairs else ("tokens", "Token-mean loss on the held-out rows")
+    return (f"## Evaluation\n\n{what}, over all ranks. Lowest at step {best_step}"
+            f"{kept}.\n\n| step | eval loss | eval {unit} | |\n|---|---|---|---|\n{rows}")
 
 
 def _ordinal(n: int) -> str:

@@ -132,6 +132,7 @@ def test_the_first_step_is_ln2_and_every_metric_is_logged(runs):
     margins = np.subtract(summary["step_rewards"]["rewards/chosen"], summary["step_rewards"]["rewards/rejected"])
     _close(summary["step_rewards"]["rewards/margins"], margins, "margins = chosen - rejected", atol=1e-6)
     assert [e["step"] for e in summary["eval"]] == [3, 6]
+    assert all(e["eval_pairs"] == 10 and f"eval_{REWARD_KEYS[3]}" in e for e in summary["eval"])
     state = json.loads((run.out / f"checkpoint-{MAX_STEPS}" / "trainer_state.json").read_text())
     logged = [h for h in state["log_history"] if "loss" in h]
     assert all(key in h for h in logged for key in REWARD_KEYS)

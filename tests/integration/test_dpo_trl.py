@@ -1,9 +1,9 @@
 """HyperSloth's DPO equals TRL's DPOTrainer, the reference implementation, step by step.
 
 The same 12 text pairs, tokenised by TRL (its `_prepare_dataset`), the same tiny Qwen3 and adapter
-(HyperSloth's own loader builds both models), the same optimizer settings. TRL runs its DPOTrainer, one
-batch of all 12 pairs per step; HyperSloth runs its worker in this process (1 rank) on the same pairs
-saved as a preference dataset, packed into several micro-batches of at most 160 tokens. The logged
+(HyperSloth's own loader builds both models), the same optimizer settings. TRL runs its DPOTrainer in
+this process, one batch of all 12 pairs per step; HyperSloth runs `hypersloth-train` (1 CPU worker, its
+own process) on the same pairs saved as a preference dataset, packed into micro-batches of <= 160 tokens. The logged
 losses and rewards of steps 1-3 agree within 1e-5: step 1 is the start (policy == reference: ln 2),
 steps 2 and 3 come after one and two identical optimizer steps. With an initial adapter the reference
 is that adapter (TRL: its "ref" copy; HyperSloth: the adapter loaded a second time, frozen).
@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -81,10 +83,8 @@ def _save_pairs(tokenised, data_dir: Path) -> None:
 
 
 def _hypersloth_run(tmp_path: Path, model_dir: Path, lora, count: int) -> dict:
-    from HyperSloth.config import load_config
-    from HyperSloth.plan.run import MachineFacts, resolve_run
-    from HyperSloth.train import worker
-    from HyperSloth.train.dist import DistInfo
+    """`hypersloth-train` on the saved pairs (1 CPU worker, its own process, as users run it); its summary."""
+    from training_fixtures import run_env
 
     config = tmp_path / "dpo.py"
     config.write_text(textwrap.dedent(f"""
@@ -100,9 +100,10 @@ def _hypersloth_run(tmp_path: Path, model_dir: Path, lora, count: int) -> dict:
             max_steps={STEPS}, learning_rate={LR}, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
             report_to="none", seed={SEED}, save_steps=1000)
     """))
-    machine = MachineFacts(cuda_device_count=0, unsloth_available=False, cpu_count=1)
-    description = resolve_run(load_config(config), world_size=1, machine=machine)
-    return worker.run(description, DistInfo())
+    done = subprocess.run([sys.executable, "-m", "HyperSloth.cli.train", str(config)], cwd=tmp_path, env=run_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads((tmp_path / "out" / "train_summary.json").read_text())
 
 
 @pytest.mark.parametrize("initial_adapter", [False, True], ids=["new-adapter", "initial-adapter"])
