@@ -29,9 +29,8 @@ from HyperSloth.plan.eval_set import plan_eval
 from HyperSloth.plan.inputs import plan_spec_for
 from HyperSloth.plan.pairs import PAIR_COLUMNS, pair_plan_inputs
 from HyperSloth.plan.run import RunDescription
-from HyperSloth.train.dist import DistInfo, GradientSync
-from HyperSloth.train.evaluation import Evaluator, eval_callbacks, eval_sft_kwargs
-from HyperSloth.train.model import trainable_parameters
+from HyperSloth.train.dist import DistInfo
+from HyperSloth.train.evaluation import Evaluator
 from HyperSloth.train.preference import (
     REWARD_KEYS,
     ReferenceSwitch,
@@ -45,7 +44,7 @@ from HyperSloth.train.trainer import (
     PlanSteps,
     RunSetup,
     run_setup,
-    sft_config_for,
+    trainer_arguments,
 )
 
 
@@ -146,31 +145,14 @@ def build_dpo_trainer(description: RunDescription, loaded_model, dataset, info: 
     lora = description.hyper_config.lora_args  # the model's own settings: the initial adapter is the reference
     init_adapter = lora.init_adapter_path if lora else None
     reference = add_reference_adapter(model, init_adapter) if init_adapter else ReferenceSwitch(model)
-    callbacks = []
     evaluator = None
     if eval_dataset is not None:
         eval_lengths, eval_units = pair_plan_inputs(eval_dataset, description.max_seq_length)
         evaluator = PairEvaluator(eval_dataset, plan_eval(eval_lengths, eval_units, spec), rank=info.rank,
                                   loss_type=description.loss_type, pad_token_id=pad, packed_lengths=unsloth,
                                   bucket=unsloth)
-        callbacks += eval_callbacks(description.output_dir, is_main=info.is_main,
-                                    save_best_adapter=description.save_best_adapter,
-                                    early_stopping_patience=description.early_stopping_patience)
     trainer = HyperSlothDPOTrainer(
-        model=model,
-        args=sft_config_for(description.training_config, loaded_model.dtype, info.rank,
-                            evaluation=eval_sft_kwargs(description.eval_steps) if evaluator else None,
-                            backend=loaded_model.backend),
-        train_dataset=dataset,
-        eval_dataset=eval_dataset,
-        evaluator=evaluator,
-        processing_class=loaded_model.tokenizer,
-        callbacks=callbacks,
-        plan_steps=steps,
-        grad_sync=GradientSync(trainable_parameters(model), info.world_size),
-        rank=info.rank,
-        profile=description.profile,
-        description=description,
+        **trainer_arguments(description, loaded_model, dataset, info, steps, evaluator, eval_dataset),
         # The graphs replay SFT's one decoder pass per micro-batch; a DPO micro-batch runs two (policy and
         # reference, with and without gradients), eagerly.
         graphs_off="DPO runs the policy and reference forwards eagerly (no CUDA graphs)",

@@ -552,19 +552,30 @@ def build_trainer(description: RunDescription, loaded_model, dataset, info: Dist
         pad_token_id=loaded_model.tokenizer.pad_token_id,
         packed_lengths=loaded_model.backend == "unsloth",
     )
-    model = loaded_model.model
-    callbacks = []
     evaluator = None
     if eval_dataset is not None:  # planned with the training spec as resolved here (budget included)
         evaluator = build_evaluator(eval_dataset, spec, rank=info.rank, loss_type=description.loss_type,
                                     pad_token_id=loaded_model.tokenizer.pad_token_id,
                                     packed_lengths=loaded_model.backend == "unsloth",
                                     bucket=loaded_model.backend == "unsloth")
+    trainer = HyperSlothTrainer(
+        **trainer_arguments(description, loaded_model, dataset, info, steps, evaluator, eval_dataset),
+        **decoder_graphs(description, loaded_model, steps, lengths, info.rank),
+    )
+    return trainer, run_setup(loaded_model.backend, spec, per_epoch, steps.plan(0).stats)
+
+
+def trainer_arguments(description: RunDescription, loaded_model, dataset, info: DistInfo, steps: PlanSteps,
+                      evaluator: Evaluator | None, eval_dataset=None) -> dict[str, Any]:
+    """What every HyperSloth trainer (SFT, DPO) is built with: TRL's arguments, the data, the plan, the gradient
+    sync, and the evaluator with its callbacks (best adapter, early stopping)."""
+    callbacks = []
+    if evaluator is not None:
         callbacks += eval_callbacks(description.output_dir, is_main=info.is_main,
                                     save_best_adapter=description.save_best_adapter,
                                     early_stopping_patience=description.early_stopping_patience)
-    trainer = HyperSlothTrainer(
-        model=model,
+    return dict(
+        model=loaded_model.model,
         args=sft_config_for(description.training_config, loaded_model.dtype, info.rank,
                             evaluation=eval_sft_kwargs(description.eval_steps) if evaluator else None,
                             backend=loaded_model.backend),
@@ -574,13 +585,11 @@ def build_trainer(description: RunDescription, loaded_model, dataset, info: Dist
         processing_class=loaded_model.tokenizer,
         callbacks=callbacks,
         plan_steps=steps,
-        grad_sync=GradientSync(trainable_parameters(model), info.world_size),
+        grad_sync=GradientSync(trainable_parameters(loaded_model.model), info.world_size),
         rank=info.rank,
         profile=description.profile,
         description=description,
-        **decoder_graphs(description, loaded_model, steps, lengths, info.rank),
     )
-    return trainer, run_setup(loaded_model.backend, spec, per_epoch, steps.plan(0).stats)
 
 
 def run_setup(backend: str, spec, per_epoch: int, stats) -> RunSetup:
