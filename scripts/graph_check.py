@@ -90,8 +90,8 @@ def main() -> None:
     model.train()
     device = params[0].device
     rows_list = [int(r) for r in a.rows.split(",")]
-    layout = graph_layout(samples_per_micro_batch=64, longest_sample=4096, token_budget=max(rows_list))
-    graphs = DecoderGraphs(params, layout, static_packed_info=unsloth_static_packed_rows, max_rows=max(rows_list))
+    layout = graph_layout(samples_per_micro_batch=64, longest_sample=4096, token_budget=2 * max(rows_list))
+    graphs = DecoderGraphs(params, layout, static_packed_info=unsloth_static_packed_rows)
     graphs.install(model.get_base_model().model)
 
     def step(mb: dict, denominator: int, graphed: bool) -> float:

@@ -41,14 +41,21 @@ from loguru import logger
 
 
 class GraphLayout:
-    """What every graph of a run shares: the segment capacity and the attention kernel's launch bound."""
+    """What every graph of a run shares: the longest row, the segment capacity and the attention kernel's
+    launch bound."""
 
-    def __init__(self, segments: int, max_seqlen: int):
-        self.segments = int(segments)  # entries of the lengths buffer: samples, plus one padding segment
+    def __init__(self, segments: int, max_seqlen: int, max_rows: int):
+        self.segments = int(segments)  # entries of the lengths buffer: samples, plus the padding segments
         self.max_seqlen = int(max_seqlen)  # >= every segment (samples and padding) of every graphed row
+        # Rows up to half the token budget: the graph pool (about one such row's activations, shared by all
+        # graphs) and a new length's eager warm-up then never hold more than the budget's row did.
+        self.max_rows = int(max_rows)
 
     def refusal(self, lengths: np.ndarray) -> str | None:
         """Why a row with these segment lengths cannot use the graphs (None: it can)."""
+        rows = int(lengths.sum())
+        if rows > self.max_rows:
+            return f"rows over {self.max_rows} tokens (half the token budget, for memory)"
         if len(lengths) > self.segments:
             return f"a row of {len(lengths)} segments (the graphs hold {self.segments})"
         longest = int(lengths.max()) if len(lengths) else 0
@@ -57,21 +64,22 @@ class GraphLayout:
         return None
 
     def as_dict(self) -> dict[str, int]:
-        return {"segments": self.segments, "max_seqlen": self.max_seqlen}
+        return {"segments": self.segments, "max_seqlen": self.max_seqlen, "max_rows": self.max_rows}
 
 
 def graph_layout(samples_per_micro_batch: int, longest_sample: int, token_budget: int) -> GraphLayout:
-    """The layout of a run whose graphed rows hold at most `token_budget // 2` tokens (`DecoderGraphs.max_rows`):
+    """The layout of a run whose graphed rows hold at most `token_budget // 2` tokens (`GraphLayout.max_rows`):
     room for every sample of a micro-batch plus the padding segments a bucket can add to such a row (its
     padding is under an eighth of the row, `collate.bucket_tokens`, cut into segments of at most
     `collate.PAD_SEGMENT_TOKENS`), and a `max_seqlen` (a power of two) covering the longest sample and the
     longest padding segment."""
     from HyperSloth.train.collate import PAD_SEGMENT_TOKENS, padding_segments
 
-    max_padding = max(int(token_budget) // 2 // 8, 64)
+    max_rows = int(token_budget) // 2
+    max_padding = max(max_rows // 8, 64)
     longest = max(int(longest_sample), min(PAD_SEGMENT_TOKENS, max_padding), 1)
     return GraphLayout(segments=int(samples_per_micro_batch) + len(padding_segments(max_padding)),
-                       max_seqlen=1 << (longest - 1).bit_length())
+                       max_seqlen=1 << (longest - 1).bit_length(), max_rows=max_rows)
 
 
 def padded_segments(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
@@ -86,11 +94,10 @@ def padded_segments(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.
     return padded, cu
 
 
-def rows_to_capture(row_counts: dict[int, int], layout: GraphLayout, token_budget: int, max_graphs: int) -> list[int]:
-    """The planned row lengths that get graphs, longest first: at most half the token budget (so the graph
-    pool and the eager warm-up of a new length together never hold more than one budget-sized row: the
-    memory the automatic budget measured), the `max_graphs` most frequent ones."""
-    fit = {rows: n for rows, n in row_counts.items() if rows <= token_budget // 2}
+def rows_to_capture(row_counts: dict[int, int], layout: GraphLayout, max_graphs: int) -> list[int]:
+    """The planned row lengths that get graphs, longest first: the `max_graphs` most frequent of those the
+    layout serves (`GraphLayout.max_rows`)."""
+    fit = {rows: n for rows, n in row_counts.items() if rows <= layout.max_rows}
     chosen = sorted(fit, key=lambda rows: (-fit[rows], -rows))[:max_graphs]
     return sorted(chosen, reverse=True)
 
@@ -144,7 +151,7 @@ class _Graph:
         self._meta_host = torch.zeros(2 * segments + 1, dtype=torch.int32, pin_memory=True)
         self._meta = torch.zeros(2 * segments + 1, dtype=torch.int32, device=device)
         self.lengths, self.cu_seqlens = self._meta[:segments], self._meta[segments:]
-        self.host_lengths: tuple[int, ...] = ()
+        self.host_lengths: tuple[int, ...] = ()  # the capture's row, for the attention's host-side choices
         self._copied: torch.cuda.Event | None = None
         self.forward = torch.cuda.CUDAGraph()
         self.backward = torch.cuda.CUDAGraph()
@@ -164,7 +171,6 @@ class _Graph:
         self._meta.copy_(self._meta_host, non_blocking=True)
         self._copied = torch.cuda.Event()
         self._copied.record()
-        self.host_lengths = tuple(int(x) for x in lengths)
 
 
 class _Replay(torch.autograd.Function):
@@ -188,16 +194,14 @@ class _Replay(torch.autograd.Function):
 
 def accumulate(params: tuple[torch.nn.Parameter, ...], grads: tuple[torch.Tensor, ...]) -> None:
     """param.grad += grad for every parameter (a copy where param.grad is None), in a few launches."""
+    present = [i for i, p in enumerate(params) if p.grad is not None]
     missing = [i for i, p in enumerate(params) if p.grad is None]
-    if not missing:
-        torch._foreach_add_([p.grad for p in params], list(grads))
-        return
-    copies = torch._foreach_mul([grads[i] for i in missing], 1.0)
-    for i, copy in zip(missing, copies):
-        params[i].grad = copy
-    present = [i for i, p in enumerate(params) if i not in set(missing)]
     if present:
         torch._foreach_add_([params[i].grad for i in present], [grads[i] for i in present])
+    if missing:
+        copies = torch._foreach_mul([grads[i] for i in missing], 1.0)
+        for i, copy in zip(missing, copies):
+            params[i].grad = copy
 
 
 class DecoderGraphs:
@@ -212,12 +216,9 @@ class DecoderGraphs:
     """
 
     def __init__(self, params: Iterable[torch.nn.Parameter], layout: GraphLayout, *,
-                 static_packed_info: Callable[..., AbstractContextManager], max_rows: int, max_graphs: int = 48):
+                 static_packed_info: Callable[..., AbstractContextManager], max_graphs: int = 48):
         self.params = tuple(params)
         self.layout = layout
-        # Rows up to half the token budget: the graph pool (about one such row's activations, shared by all
-        # graphs) and a new length's eager warm-up then never hold more than the budget's row did.
-        self.max_rows = max_rows
         self.static_packed_info = static_packed_info
         self.max_graphs = max_graphs
         self.graphs: dict[int, _Graph] = {}
@@ -237,11 +238,6 @@ class DecoderGraphs:
         """Route `decoder`'s forward (an instance attribute over the class's method) through the graphs."""
         self._decoder, self._original = decoder, decoder.forward
         decoder.forward = self.forward
-
-    def uninstall(self) -> None:
-        if self._decoder is not None:
-            del self._decoder.forward
-            self._decoder = None
 
     # ---- the forward the decoder runs ---------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -283,8 +279,6 @@ class DecoderGraphs:
         if refusal is not None:
             return refusal
         rows = int(kwargs["input_ids"].shape[-1])
-        if rows > self.max_rows:
-            return f"rows over {self.max_rows} tokens (half the token budget, for memory) run eagerly"
         if rows not in self.graphs and len(self.graphs) >= self.max_graphs:
             return f"{self.max_graphs} row lengths have graphs already (the limit): new lengths run eagerly"
         return None
@@ -294,6 +288,7 @@ class DecoderGraphs:
         """Warm up, then capture the forward and the backward graph of rows of this length."""
         graph = _Graph(rows, self.layout.segments, self.params[0].device)
         graph.fill(kwargs["input_ids"], kwargs["position_ids"], padded, cu)
+        graph.host_lengths = tuple(int(x) for x in padded)
         call = dict(kwargs, input_ids=graph.input_ids, position_ids=graph.position_ids, packed_seq_lengths=graph.lengths)
         torch.cuda.synchronize()
         self._stream = self._stream or torch.cuda.Stream()

@@ -520,8 +520,7 @@ def decoder_graphs(description: RunDescription, loaded_model, steps: PlanSteps, 
 
     layout = graph_layout(spec.samples_per_step, int(lengths.max()), spec.token_budget)
     params = trainable_parameters(loaded_model.model)
-    graphs = DecoderGraphs(params, layout, static_packed_info=unsloth_static_packed_rows,
-                           max_rows=spec.token_budget // 2)
+    graphs = DecoderGraphs(params, layout, static_packed_info=unsloth_static_packed_rows)
     graphs.install(loaded_model.model.get_base_model().model)
     targs = description.training_config
     total = targs.max_steps or (targs.num_train_epochs or 1) * steps.steps_per_epoch
@@ -532,7 +531,7 @@ def decoder_graphs(description: RunDescription, loaded_model, steps: PlanSteps, 
             if len(micro) > 0:
                 rows = packed_row_tokens(int(lengths[list(micro)].sum()), spec.token_budget)
                 counts[rows] = counts.get(rows, 0) + 1
-    return {"graphs": graphs, "graph_rows": rows_to_capture(counts, layout, spec.token_budget, graphs.max_graphs)}
+    return {"graphs": graphs, "graph_rows": rows_to_capture(counts, layout, graphs.max_graphs)}
 
 
 def build_trainer(description: RunDescription, loaded_model, dataset, info: DistInfo, eval_dataset=None

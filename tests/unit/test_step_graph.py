@@ -25,6 +25,7 @@ from HyperSloth.train.step_graph import (
 def test_layout_covers_samples_and_the_padding_of_every_graphed_row():
     layout = graph_layout(samples_per_micro_batch=32, longest_sample=3000, token_budget=98_304)
     assert layout.max_seqlen == 4096  # the longest sample, not the padding: padding segments are short
+    assert layout.max_rows == 49_152  # half the budget
     # every row a graph may serve (up to half the budget) fits with its bucket padding
     for real in (1, 700, 12_289, 30_000, 49_152):
         rows = bucket_tokens(real)
@@ -43,10 +44,11 @@ def test_padding_is_cut_into_short_equal_segments():
 
 
 def test_refusal_names_what_does_not_fit():
-    layout = GraphLayout(segments=4, max_seqlen=1024)
+    layout = GraphLayout(segments=4, max_seqlen=1024, max_rows=2048)
     assert layout.refusal(np.array([10, 1024, 3])) is None
     assert "5 segments" in layout.refusal(np.array([1, 1, 1, 1, 1]))
     assert "1025 tokens" in layout.refusal(np.array([1025]))
+    assert "rows over 2048 tokens" in layout.refusal(np.array([1024, 1024, 1]))
 
 
 def test_padded_segments_repeat_the_final_offset():
@@ -60,10 +62,10 @@ def test_padded_segments_repeat_the_final_offset():
 
 def test_rows_to_capture_keeps_half_the_budget_and_the_most_frequent():
     counts = {8192: 5, 9216: 1, 10240: 7, 40960: 9, 60000: 3}
-    layout = GraphLayout(33, 8192)
+    layout = GraphLayout(33, 8192, max_rows=50_000)
     # 60,000 > 100,000 // 2 is left out; the rest by frequency, capped, then longest first
-    assert rows_to_capture(counts, layout, token_budget=100_000, max_graphs=3) == [40960, 10240, 8192]
-    assert rows_to_capture(counts, layout, token_budget=100_000, max_graphs=10) == [40960, 10240, 9216, 8192]
+    assert rows_to_capture(counts, layout, max_graphs=3) == [40960, 10240, 8192]
+    assert rows_to_capture(counts, layout, max_graphs=10) == [40960, 10240, 9216, 8192]
 
 
 @pytest.mark.parametrize("rows", [64, 1000, 8192, 24_576])
@@ -78,7 +80,7 @@ def test_synthetic_row_fits_the_layout(rows):
 
 
 def test_synthetic_row_refuses_rows_the_layout_cannot_hold():
-    assert synthetic_row(10_000, GraphLayout(segments=3, max_seqlen=1024), pad_token_id=0) is None
+    assert synthetic_row(10_000, GraphLayout(segments=3, max_seqlen=1024, max_rows=100_000), pad_token_id=0) is None
 
 
 @pytest.mark.parametrize(
