@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
+from loguru import logger
 
 
 def shared_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -25,3 +26,12 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from HyperSloth.train.tiny_model import build_tiny_model
 
     return build_tiny_model(shared_tmp(tmp_path_factory) / "tiny-qwen3")
+
+
+@pytest.fixture()
+def logs():
+    """The messages HyperSloth logs (loguru) while the test runs."""
+    lines: list[str] = []
+    handle = logger.add(lines.append, format="{message}")
+    yield lines
+    logger.remove(handle)

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import datasets
 import pytest
-from loguru import logger
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -77,14 +76,6 @@ def tok_dirs(tmp_path_factory) -> dict[str, str]:
     tok.chat_template = QWEN3
     tok.save_pretrained(root / "qwen3")
     return {"chatml": str(root / "chatml"), "plain": str(root / "plain"), "qwen3": str(root / "qwen3")}
-
-
-@pytest.fixture()
-def logs():
-    lines: list[str] = []
-    handle = logger.add(lines.append, format="{message}")
-    yield lines
-    logger.remove(handle)
 
 
 def snapshot(data_dir: Path) -> dict:

@@ -10,7 +10,6 @@ from types import SimpleNamespace
 
 import datasets
 import pytest
-from loguru import logger
 from transformers import AutoTokenizer
 
 from HyperSloth.cli.build_dataset import main
@@ -26,14 +25,6 @@ ROWS = [json.loads(line) for line in SAMPLE.read_text(encoding="utf-8").splitlin
 def tiny(tiny_model_dir) -> str:
     """The tiny model's folder: its ChatML tokenizer is trained on the shipped sample chats."""
     return str(tiny_model_dir)
-
-
-@pytest.fixture()
-def logs():
-    lines: list[str] = []
-    handle = logger.add(lines.append, format="{message}")
-    yield lines
-    logger.remove(handle)
 
 
 def write_jsonl(path: Path, rows: list) -> Path:

@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from training_fixtures import MAX_STEPS, SAVE_STEPS, RunPool, RunSpec, flat_adapter, needs, relative_error
+from training_fixtures import (MAX_STEPS, SAVE_STEPS, RunSpec, flat_adapter, needs, pool_fixtures,
+                               relative_error)
 
 pytestmark = pytest.mark.slow
 
@@ -80,24 +81,12 @@ SPECS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("dpo")
-
-
-@pytest.fixture(scope="module")
-def model_dir(workdir, tiny_model_dir):
+def _pairs_inputs(workdir: Path, tiny_model_dir: Path) -> Path:
     write_pairs(workdir / "data", PAIRS, NUM_PAIRS, vocab=512)
     return tiny_model_dir
 
 
-@pytest.fixture(scope="module")
-def runs(request, workdir, model_dir):
-    pool = RunPool(workdir, model_dir, SPECS)
-    selected = [item for item in request.session.items if getattr(item, "module", None) is request.module]
-    pool.submit(run for item in selected for run in getattr(item.function, "runs_needed", ()))
-    yield pool
-    pool.close()
+workdir, model_dir, runs, _ = pool_fixtures("dpo", SPECS, build=_pairs_inputs)
 
 
 def _close(actual, expected, what: str, rtol: float = RTOL, atol: float = 0.0) -> None:

@@ -328,9 +328,10 @@ def needs(*names: str):
     return mark
 
 
-def pool_fixtures(name: str, specs) -> tuple:
+def pool_fixtures(name: str, specs, build=None) -> tuple:
     """The module-scoped fixtures `workdir`, `model_dir`, `runs` and `dataset` of a test module whose
-    tests read runs of `specs`: assign them to those names at module level."""
+    tests read runs of `specs`: assign them to those names at module level. `build(workdir, tiny_model_dir)`
+    writes the module's data and returns the model folder (default: `build_inputs`, the sample chats)."""
 
     @pytest.fixture(scope="module")
     def workdir(tmp_path_factory):
@@ -338,7 +339,7 @@ def pool_fixtures(name: str, specs) -> tuple:
 
     @pytest.fixture(scope="module")
     def model_dir(workdir, tiny_model_dir):
-        return build_inputs(workdir, tiny_model_dir)
+        return (build or build_inputs)(workdir, tiny_model_dir)
 
     @pytest.fixture(scope="module")
     def runs(request, workdir, model_dir):
