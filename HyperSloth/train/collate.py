@@ -12,9 +12,8 @@ Bucketing (packed, `pad_to`; rows of up to `LONG_ROW_TOKENS`): a row may be padd
 with padding segments of at most `PAD_SEGMENT_TOKENS` tokens each (their own restarting positions, their
 own varlen segments, every label -100). Short segments keep the padding's attention cost small (it is
 quadratic per segment) and the attention kernel's `max_seqlen` at the longest sample, which CUDA graphs
-fix per run (step_graph.py). Rows of a handful of
-lengths (`bucket_tokens`) instead of a new length every micro-batch keep compiled/tuned kernels from
-seeing new shapes. Padding segments attend only to themselves and have no target, so the loss, its
+fix per run (step_graph.py). Rows of a handful of lengths (`bucket_tokens`) instead of a new length every
+micro-batch keep compiled/tuned kernels from seeing new shapes. Padding segments attend only to themselves and have no target, so the loss, its
 denominator and the gradients of the real tokens are unchanged; token counts come from the plan, which
 never counts padding.
 
