@@ -52,11 +52,6 @@ class CheckpointError(Exception):
 # ---------------------------------------------------------------------------------------------
 # Manifest
 # ---------------------------------------------------------------------------------------------
-def _sha256(path: Path) -> str:
-    with path.open("rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
-
-
 def _sample_offsets(size: int) -> list[int]:
     last = max(size - SAMPLE_BYTES, 0)
     return sorted({last * i // (SAMPLE_CHUNKS - 1) for i in range(SAMPLE_CHUNKS)})
@@ -73,7 +68,7 @@ def _sampled_sha256(path: Path) -> str:
 
 
 def _entry(path: Path) -> dict[str, Any]:
-    entry: dict[str, Any] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    entry: dict[str, Any] = {"size": path.stat().st_size, "sha256": run_files.file_sha256(path)}
     if entry["size"] > LARGE_FILE_BYTES:
         entry["sampled_sha256"] = _sampled_sha256(path)
     return entry
@@ -166,7 +161,7 @@ def _file_problem(folder: Path, name: str, entry: dict[str, Any]) -> str | None:
         how = "cut short" if size < entry.get("size", 0) else "changed"
         return f"{name} is {size:,} bytes, the manifest says {entry.get('size', 0):,} ({how})"
     large = "sampled_sha256" in entry
-    digest = _sampled_sha256(path) if large else _sha256(path)
+    digest = _sampled_sha256(path) if large else run_files.file_sha256(path)
     if digest != entry.get("sampled_sha256" if large else "sha256"):
         return f"{name} does not match its sha256 in the manifest (corrupt)"
     return structure_problem(path, name)
@@ -226,7 +221,7 @@ def verify_large_files(folder: str | os.PathLike, names: Iterable[str]) -> list[
     files = (_read_manifest(folder) or {"files": {}})["files"]
     def problem(name: str) -> str | None:
         try:
-            digest = _sha256(folder / name)
+            digest = run_files.file_sha256(folder / name)
         except OSError as err:
             return f"{name} cannot be read ({err.strerror})"
         return None if digest == files.get(name, {}).get("sha256") else \

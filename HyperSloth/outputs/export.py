@@ -22,7 +22,6 @@ them re-saved in the chosen dtype. Every user mistake raises `ExportError` with 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -340,16 +339,8 @@ def _save_tokenizer(run_path: Path, base: str | None, dest: Path) -> None:
 
 def _check_copied(source: Path, staging: Path) -> None:
     for name in ADAPTER_WEIGHTS:
-        if (source / name).is_file() and _sha256(source / name) != _sha256(staging / name):
+        if (source / name).is_file() and run_files.file_sha256(source / name) != run_files.file_sha256(staging / name):
             raise ExportError(f"copying {source / name} changed its bytes (disk full?); free space and retry")
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 @contextmanager

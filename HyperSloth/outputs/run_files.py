@@ -29,6 +29,7 @@ Nothing else in HyperSloth spells these names, the environment variable names or
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -241,6 +242,15 @@ def clear_rank_files(output_dir: str | os.PathLike, from_rank: int = 0) -> None:
         number = path.name[len("rank"):].split(".", 1)[0]
         if path.is_file() and number.isdigit() and int(number) >= from_rank:
             path.unlink()
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The sha256 of a file's bytes (hex), read in 1 MiB blocks (checkpoint manifests, export, the tiny model)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:

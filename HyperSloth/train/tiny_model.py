@@ -12,7 +12,6 @@ leaves a half-written folder behind).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import tempfile
@@ -147,7 +146,7 @@ def build_tiny_model(
     out_dir = Path(out_dir).resolve()
     data_file = _resolve_data_path(data_path)
     args = TinyModelArgs(
-        data_sha256=_sha256(data_file),
+        data_sha256=run_files.file_sha256(data_file),
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         num_layers=num_layers,
@@ -217,10 +216,6 @@ def _resolve_data_path(data_path: str | Path | None) -> Path:
             "e.g. one written by scripts/make_sample_data.py."
         )
     return path
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _stored_args(out_dir: Path) -> dict | None:
