@@ -17,4 +17,17 @@ callA() {  # issue 21: DPO, HyperSloth-1 at defaults against TRL's DPOTrainer + 
   el "bench done"; show $L/bench.log
 }
 
+callC() {  # issue 22: one 262,144-token chat among 31 short ones on Qwen3-8B 4-bit (RoPE factor 2 past the
+  # checkpoint's 131,072), HyperSloth-1 at defaults; then the attention floor for that length alone (the whole
+  # `reference` system, with its model load and exact forward, does not fit in the same 10-minute call)
+  bench --workloads longctx-8b --long-tokens 262144 --warmup 0 --steps 1 --tag 2026-12-01b-lc262k \
+    --slots "hypersloth-1" --budget-s $(left 555) > $L/bench.log 2>&1
+  el "bench done"; show $L/bench.log
+  grep -h "budget probe\|RoPE\|tokens_per_micro_batch=auto\|turning on gradient\|checkpointing" \
+    $W/*/out_*/logs/rank0.log 2>/dev/null | cut -c1-400
+  timeout $(left 590) python3 -c "import sys; sys.path.insert(0, 'scripts'); from bench_longctx import attention_floor_s; \
+print('ATTENTION_FLOOR_S', 262144, attention_floor_s(262144, 32, 8, 128, 36))" 2>&1 | grep ATTENTION_FLOOR
+  el "floor done"
+}
+
 "$@"
