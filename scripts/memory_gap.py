@@ -21,7 +21,7 @@ runs a bare forward+backward; training differs from it in these ways, each measu
 - `after_release`: the same after `model.release_checkpointing_buffers` (what the probe does at its end);
 - `hf_enable`: after `model.gradient_checkpointing_enable(...)` called exactly as HF's `Trainer.train()` calls it
   when `args.gradient_checkpointing` is on (TRL's SFTConfig default, kept on the Unsloth backend by
-  `trainer.sft_config_for`): if that replaces Unsloth's offloaded checkpoint function, every layer's input
+  `trainer_args.sft_config_for`): if that replaces Unsloth's offloaded checkpoint function, every layer's input
   stays on the GPU (8B: 36 layers x 18,432 tokens x 4,096 x 2 bytes = 5.4 GB).
 Every number is reported as bytes above `probe`. A memory snapshot of the `autocast` + `optimizer` pass is
 written next to --out (open it at https://pytorch.org/memory_viz) to name the largest blocks at the peak.

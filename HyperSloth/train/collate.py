@@ -144,7 +144,7 @@ def collate_rows(dataset, indices: Sequence[int], mode: str, loss_type: LossType
                  ) -> dict[str, torch.Tensor]:
     """One planned micro-batch as model inputs: rows `indices` of a built dataset (numpy-formatted
     `input_ids` / `labels`), each with the labels its loss trains on (`sample_labels`), collated for the
-    planner's mode (`collate`). Training (trainer.PlanSteps) and evaluation (evaluation.Evaluator) both."""
+    planner's mode (`collate`). Training (plan_loader.PlanSteps) and evaluation (evaluation.Evaluator) both."""
     rows = dataset[list(indices)]
     samples = [(np.asarray(ids), sample_labels(np.asarray(ids), np.asarray(lab), loss_type))
                for ids, lab in zip(rows["input_ids"], rows["labels"])]

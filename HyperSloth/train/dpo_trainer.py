@@ -39,13 +39,9 @@ from HyperSloth.train.preference import (
     dpo_loss,
     pair_logps,
 )
-from HyperSloth.train.trainer import (
-    HyperSlothTrainer,
-    PlanSteps,
-    RunSetup,
-    run_setup,
-    trainer_arguments,
-)
+from HyperSloth.train.plan_loader import PlanSteps
+from HyperSloth.train.trainer import HyperSlothTrainer, RunSetup, run_setup
+from HyperSloth.train.trainer_args import trainer_arguments
 
 
 def collate_pair_rows(dataset, indices: Sequence[int], *, pad_token_id: int, with_lengths: bool, bucket: bool,

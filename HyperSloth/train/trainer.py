@@ -19,6 +19,9 @@ that stream into each checkpoint (one file per rank, run_files.rank_rng_file), s
 ranks load the same checkpoint when resuming, and the plan position follows from the global step.
 A checkpoint is written by all ranks as one unit (HyperSloth.outputs.checkpoints.save_atomically): a crash
 or a full disk during a save never leaves a checkpoint-N that looks complete.
+
+The plan as HF's training data (`PlanSteps`) is in plan_loader.py; what the trainers are built with (TRL's
+arguments, the shared constructor arguments, the CUDA graphs) in trainer_args.py.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ from __future__ import annotations
 import gc
 import random
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -35,108 +37,26 @@ from typing import Any
 import numpy as np
 import torch
 from loguru import logger
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
-from trl import SFTConfig, SFTTrainer
+from trl import SFTTrainer
 
-from HyperSloth.config import TrainingArgsConfig
 from HyperSloth.outputs import checkpoints, run_files
-from HyperSloth.plan.batching import EpochPlan, adaptive_partition_batches, steps_per_epoch
+from HyperSloth.plan.batching import adaptive_partition_batches, steps_per_epoch
 from HyperSloth.plan.inputs import dataset_lengths, plan_spec_for
-from HyperSloth.plan.run import RunDescription, rank_seed, write_run
-from HyperSloth.train.collate import LossType, collate_rows, packed_row_tokens, to_device
+from HyperSloth.plan.run import RunDescription, write_run
+from HyperSloth.train.collate import to_device
 from HyperSloth.train.dist import DistInfo, GradientSync, all_ranks_ok
-from HyperSloth.train.evaluation import Evaluator, build_evaluator, eval_callbacks, eval_sft_kwargs, evaluate_in_trainer
-from HyperSloth.train.model import trainable_parameters
+from HyperSloth.train.evaluation import Evaluator, build_evaluator, evaluate_in_trainer
+from HyperSloth.train.plan_loader import PlanDataLoader, PlanSteps, StepSampler
 from HyperSloth.train.profiling import PhaseTimer, StepClock
-from HyperSloth.train.step_graph import DecoderGraphs, graph_layout, graph_unavailable, rows_to_capture, synthetic_row
+from HyperSloth.train.step_graph import DecoderGraphs, synthetic_row
+from HyperSloth.train.trainer_args import decoder_graphs, trainer_arguments
 
 # HF's throughput figures count one process's samples and steps (each worker looks single-process to
 # it): on 2 workers x 2 micro-batches they are 4x too small. The trainer logs real tokens/s instead.
 _PER_PROCESS_SPEED_KEYS = ("train_samples_per_second", "train_steps_per_second", "train_tokens_per_second")
-
-
-class PlanSteps(Dataset):
-    """Item `(epoch, step)`: this rank's collated micro-batches of that step of the plan.
-
-    The epoch travels inside the index, so the item is correct in DataLoader worker processes too.
-    Subclasses collate other rows (`columns`, `_collate`: the DPO trainer's pairs).
-    """
-
-    columns: tuple[str, ...] = ("input_ids", "labels")
-
-    def __init__(
-        self,
-        dataset,
-        plan_for_epoch: Callable[[int], EpochPlan],
-        steps_per_epoch: int,
-        *,
-        rank: int,
-        mode: str,
-        loss_type: LossType,
-        pad_token_id: int,
-        packed_lengths: bool = False,
-    ):
-        self.dataset = dataset.with_format("numpy", columns=list(self.columns))
-        self.plan_for_epoch = plan_for_epoch
-        self.steps_per_epoch = steps_per_epoch
-        self.rank = rank
-        self.mode = mode
-        self.loss_type = loss_type
-        self.pad_token_id = pad_token_id
-        self.packed_lengths = packed_lengths
-        self._plan: EpochPlan | None = None
-
-    def __len__(self) -> int:
-        return self.steps_per_epoch
-
-    def plan(self, epoch: int) -> EpochPlan:
-        if self._plan is None or self._plan.epoch != epoch:
-            self._plan = self.plan_for_epoch(epoch)
-        return self._plan
-
-    def __getitem__(self, key: tuple[int, int]) -> dict[str, Any]:
-        epoch, index = key
-        step = self.plan(epoch).steps[index]
-        # Unsloth (GPU): packed rows padded to a few lengths, never past the budget, so kernels meet few
-        # shapes (collate.bucket_tokens; a new shape cost ~0.05-0.1 s per micro-batch on an H200).
-        micro_batches = [self._collate(mb) for mb in step.ranks[self.rank] if len(mb) > 0]
-        return {
-            "micro_batches": micro_batches,
-            "num_items_in_batch": int(step.num_trainable),
-            "real_tokens": int(step.real_tokens),
-        }
-
-    def _collate(self, indices) -> dict[str, Any]:
-        return collate_rows(self.dataset, indices, self.mode, self.loss_type, self.pad_token_id,
-                            with_lengths=self.packed_lengths, bucket=self.packed_lengths,
-                            bucket_limit=self._plan.spec.token_budget)
-
-
-class StepSampler:
-    """Batch sampler yielding `[(epoch, step)]` once per optimizer step of the epoch."""
-
-    def __init__(self, steps_per_epoch: int):
-        self.steps_per_epoch = steps_per_epoch
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        for index in range(self.steps_per_epoch):
-            yield [(self.epoch, index)]
-
-    def __len__(self) -> int:
-        return self.steps_per_epoch
-
-
-class PlanDataLoader(DataLoader):
-    """A DataLoader whose `set_epoch` reaches the step sampler (HF calls it at each epoch)."""
-
-    def set_epoch(self, epoch: int) -> None:
-        self.batch_sampler.set_epoch(epoch)
 
 
 def _only_item(batch: list[dict[str, Any]]) -> dict[str, Any]:
@@ -462,78 +382,6 @@ class RunSetup:
     first_epoch_stats: dict[str, float]
 
 
-def sft_config_for(targs: TrainingArgsConfig, dtype: torch.dtype, rank: int,
-                   evaluation: dict[str, Any] | None = None, backend: str = "transformers") -> SFTConfig:
-    """TRL arguments: the user's, plus what plan-driven steps need (HF sees one batch per step, and
-    leaves gradient_accumulation_steps at 1: the accumulation happens inside training_step), plus the
-    evaluation schedule (`evaluation.eval_sft_kwargs`) when the run has an eval set.
-
-    Gradient checkpointing belongs to the model loader (`FastModelArgs.use_gradient_checkpointing`). TRL's
-    SFTConfig defaults `gradient_checkpointing` to True, and HF's `train()` then checkpoints every layer:
-    on the transformers backend that happened whatever the config said. Unsloth's trainer restores the
-    mode the model was loaded with (unsloth/models/_gc_config_default.py), so the Unsloth backend keeps
-    TRL's default: on the H200 its training peaks matched the probe's no-checkpointing line.
-    """
-    kwargs = targs.to_sft_kwargs()
-    cuda = torch.cuda.is_available()
-    kwargs.update(
-        seed=rank_seed(targs.seed, rank),  # HF seeds torch with it: this rank's dropout stream
-        # One plan step per optimizer step. Said explicitly: Unsloth's patched SFTConfig defaults to 2, which
-        # made HF run two plan steps (two global batches) per optimizer step (seen on the H200, 2026-11-30).
-        gradient_accumulation_steps=1,
-        dataset_kwargs={"skip_prepare_dataset": True},
-        remove_unused_columns=False,
-        packing=False,
-        padding_free=False,
-        use_cpu=not cuda,
-        bf16=cuda and dtype == torch.bfloat16,
-        fp16=cuda and dtype == torch.float16,
-    )
-    if backend != "unsloth":  # the loader already applied the configured checkpointing (model.py)
-        kwargs.setdefault("gradient_checkpointing", False)  # extra_args may still set it
-    if kwargs.get("dataloader_num_workers") is None:  # collate ahead in a worker process when on GPUs
-        kwargs["dataloader_num_workers"] = 1 if cuda else 0
-    kwargs.update(evaluation or {})
-    if rank != 0:  # one writer: rank 0 saves, reports and shows progress (others save their RNG only)
-        kwargs.update(report_to="none", disable_tqdm=True)
-    return SFTConfig(**kwargs)
-
-
-# Row lengths of the first this-many steps are captured before training; later new lengths on first sight.
-GRAPH_PLAN_STEPS = 256
-
-
-def decoder_graphs(description: RunDescription, loaded_model, steps: PlanSteps, lengths: np.ndarray, rank: int
-                   ) -> dict[str, Any]:
-    """The trainer's CUDA-graph arguments: the installed `DecoderGraphs` and the planned row lengths to
-    capture, or why the decoder runs eagerly (one log line)."""
-    lora = description.hyper_config.lora_args
-    spec = steps.plan(0).spec
-    reason = graph_unavailable(
-        enabled=description.cuda_graphs, cuda=torch.cuda.is_available(), backend=loaded_model.backend,
-        mode=spec.mode, lora=lora is not None, lora_dropout=lora.lora_dropout if lora else 0.0,
-        checkpointing=description.gradient_checkpointing)
-    if reason is not None:
-        logger.info(f"eager decoder forward+backward: {reason}")
-        return {"graphs_off": reason}
-    from HyperSloth.train.patches import unsloth_static_packed_rows
-
-    layout = graph_layout(spec.samples_per_step, int(lengths.max()), spec.token_budget)
-    params = trainable_parameters(loaded_model.model)
-    graphs = DecoderGraphs(params, layout, static_packed_info=unsloth_static_packed_rows)
-    graphs.install(loaded_model.model.get_base_model().model)
-    targs = description.training_config
-    total = targs.max_steps or (targs.num_train_epochs or 1) * steps.steps_per_epoch
-    counts: dict[int, int] = {}
-    for index in range(min(total, GRAPH_PLAN_STEPS)):
-        step = steps.plan(index // steps.steps_per_epoch).steps[index % steps.steps_per_epoch]
-        for micro in step.ranks[rank]:
-            if len(micro) > 0:
-                rows = packed_row_tokens(int(lengths[list(micro)].sum()), spec.token_budget)
-                counts[rows] = counts.get(rows, 0) + 1
-    return {"graphs": graphs, "graph_rows": rows_to_capture(counts, layout, graphs.max_graphs)}
-
-
 def build_trainer(description: RunDescription, loaded_model, dataset, info: DistInfo, eval_dataset=None
                   ) -> tuple[HyperSlothTrainer, RunSetup]:
     """Wire plan, data, gradient sync and TRL arguments into a HyperSlothTrainer for this rank; with
@@ -562,33 +410,6 @@ def build_trainer(description: RunDescription, loaded_model, dataset, info: Dist
         **decoder_graphs(description, loaded_model, steps, lengths, info.rank),
     )
     return trainer, run_setup(loaded_model.backend, spec, per_epoch, steps.plan(0).stats)
-
-
-def trainer_arguments(description: RunDescription, loaded_model, dataset, info: DistInfo, steps: PlanSteps,
-                      evaluator: Evaluator | None, eval_dataset=None) -> dict[str, Any]:
-    """What every HyperSloth trainer (SFT, DPO) is built with: TRL's arguments, the data, the plan, the gradient
-    sync, and the evaluator with its callbacks (best adapter, early stopping)."""
-    callbacks = []
-    if evaluator is not None:
-        callbacks += eval_callbacks(description.output_dir, is_main=info.is_main,
-                                    save_best_adapter=description.save_best_adapter,
-                                    early_stopping_patience=description.early_stopping_patience)
-    return dict(
-        model=loaded_model.model,
-        args=sft_config_for(description.training_config, loaded_model.dtype, info.rank,
-                            evaluation=eval_sft_kwargs(description.eval_steps) if evaluator else None,
-                            backend=loaded_model.backend),
-        train_dataset=dataset,
-        eval_dataset=eval_dataset,
-        evaluator=evaluator,
-        processing_class=loaded_model.tokenizer,
-        callbacks=callbacks,
-        plan_steps=steps,
-        grad_sync=GradientSync(trainable_parameters(loaded_model.model), info.world_size),
-        rank=info.rank,
-        profile=description.profile,
-        description=description,
-    )
 
 
 def run_setup(backend: str, spec, per_epoch: int, stats) -> RunSetup:

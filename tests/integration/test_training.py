@@ -170,7 +170,7 @@ def test_loss_denominator_counts_the_trained_tokens_of_each_step(dataset, workdi
     from HyperSloth.plan.batching import adaptive_partition_batches, steps_per_epoch
     from HyperSloth.plan.inputs import dataset_lengths, plan_spec_for
     from HyperSloth.train.collate import count_trainable
-    from HyperSloth.train.trainer import PlanSteps
+    from HyperSloth.train.plan_loader import PlanSteps
 
     counts = {}
     for loss_type in ("response_only", "all"):

@@ -1,4 +1,4 @@
-"""trainer.sft_config_for: HF runs exactly one plan step per optimizer step, whatever SFTConfig defaults to."""
+"""trainer_args.sft_config_for: HF runs exactly one plan step per optimizer step, whatever SFTConfig defaults to."""
 
 import dataclasses
 
@@ -6,7 +6,7 @@ import torch
 from trl import SFTConfig
 
 from HyperSloth.config import TrainingArgsConfig
-from HyperSloth.train import trainer
+from HyperSloth.train import trainer, trainer_args
 
 
 @dataclasses.dataclass
@@ -15,9 +15,9 @@ class _UnslothLikeSFTConfig(SFTConfig):
 
 
 def test_one_plan_step_per_optimizer_step_even_where_the_default_is_two(monkeypatch, tmp_path):
-    monkeypatch.setattr(trainer, "SFTConfig", _UnslothLikeSFTConfig)
+    monkeypatch.setattr(trainer_args, "SFTConfig", _UnslothLikeSFTConfig)
     targs = TrainingArgsConfig(output_dir=str(tmp_path), gradient_accumulation_steps=4, report_to="none")
-    args = trainer.sft_config_for(targs, torch.float32, rank=0)
+    args = trainer_args.sft_config_for(targs, torch.float32, rank=0)
     assert isinstance(args, _UnslothLikeSFTConfig)
     assert args.gradient_accumulation_steps == 1  # the step's 4 micro-batches run inside training_step
 
@@ -25,12 +25,12 @@ def test_one_plan_step_per_optimizer_step_even_where_the_default_is_two(monkeypa
 def test_collating_workers_default_to_one_on_gpus_and_none_on_cpu(monkeypatch, tmp_path):
     targs = TrainingArgsConfig(output_dir=str(tmp_path), report_to="none")
     assert targs.dataloader_num_workers is None and targs.optim == "adamw_torch_fused"
-    assert trainer.sft_config_for(targs, torch.float32, rank=0).dataloader_num_workers == 0  # this CPU machine
+    assert trainer_args.sft_config_for(targs, torch.float32, rank=0).dataloader_num_workers == 0  # this CPU machine
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(trainer, "SFTConfig", lambda **kwargs: kwargs)  # SFTConfig itself would look for the GPU
-    assert trainer.sft_config_for(targs, torch.bfloat16, rank=0)["dataloader_num_workers"] == 1
+    monkeypatch.setattr(trainer_args, "SFTConfig", lambda **kwargs: kwargs)  # SFTConfig itself would look for the GPU
+    assert trainer_args.sft_config_for(targs, torch.bfloat16, rank=0)["dataloader_num_workers"] == 1
     explicit = targs.model_copy(update={"dataloader_num_workers": 3})
-    assert trainer.sft_config_for(explicit, torch.bfloat16, rank=0)["dataloader_num_workers"] == 3
+    assert trainer_args.sft_config_for(explicit, torch.bfloat16, rank=0)["dataloader_num_workers"] == 3
 
 
 def test_garbage_collection_runs_at_fixed_steps_only(monkeypatch):
@@ -78,11 +78,11 @@ def test_checkpointing_is_the_loaders_not_trls_default(tmp_path):
     transformers-backend model configured without it (the loader applies use_gradient_checkpointing)."""
     targs = TrainingArgsConfig(output_dir=str(tmp_path), report_to="none")
     assert SFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False).gradient_checkpointing is True  # the cause
-    assert trainer.sft_config_for(targs, torch.float32, rank=0).gradient_checkpointing is False
+    assert trainer_args.sft_config_for(targs, torch.float32, rank=0).gradient_checkpointing is False
     # Unsloth's trainer restores the mode the model was loaded with: its arguments stay TRL's.
-    assert trainer.sft_config_for(targs, torch.float32, rank=0, backend="unsloth").gradient_checkpointing is True
+    assert trainer_args.sft_config_for(targs, torch.float32, rank=0, backend="unsloth").gradient_checkpointing is True
     forced = targs.model_copy(update={"extra_args": {"gradient_checkpointing": True}})
-    assert trainer.sft_config_for(forced, torch.float32, rank=0).gradient_checkpointing is True
+    assert trainer_args.sft_config_for(forced, torch.float32, rank=0).gradient_checkpointing is True
 
 
 def test_step_history_is_kept_in_the_checkpoint_state_and_read_back_on_resume():
