@@ -1,4 +1,5 @@
-"""budget.py: the automatic micro-batch budget, with fake memory measurements (no GPU needed)."""
+"""The automatic micro-batch budget (budget.py, budget_choice.py, budget_probe.py), with fake memory measurements
+(no GPU needed)."""
 
 import numpy as np
 import pytest
@@ -7,39 +8,39 @@ import torch.multiprocessing as mp
 
 from HyperSloth.launch.rendezvous import host_store
 from HyperSloth.plan.run import RunDescription
-from HyperSloth.train import budget, dist
+from HyperSloth.train import budget, budget_choice, budget_probe, dist
 
 GIB = 2**30
 
 
 def test_fit_memory_recovers_the_line_and_refuses_bad_probes():
-    fit = budget.fit_memory([(2048, 10 * GIB + 2048 * 4096), (8192, 10 * GIB + 8192 * 4096)])
+    fit = budget_choice.fit_memory([(2048, 10 * GIB + 2048 * 4096), (8192, 10 * GIB + 8192 * 4096)])
     assert fit.base_bytes == pytest.approx(10 * GIB)
     assert fit.per_token_bytes == pytest.approx(4096)
     assert fit.max_tokens(10 * GIB + 4096 * 1000) == 1000
     assert fit.max_tokens(GIB) == 0
     with pytest.raises(ValueError, match="two sizes"):
-        budget.fit_memory([(2048, GIB), (2048, 2 * GIB)])
+        budget_choice.fit_memory([(2048, GIB), (2048, 2 * GIB)])
     with pytest.raises(ValueError, match="do not grow"):
-        budget.fit_memory([(2048, 2 * GIB), (8192, GIB)])
+        budget_choice.fit_memory([(2048, 2 * GIB), (8192, GIB)])
 
 
 def test_allocation_limit_subtracts_safety_outside_memory_and_optimizer():
     # 100 GiB GPU, 60 free, torch holds 30: 10 GiB belong to others (context, NCCL, other processes).
-    limit = budget.allocation_limit(100 * GIB, 60 * GIB, 30 * GIB, optimizer_bytes=GIB, safety_fraction=0.1)
+    limit = budget_choice.allocation_limit(100 * GIB, 60 * GIB, 30 * GIB, optimizer_bytes=GIB, safety_fraction=0.1)
     assert limit == 100 * GIB - 10 * GIB - 10 * GIB - GIB
 
 
 def test_choose_tokens_rounds_down_caps_and_has_a_floor():
-    fit = budget.MemoryFit(base_bytes=GIB, per_token_bytes=1000)
-    assert budget.choose_tokens(fit, GIB + 1000 * 5000, cap=10**6) == 4864  # 5000 rounded down to 256s
-    assert budget.choose_tokens(fit, GIB + 1000 * 5000, cap=1000) == 1024  # cap rounded up to 256s
-    assert budget.choose_tokens(fit, GIB // 2, cap=10**6) == budget.MIN_BUDGET
+    fit = budget_choice.MemoryFit(base_bytes=GIB, per_token_bytes=1000)
+    assert budget_choice.choose_tokens(fit, GIB + 1000 * 5000, cap=10**6) == 4864  # 5000 rounded down to 256s
+    assert budget_choice.choose_tokens(fit, GIB + 1000 * 5000, cap=1000) == 1024  # cap rounded up to 256s
+    assert budget_choice.choose_tokens(fit, GIB // 2, cap=10**6) == budget_choice.MIN_BUDGET
 
 
 def test_useful_cap_is_the_longest_samples_of_one_step():
-    assert budget.useful_cap([5, 100, 7, 50, 1], samples_per_step=2) == 150
-    assert budget.useful_cap([5, 100], samples_per_step=8) == 105
+    assert budget_choice.useful_cap([5, 100, 7, 50, 1], samples_per_step=2) == 150
+    assert budget_choice.useful_cap([5, 100], samples_per_step=8) == 105
 
 
 def test_measure_with_a_linear_fake_picks_the_largest_fitting_budget():
@@ -49,7 +50,7 @@ def test_measure_with_a_linear_fake_picks_the_largest_fitting_budget():
         calls.append(tokens)
         return 4 * GIB + 2**20 * tokens  # 1 MiB per token
 
-    out = budget.measure(peak, limit_bytes=4 * GIB + 2**20 * 30000, cap=10**6)
+    out = budget_choice.measure(peak, limit_bytes=4 * GIB + 2**20 * 30000, cap=10**6)
     assert out["tokens"] == 29952  # 30000 rounded down to a multiple of 256
     assert calls == [2048, 8192, 29952]  # two probes, then the verification at the chosen size
     assert out["verified_peak_bytes"] <= 4 * GIB + 2**20 * 30000
@@ -61,10 +62,10 @@ def test_measure_shrinks_when_the_real_peak_grows_faster_than_the_fit():
         return GIB + 2**20 * tokens + (2**20 * (tokens - 8192) ** 2 // 20000 if tokens > 8192 else 0)
 
     limit = GIB + 2**20 * 40000
-    out = budget.measure(peak, limit_bytes=limit, cap=10**6)
+    out = budget_choice.measure(peak, limit_bytes=limit, cap=10**6)
     assert peak(out["tokens"]) <= limit
     assert out["verified_peak_bytes"] == peak(out["tokens"])
-    assert out["tokens"] % budget.ROUND_TO == 0 and out["tokens"] < 40000
+    assert out["tokens"] % budget_choice.ROUND_TO == 0 and out["tokens"] < 40000
 
 
 class FakeOOM(RuntimeError):
@@ -77,25 +78,26 @@ def test_measure_halves_on_out_of_memory_and_reraises_other_errors():
             raise FakeOOM("out of memory")
         return GIB + 1000 * tokens
 
-    out = budget.measure(peak, limit_bytes=GIB + 1000 * 50000, cap=10**6, is_oom=lambda e: isinstance(e, FakeOOM))
+    out = budget_choice.measure(peak, limit_bytes=GIB + 1000 * 50000, cap=10**6,
+                                is_oom=lambda e: isinstance(e, FakeOOM))
     assert out["tokens"] <= 20000 and out["verified_peak_bytes"] == GIB + 1000 * out["tokens"]
     with pytest.raises(FakeOOM):
-        budget.measure(peak, limit_bytes=GIB + 1000 * 50000, cap=10**6)  # not recognised as OOM: raised
+        budget_choice.measure(peak, limit_bytes=GIB + 1000 * 50000, cap=10**6)  # not recognised as OOM: raised
 
 
 def test_measure_with_a_small_cap_probes_within_it():
     seen = []
-    out = budget.measure(lambda t: seen.append(t) or GIB + t, limit_bytes=2 * GIB, cap=1000)
+    out = budget_choice.measure(lambda t: seen.append(t) or GIB + t, limit_bytes=2 * GIB, cap=1000)
     assert seen[:2] == [256, 1000] and out["tokens"] == 1024
 
 
 def test_needs_checkpointing_when_the_longest_sample_exceeds_the_budget():
-    assert budget.needs_checkpointing(budget_tokens=30000, longest_sample=65536)
-    assert not budget.needs_checkpointing(budget_tokens=30000, longest_sample=30000)
+    assert budget_choice.needs_checkpointing(budget_tokens=30000, longest_sample=65536)
+    assert not budget_choice.needs_checkpointing(budget_tokens=30000, longest_sample=30000)
 
 
 def test_probe_batch_is_a_packed_row_of_the_requested_tokens():
-    batch = budget.probe_batch(1000, longest=[300, 300, 300, 300], vocab_size=50)
+    batch = budget_probe.probe_batch(1000, longest=[300, 300, 300, 300], vocab_size=50)
     assert batch["input_ids"].shape == (1, 1000)
     assert batch["packed_seq_lengths"].tolist() == [300, 300, 300, 100]
     assert batch["position_ids"][0, 300].item() == 0 and batch["position_ids"][0, 299].item() == 299
@@ -105,22 +107,22 @@ def test_probe_batch_is_a_packed_row_of_the_requested_tokens():
 def test_probe_rows_are_the_longest_samples_longest_first():
     """The heaviest micro-batch the plan can form: no probe pass costs more than a real one (a row of
     131k + 52k, as the old probe built for a 183k budget, cost more attention than any real step)."""
-    assert budget.probe_segments([131072, 4096, 700], 2048) == [2048]
-    assert budget.probe_segments([131072, 4096, 700], 140000) == [131072, 4096, 700, 4132]  # repeats when short
-    assert budget.probe_segments([500, 300], 800) == [500, 300]
+    assert budget_probe.probe_segments([131072, 4096, 700], 2048) == [2048]
+    assert budget_probe.probe_segments([131072, 4096, 700], 140000) == [131072, 4096, 700, 4132]  # repeats when short
+    assert budget_probe.probe_segments([500, 300], 800) == [500, 300]
     with pytest.raises(ValueError, match="lengths >= 1"):
-        budget.probe_segments([], 10)
+        budget_probe.probe_segments([], 10)
 
 
 def test_probe_forward_backward_leaves_the_model_unchanged():
     torch.manual_seed(0)
     model = _TinyLM()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    batch = budget.probe_batch(64, longest=[16], vocab_size=11)
+    batch = budget_probe.probe_batch(64, longest=[16], vocab_size=11)
     batch.pop("packed_seq_lengths")
-    budget.forward_backward(model, batch, 64)
+    budget_probe.forward_backward(model, batch, 64)
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
-    budget.release_memory(model)
+    budget_probe.release_memory(model)
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
@@ -143,7 +145,7 @@ def _agree_worker(rank: int, port: int, values: list[int], queue) -> None:
     info = dist.DistInfo(rank=rank, world_size=2, master_port=port, launched_by="hypersloth")
     dist.setup(info, backend="gloo", timeout_s=60)
     try:
-        queue.put((rank, budget.agree_min(values[rank])))
+        queue.put((rank, budget_probe.agree_min(values[rank])))
     finally:
         dist.teardown()
 
@@ -161,15 +163,15 @@ def test_agree_min_gives_every_rank_the_smallest_measurement():
     for p in procs:
         p.join(timeout=30)
     assert results == {0: 31744, 1: 31744}
-    assert budget.agree_min(7) == 7  # no process group: the value itself
+    assert budget_probe.agree_min(7) == 7  # no process group: the value itself
 
 
 def test_decision_summary_names_value_and_inputs():
-    d = budget.BudgetDecision(tokens=30720, source="auto", local_tokens=31744, points=[(2048, 10 * GIB)],
-                              fit={"base_bytes": 6 * GIB, "per_token_bytes": 4 * 2**20}, limit_bytes=120 * GIB,
-                              total_bytes=140 * GIB, safety_fraction=0.08, optimizer_bytes=GIB, cap_tokens=10**5,
-                              verified_peak_bytes=118 * GIB, longest_sample=4096, gradient_checkpointing=False,
-                              probe_seconds=3.0)
+    d = budget_choice.BudgetDecision(tokens=30720, source="auto", local_tokens=31744, points=[(2048, 10 * GIB)],
+                                     fit={"base_bytes": 6 * GIB, "per_token_bytes": 4 * 2**20}, limit_bytes=120 * GIB,
+                                     total_bytes=140 * GIB, safety_fraction=0.08, optimizer_bytes=GIB, cap_tokens=10**5,
+                                     verified_peak_bytes=118 * GIB, longest_sample=4096, gradient_checkpointing=False,
+                                     probe_seconds=3.0)
     line = d.summary()
     assert "auto -> 30,720" in line and "this rank 31,744" in line and "4.000 MiB x tokens" in line
     assert d.as_record()["points"] == [(2048, 10 * GIB)]
@@ -197,9 +199,9 @@ def _fake_measure(budgets, heaviest=None):
                      setup):
         # Without checkpointing a heaviest micro-batch that does not fit switches it on; with it, it must be proven.
         assert must_fit == (heaviest or int(max(lengths))) and can_switch == (not gradient_checkpointing)
-        return budget.BudgetDecision(tokens=budgets[gradient_checkpointing], source="auto",
-                                     longest_sample=int(max(lengths)), gradient_checkpointing=gradient_checkpointing,
-                                     probe_seconds=2.0, probe_passes=3, cache="measured")
+        return budget_choice.BudgetDecision(tokens=budgets[gradient_checkpointing], source="auto",
+                                            longest_sample=int(max(lengths)), gradient_checkpointing=gradient_checkpointing,
+                                            probe_seconds=2.0, probe_passes=3, cache="measured")
     return measure_auto
 
 
@@ -260,7 +262,7 @@ def test_the_probe_shrinks_unsloths_checkpointing_buffers(monkeypatch):
 
     import torch
 
-    from HyperSloth.train import budget
+    from HyperSloth.train import budget_probe
     from HyperSloth.train.model import release_checkpointing_buffers
 
     monkeypatch.delitem(sys.modules, "unsloth_zoo.gradient_checkpointing", raising=False)
@@ -273,9 +275,9 @@ def test_the_probe_shrinks_unsloths_checkpointing_buffers(monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     model = torch.nn.Linear(2, 2)
     model.weight.grad = torch.ones(2, 2)
-    budget.release_memory(model)  # between probe passes: the buffers stay (training keeps them too)
+    budget_probe.release_memory(model)  # between probe passes: the buffers stay (training keeps them too)
     assert calls == [] and model.weight.grad is None
-    budget.release_memory(model, checkpointing_buffers=True)
+    budget_probe.release_memory(model, checkpointing_buffers=True)
     assert calls == ["reset"]
 
 
@@ -303,7 +305,7 @@ def _linear(calls, base=4 * GIB, per_token=2**20):
 def test_a_large_budget_is_verified_by_a_bounded_pass_and_extrapolated_with_slack():
     calls = []
     limit = 4 * GIB + 2**20 * 100_000
-    out = budget.measure(_linear(calls), limit_bytes=limit, cap=10**6, verify_at_most=32768)
+    out = budget_choice.measure(_linear(calls), limit_bytes=limit, cap=10**6, verify_at_most=32768)
     assert calls == [2048, 8192, 32768]  # never a pass at the whole budget
     assert out["verified_tokens"] == 32768 and out["verified_peak_bytes"] == 4 * GIB + 2**20 * 32768
     # The line through the verified point, 10% steeper: 32768 + (100000 - 32768) / 1.1 tokens, rounded down.
@@ -319,11 +321,11 @@ def test_the_bounded_pass_takes_the_steeper_slope_and_small_budgets_are_verified
         return GIB + 2**20 * tokens + 2**20 * max(0, tokens - 8192)
 
     limit = GIB + 2**20 * 150_000
-    out = budget.measure(convex, limit_bytes=limit, cap=10**6, verify_at_most=32768)
+    out = budget_choice.measure(convex, limit_bytes=limit, cap=10**6, verify_at_most=32768)
     assert out["fit"].per_token_bytes == pytest.approx(2 * 2**20 * 1.1)
     assert convex(out["tokens"]) <= limit  # the steeper local slope kept the real peak inside the limit
     calls.clear()
-    out = budget.measure(_linear(calls), limit_bytes=4 * GIB + 2**20 * 20000, cap=10**6, verify_at_most=32768)
+    out = budget_choice.measure(_linear(calls), limit_bytes=4 * GIB + 2**20 * 20000, cap=10**6, verify_at_most=32768)
     assert calls == [2048, 8192, 19968] and out["verified_tokens"] == out["tokens"] == 19968
 
 
@@ -335,17 +337,17 @@ def test_a_bounded_pass_over_the_limit_falls_back_to_verifying_below_it():
         return GIB + 2**20 * tokens + (40 * 2**20 * (tokens - 16384) if tokens > 16384 else 0)
 
     limit = GIB + 2**20 * 200_000
-    out = budget.measure(jump, limit_bytes=limit, cap=10**6, verify_at_most=32768)
+    out = budget_choice.measure(jump, limit_bytes=limit, cap=10**6, verify_at_most=32768)
     assert calls[:3] == [2048, 8192, 32768] and max(calls[3:]) < 32768
     assert out["verified_peak_bytes"] <= limit and out["verified_tokens"] == out["tokens"] < 32768
 
 
 def test_when_the_longest_sample_cannot_fit_nothing_is_verified():
     calls = []
-    out = budget.measure(_linear(calls), limit_bytes=4 * GIB + 2**20 * 30000, cap=10**6, must_fit=65536,
-                         verify_at_most=32768)
+    out = budget_choice.measure(_linear(calls), limit_bytes=4 * GIB + 2**20 * 30000, cap=10**6, must_fit=65536,
+                                verify_at_most=32768)
     assert calls == [2048, 8192] and out["verified_peak_bytes"] is None and out["tokens"] < 65536
-    out = budget.measure(_linear([]), limit_bytes=4 * GIB + 2**20 * 30000, cap=10**6, must_fit=4096)
+    out = budget_choice.measure(_linear([]), limit_bytes=4 * GIB + 2**20 * 30000, cap=10**6, must_fit=4096)
     assert out["verified_peak_bytes"] is not None  # it fits: verified as usual
 
 
@@ -357,11 +359,11 @@ def test_with_checkpointing_on_the_longest_sample_is_proven_by_one_pass_or_refus
         calls.append(tokens)
         return 4 * GIB + 2**20 * min(tokens, 8192) + 2**19 * max(0, tokens - 8192)
 
-    out = budget.measure(flatter_beyond_the_probes, limit_bytes=limit, cap=10**6, must_fit=40000, can_switch=False,
-                         verify_at_most=32768)
+    out = budget_choice.measure(flatter_beyond_the_probes, limit_bytes=limit, cap=10**6, must_fit=40000, can_switch=False,
+                                verify_at_most=32768)
     assert out["tokens"] == out["verified_tokens"] == 40192 and calls == [2048, 8192, 40192]  # one pass at it
     with pytest.raises(RuntimeError, match=r"heaviest micro-batch \(65,536 tokens: .* does not fit .* --max_seq_length 29952"):
-        budget.measure(_linear([]), limit_bytes=limit, cap=10**6, must_fit=65536, can_switch=False)
+        budget_choice.measure(_linear([]), limit_bytes=limit, cap=10**6, must_fit=65536, can_switch=False)
 
     def oom(tokens):
         if tokens > 8192:
@@ -369,5 +371,5 @@ def test_with_checkpointing_on_the_longest_sample_is_proven_by_one_pass_or_refus
         return 4 * GIB + 2**20 * tokens
 
     with pytest.raises(RuntimeError, match="ran out of memory"):
-        budget.measure(oom, limit_bytes=limit, cap=10**6, must_fit=65536, can_switch=False,
-                       is_oom=lambda e: isinstance(e, FakeOOM))
+        budget_choice.measure(oom, limit_bytes=limit, cap=10**6, must_fit=65536, can_switch=False,
+                              is_oom=lambda e: isinstance(e, FakeOOM))

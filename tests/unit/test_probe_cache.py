@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from HyperSloth.outputs import run_files
-from HyperSloth.train import budget, probe_cache
+from HyperSloth.train import budget_choice, budget_probe, probe_cache
 
 GIB = 2**30
 DEVICE = {"gpu": "NVIDIA H200", "total_bytes": 150 * GIB, "capability": "9.0"}
@@ -90,7 +90,7 @@ def test_cached_peaks_reverify_one_pass_then_answer_from_the_entry():
     peaks = probe_cache.CachedPeaks(live, {2048: GIB + 1000 * 2048, 8192: GIB + 1000 * 8192})
     peaks.reverify()
     assert peaks.status == "cached" and live_calls == [2048]
-    out = budget.measure(peaks, limit_bytes=GIB + 1000 * 20000, cap=10**6, verify_at_most=32768)
+    out = budget_choice.measure(peaks, limit_bytes=GIB + 1000 * 20000, cap=10**6, verify_at_most=32768)
     assert live_calls == [2048, out["tokens"]]  # only the new size ran
     assert set(peaks.measured) == {2048, out["tokens"]}
 
@@ -118,15 +118,16 @@ def test_cached_line_switches_checkpointing_on_before_loading(tmp_path, monkeypa
     setup = probe_cache.ProbeSetup(fast={"model_name": "m"}, lora=None, backend="unsloth",
                                    cache=probe_cache.ProbeCache(tmp_path))
     lengths = [131072] + [500] * 40
-    assert not budget.cached_needs_checkpointing(setup, lengths, 32)  # nothing cached yet
+    assert not budget_probe.cached_needs_checkpointing(setup, lengths, 32)  # nothing cached yet
     longest = sorted(lengths, reverse=True)
-    key = budget._probe_key(setup, 0, False, True, longest, budget.useful_cap(lengths, 32))
+    key = budget_probe._probe_key(setup, 0, False, True, longest, budget_choice.useful_cap(lengths, 32))
     setup.cache.put(key, {2048: 6 * GIB + 2048 * 2**20, 8192: 6 * GIB + 8192 * 2**20})  # 1 MiB per token
-    assert budget.cached_needs_checkpointing(setup, lengths, 32)  # ~86k tokens at most on 92 GiB
+    assert budget_probe.cached_needs_checkpointing(setup, lengths, 32)  # ~86k tokens at most on 92 GiB
     short = [65536] + [500] * 40
-    key = budget._probe_key(setup, 0, False, True, sorted(short, reverse=True), budget.useful_cap(short, 32))
+    key = budget_probe._probe_key(setup, 0, False, True, sorted(short, reverse=True),
+                                  budget_choice.useful_cap(short, 32))
     setup.cache.put(key, {2048: 6 * GIB + 2048 * 2**20, 8192: 6 * GIB + 8192 * 2**20})
-    assert not budget.cached_needs_checkpointing(setup, short, 32)  # it could fit: measure as usual
+    assert not budget_probe.cached_needs_checkpointing(setup, short, 32)  # it could fit: measure as usual
 
 
 def test_measure_on_gpu_measures_once_then_reuses_the_cache(tmp_path, monkeypatch):
@@ -139,7 +140,7 @@ def test_measure_on_gpu_measures_once_then_reuses_the_cache(tmp_path, monkeypatc
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     passes, base = [], [6 * GIB]
-    monkeypatch.setattr(budget, "peak_of_forward_backward",
+    monkeypatch.setattr(budget_probe, "peak_of_forward_backward",
                         lambda model, longest, vocab, with_lengths: lambda t: passes.append(t) or base[0] + t * 2**20)
     setup = probe_cache.ProbeSetup(fast={"model_name": "m"}, lora={"r": 16}, backend="unsloth",
                                    cache=probe_cache.ProbeCache(tmp_path))
@@ -148,8 +149,8 @@ def test_measure_on_gpu_measures_once_then_reuses_the_cache(tmp_path, monkeypatc
 
     def run():
         passes.clear()
-        return budget.measure_on_gpu(model, lengths=lengths, vocab_size=100, cap=32000, gradient_checkpointing=False,
-                                     setup=setup)
+        return budget_probe.measure_on_gpu(model, lengths=lengths, vocab_size=100, cap=32000,
+                                           gradient_checkpointing=False, setup=setup)
 
     first = run()
     assert first.cache == "measured" and first.probe_passes == len(passes) == 3  # 2,048, 8,192, 32,000
@@ -159,7 +160,7 @@ def test_measure_on_gpu_measures_once_then_reuses_the_cache(tmp_path, monkeypatc
     base[0] = 9 * GIB  # another allocation on this GPU now: the cached pass does not re-verify
     third = run()
     assert third.cache == "re-measured" and third.probe_passes == len(passes) == 3  # the re-verify pass reused
-    off = budget.measure_on_gpu(model, lengths=lengths, vocab_size=100, cap=32000, gradient_checkpointing=False,
-                                setup=probe_cache.ProbeSetup(fast={"model_name": "m"}, lora=None, backend="unsloth",
+    off = budget_probe.measure_on_gpu(model, lengths=lengths, vocab_size=100, cap=32000, gradient_checkpointing=False,
+                                      setup=probe_cache.ProbeSetup(fast={"model_name": "m"}, lora=None, backend="unsloth",
                                                              cache=probe_cache.ProbeCache(None)))
     assert off.cache == "off"
