@@ -1,8 +1,9 @@
 """The DPO workload of scripts/benchmark.py: synthetic preference pairs, TRL's DPOTrainer (+ Unsloth) as
-the stock system, and DPO's FLOP count. Imported by benchmark.py (scripts/ is on sys.path there).
+the stock system, and DPO's FLOP count. Imported by bench_workloads.py and bench_systems.py (scripts/ is on
+sys.path there).
 
 Workload `dpo-0.6b`: Qwen3-0.6B shapes, pairs with lognormal prompt and completion lengths (random token
-ids; chosen and rejected drawn independently), global batch 32 pairs. Its FLOP count is benchmark.py's
+ids; chosen and rejected drawn independently), global batch 32 pairs. Its FLOP count is bench_workloads.py's
 `flops_per_step(..., dpo=True)` over the pairs' sequences. Both systems see the same pairs in
 the same optimizer steps: HyperSloth plans its steps from the registered preference dataset, and the stock
 dataset is written in that plan's order (step by step), read sequentially.

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
-from benchmark import FOUR_BIT, SEED, VOCAB  # noqa: E402  (the speed benchmark's shapes and seed)
+from bench_workloads import FOUR_BIT, SEED, VOCAB  # noqa: E402  (the speed benchmark's shapes and seed)
 
 CONFIG = '''
 from HyperSloth.config import *
@@ -88,7 +88,7 @@ def step_tokens(lengths: np.ndarray, fraction: float, batch: int, steps: int) ->
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="0.6b", help="a shape of benchmark.py: 0.6b, 1.7b (bf16) or 8b (4-bit); "
+    p.add_argument("--model", default="0.6b", help="a shape of bench_workloads.py: 0.6b, 1.7b (bf16) or 8b (4-bit); "
                    "--direct also takes 'tiny' (a CPU smoke test)")
     p.add_argument("--work", default="/tmp/hs_eval_bench")
     p.add_argument("--batch", type=int, default=32, help="samples per optimizer step")
@@ -112,7 +112,7 @@ def main() -> None:
     checkpoint = Path(a.checkpoint) if a.checkpoint else work / f"ckpt_{a.model}"
     if not a.checkpoint:  # in a child process: a parent that built it on the GPU would keep that memory
         subprocess.run([sys.executable, "-c", f"import sys; sys.path[:0] = [{str(ROOT / 'scripts')!r}, {str(ROOT)!r}]; "
-                        f"from benchmark import build_checkpoint; from pathlib import Path; "
+                        f"from bench_workloads import build_checkpoint; from pathlib import Path; "
                         f"build_checkpoint({a.model!r}, Path({str(checkpoint)!r}))"], check=True)
     rows = int(np.ceil(a.batch * a.steps / (1 - a.fraction))) + a.batch
     lengths = build_data(work, rows)
@@ -135,7 +135,7 @@ def direct(a) -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from benchmark import HEAD_DIM, PROJECTIONS, SHAPES
+    from bench_workloads import HEAD_DIM, PROJECTIONS, SHAPES
     from HyperSloth.plan.batching import PlanSpec, adaptive_partition_batches
     from HyperSloth.plan.eval_set import plan_eval
     from HyperSloth.train.collate import collate

@@ -67,296 +67,27 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-import bench_dpo  # scripts/ is on sys.path when this file runs
-import bench_longctx
+import bench_longctx  # scripts/ is on sys.path when this file runs
+from bench_systems import SYSTEMS, run_hypersloth, run_reference, run_stock_unsloth, run_trl_dpo
+from bench_workloads import (
+    GLOBAL_BATCH,
+    LONG_TOKENS,
+    PEAK_FLOPS,
+    WORKLOADS,
+    build_checkpoint,
+    build_data,
+    flops_per_step,
+    workload_of,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAPES = {  # hidden, layers, heads, kv heads, intermediate, tied embeddings (Qwen3 public configs)
-    "0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                 intermediate_size=3072, tie_word_embeddings=True),
-    "1.7b": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                 intermediate_size=6144, tie_word_embeddings=True),
-    "8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-               intermediate_size=12288, tie_word_embeddings=False),
-}
-FOUR_BIT = {"0.6b": False, "1.7b": False, "8b": True}
-VOCAB, HEAD_DIM, PEAK_FLOPS = 151936, 128, 989e12
-LR, SEED, GLOBAL_BATCH = 2e-4, 3407, 32
-MAX_POSITIONS = 131072  # room for the longest-sample measurement; compute does not depend on it
-PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-@dataclass(frozen=True)
-class Workload:
-    model: str  # a SHAPES key
-    mu: float  # token lengths: clip(exp(N(mu, sigma)), low, high)
-    sigma: float
-    low: int
-    high: int
-    long_sample: int = 0  # > 0: the first sample of step 1 is this long (the long-context workloads)
-    pairs: bool = False  # preference pairs for DPO (scripts/bench_dpo.py); mu..high are the completions'
-
-    @property
-    def max_len(self) -> int:
-        """The longest sample: every system is given it as max_seq_length (no system should cut it)."""
-        if self.pairs:  # a prompt + one completion
-            return bench_dpo.PROMPT.high + bench_dpo.COMPLETION.high
-        return max(self.high, self.long_sample)
-
-    @property
-    def four_bit(self) -> bool:
-        return FOUR_BIT[self.model]
-
-    @property
-    def model_label(self) -> str:
-        return f"Qwen3-{self.model} " + ("4-bit" if self.four_bit else "bf16")
-
-
-LONG_TOKENS = 131072  # the long-context workloads' long sample; --long-tokens overrides (32k, 131k, 262k)
-SHORT, LONG = (6.2, 0.8, 32, 4096), (7.0, 0.6, 128, 8192)  # mean ~675 and ~1,310 tokens
-WORKLOADS = {
-    "short-0.6b": Workload("0.6b", *SHORT),
-    "short-8b": Workload("8b", *SHORT),
-    "long-0.6b": Workload("0.6b", *LONG),
-    "long-8b": Workload("8b", *LONG),
-    # One very long chat among 31 short ones in step 1 (its length: --long-tokens).
-    "longctx-0.6b": Workload("0.6b", *SHORT, long_sample=LONG_TOKENS),
-    "longctx-8b": Workload("8b", *SHORT, long_sample=LONG_TOKENS),
-    # Preference pairs, global batch 32 pairs: HyperSloth's DPO against TRL's DPOTrainer (scripts/bench_dpo.py).
-    "dpo-0.6b": Workload("0.6b", *vars(bench_dpo.COMPLETION).values(), pairs=True),
-}
-
-SYSTEMS = {
-    "unsloth-best": dict(runner="unsloth", gpus=1, micro=32, accum=1, gc=False, shim=True),
-    "unsloth-best-gc": dict(runner="unsloth", gpus=1, micro=32, accum=1, gc="unsloth", shim=True),
-    "unsloth-best-16x2": dict(runner="unsloth", gpus=1, micro=16, accum=2, gc=False, shim=True),
-    "unsloth-stock": dict(runner="unsloth", gpus=1, micro=8, accum=4, gc="unsloth", shim=False),
-    "unsloth-ddp": dict(runner="unsloth", gpus=2, micro=16, accum=1, gc=False, shim=True),
-    "hypersloth-1": dict(runner="hypersloth", gpus=1, gc=False),
-    "hypersloth-1-eager": dict(runner="hypersloth", gpus=1, gc=False, graphs=False),
-    "hypersloth-2": dict(runner="hypersloth", gpus=2, gc=False),
-    "hypersloth-2-gc": dict(runner="hypersloth", gpus=2, gc="unsloth"),
-    "hypersloth-2-profile": dict(runner="hypersloth", gpus=2, gc=False, profile=True),
-    # Long-context workloads: the exact step-1 loss (every sample alone, unpacked), the attention floor, and
-    # with --exactness the packed-vs-alone gradient check of the long sample (scripts/bench_longctx.py).
-    "reference": dict(runner="reference", gpus=1, gc=False),
-    # DPO workloads: stock Unsloth + TRL's DPOTrainer, pairs per device x accumulation (scripts/bench_dpo.py);
-    # hypersloth-N runs the same workloads with training.method="dpo".
-    **{name: dict(runner="trl-dpo", gpus=1, micro=micro, accum=accum, gc=False)
-       for name, (micro, accum) in bench_dpo.TRL_SPLITS.items()},
-}
-
-
-# ------------------------------------------------------------------ workload
-
-
-def workload_of(name: str, long_tokens: int | None = None) -> Workload:
-    """The named workload; a long-context one with its long sample set to `long_tokens` when given."""
-    w = WORKLOADS[name]
-    return replace(w, long_sample=long_tokens) if w.long_sample and long_tokens else w
-
-
-def sample_lengths(w: Workload, n: int) -> np.ndarray:
-    rng = np.random.default_rng(SEED)
-    return np.clip(np.exp(rng.normal(w.mu, w.sigma, n)), w.low, w.high).astype(np.int64)
-
-
-def build_checkpoint(model: str, folder: Path) -> None:
-    """Random-weight Qwen3 of the given shape (bf16, built on the GPU) and a locally trained tokenizer.
-    Runs in a child process (`--as-system build`), so the benchmark's parent never holds GPU memory."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from HyperSloth.train.tiny_model import build_tiny_tokenizer
-
-    if (folder / "config.json").exists():
-        return
-    config = Qwen3Config(vocab_size=VOCAB, head_dim=HEAD_DIM, max_position_embeddings=MAX_POSITIONS,
-                         rope_theta=1e6, rms_norm_eps=1e-6, **SHAPES[model])
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        net = Qwen3ForCausalLM(config).to(torch.bfloat16)
-    net.save_pretrained(folder)
-    texts = [f"sample {i} text for the tokenizer" for i in range(200)]
-    build_tiny_tokenizer(texts, vocab_size=512).save_pretrained(folder)
-
-
-def build_data(work: Path, w: Workload, steps: int) -> dict:
-    """Synthetic samples, registered for HyperSloth and ordered by its plan for the stock trainers."""
-    if w.pairs:
-        return bench_dpo.build_pair_data(work, steps, GLOBAL_BATCH, VOCAB, SEED)
-    from datasets import Dataset
-
-    from HyperSloth.plan.batching import PlanSpec, adaptive_partition_batches
-
-    n = GLOBAL_BATCH * steps
-    lengths = bench_longctx.with_long_sample(sample_lengths(w, n), w.long_sample, GLOBAL_BATCH, SEED)
-    rng = np.random.default_rng(SEED + 1)
-    ids = [rng.integers(100, VOCAB - 100, size=int(L)).tolist() for L in lengths]
-    ds = Dataset.from_dict({"input_ids": ids, "labels": ids, "length": lengths.tolist(),
-                            "num_trainable": (lengths - 1).tolist(), "text": [""] * n})
-    ds.save_to_disk(str(work / "data" / "built_dataset" / "bench"))
-    (work / "data" / "data_config.json").write_text(json.dumps(
-        {"version": 1, "datasets": {"bench": {"name": "bench", "path": "built_dataset/bench"}}}))
-    # HyperSloth's step sets do not depend on the rank count: order the stock data step by step.
-    spec = PlanSpec(num_ranks=1, samples_per_step=GLOBAL_BATCH, mode="packed", token_budget=1 << 22, seed=SEED)
-    plan = adaptive_partition_batches(lengths, lengths - 1, spec, epoch=0)
-    order = [i for step in plan.steps for mb in step.ranks[0] for i in sorted(mb)]
-    Dataset.from_dict({"input_ids": [ids[i] for i in order]}).save_to_disk(str(work / "stock_data"))
-    step_tokens = [int(sum(lengths[i] for mb in s.ranks[0] for i in mb)) for s in plan.steps]
-    return {"order": order, "lengths": lengths.tolist(), "step_tokens": step_tokens}
-
-
-def flops_per_step(model: str, step_lengths: list[int], dpo: bool = False) -> float:
-    """Useful FLOPs of one step over its sequences (module docstring); `dpo` adds the reference model's
-    forward to every sequence: 6 N L + 8 layers d_attn L^2."""
-    s = SHAPES[model]
-    d, layers, ff = s["hidden_size"], s["num_hidden_layers"], s["intermediate_size"]
-    attn = s["num_attention_heads"] * HEAD_DIM
-    kv = s["num_key_value_heads"] * HEAD_DIM
-    per_layer = d * (attn + 2 * kv) + attn * d + 3 * d * ff
-    n = layers * per_layer + d * VOCAB
-    if dpo:
-        return float(sum(6 * n * L + 8 * layers * attn * L * L for L in step_lengths))
-    return float(sum(4 * n * L + 6 * layers * attn * L * L for L in step_lengths))
-
-
-def step_stats(seconds: list[float], warmup: int) -> dict:
-    """Mean, median, p90 of the timed steps (after `warmup`), and the cold first step."""
-    timed = np.asarray(seconds[warmup:], dtype=np.float64)
-    if timed.size == 0:
-        raise ValueError(f"no timed steps: {len(seconds)} steps ran, {warmup} are warm-up")
-    return {"s_per_step": float(timed.mean()), "s_median": float(np.median(timed)),
-            "s_p90": float(np.percentile(timed, 90)), "first_step_s": float(seconds[0]),
-            "timed_steps": int(timed.size)}
-
-
-# ------------------------------------------------------------------ systems (each runs in its own process)
-
-
-def _clock():
-    """HyperSloth's own step clock (a synchronised stamp at every optimizer step end), for the stock runs."""
-    from HyperSloth.train.profiling import PhaseTimer, StepClock
-
-    return StepClock(PhaseTimer(enabled=False))
-
-
-def run_stock_unsloth(a) -> dict | None:
-    """Stock Unsloth + TRL SFTTrainer; under torchrun (WORLD_SIZE > 1) TRL's own DDP path."""
-    import unsloth  # noqa: F401  (first, it patches transformers/trl)
-    import torch
-    from datasets import load_from_disk
-    from trl import SFTConfig, SFTTrainer
-    from unsloth import FastLanguageModel
-
-    from HyperSloth.train.patches import enable_unsloth_torch_varlen
-
-    shim = enable_unsloth_torch_varlen() if a.shim else False
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    w = workload_of(a.workload, a.long_tokens)
-    model, tok = FastLanguageModel.from_pretrained(a.checkpoint, max_seq_length=w.max_len, dtype=torch.bfloat16,
-                                                   load_in_4bit=w.four_bit, device_map={"": local})
-    model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, lora_dropout=0, bias="none",
-                                             target_modules=PROJECTIONS, random_state=SEED,
-                                             use_gradient_checkpointing=a.gc)
-    clock = _clock()
-    extra = {"ddp_find_unused_parameters": False} if world > 1 else {}
-    args = SFTConfig(output_dir=str(Path(a.work) / f"out_{a.system}"), per_device_train_batch_size=a.micro,
-                     gradient_accumulation_steps=a.accum, max_steps=a.steps, learning_rate=LR,
-                     lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch_fused", logging_steps=1,
-                     report_to="none", save_strategy="no", bf16=True, max_length=w.max_len,
-                     train_sampling_strategy="sequential", seed=SEED, **extra)
-    trainer = SFTTrainer(model=model, processing_class=tok, train_dataset=load_from_disk(a.work + "/stock_data"),
-                         args=args, callbacks=[clock])
-    # What the stock trainer will feed: TRL cuts samples at max_length while preparing the dataset.
-    longest = max(len(ids) for ids in trainer.train_dataset["input_ids"])
-    trainer.train()
-    peak = torch.cuda.max_memory_allocated() / 2**30
-    peaks = [peak]
-    if world > 1:
-        mine = torch.tensor([peak], device="cuda")
-        gathered = [torch.zeros_like(mine) for _ in range(world)]
-        torch.distributed.all_gather(gathered, mine)
-        peaks = [float(g) for g in gathered]
-        if torch.distributed.get_rank() != 0:
-            return None
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return {"step_seconds": clock.step_seconds(), "losses": losses, "peak_gb": peaks, "varlen_shim": shim,
-            "first_step_end_unix": clock.first_step_end_unix, "longest_sample_tokens": longest}
-
-
-def hypersloth_config(a, out: Path) -> Path:
-    w = workload_of(a.workload, a.long_tokens)
-    per_device = GLOBAL_BATCH // a.gpus
-    text = f'''
-from HyperSloth.config import *
-hyper_config_model = HyperConfig(
-    data=DataConfig(dataset_name="bench", data_dir="{a.work}/data"),
-    training=TrainingConfig(gpus={list(range(a.gpus))}, {'method="dpo"' if w.pairs else 'loss_type="all"'},
-                            batching="packed", profile={a.profile}, cuda_graphs={a.graphs},
-                            tokens_per_micro_batch={a.token_budget!r}),
-    fast_model_args=FastModelArgs(model_name="{a.checkpoint}", max_seq_length={w.max_len}, dtype="bfloat16",
-                                  load_in_4bit={w.four_bit}, backend="unsloth",
-                                  use_gradient_checkpointing={a.gc!r}),
-    lora_args=LoraArgs(r=16, lora_alpha=16, lora_dropout=0.0, random_state={SEED}),
-)
-training_config_model = TrainingArgsConfig(
-    output_dir="{out}", per_device_train_batch_size={per_device}, gradient_accumulation_steps=1,
-    learning_rate={LR}, lr_scheduler_type="constant", warmup_steps=0, max_steps={a.steps},
-    logging_steps=1, save_steps=100000, report_to="none", seed={SEED}, num_train_epochs=None,
-    extra_args={{"save_strategy": "no"}},
-)
-'''
-    path = out.with_suffix(".py")
-    path.write_text(text)
-    return path
-
-
-def rank_phases(out: Path) -> dict[int, list[dict]]:
-    """Per-rank per-step phase seconds, from the `PHASES` line every rank logs with profile=True."""
-    phases = {}
-    for log in sorted((out / "logs").glob("rank*.log")):
-        match = re.search(r"rank(\d+)", log.name)
-        for line in log.read_text().splitlines():
-            if "PHASES " in line and match:
-                phases[int(match.group(1))] = json.loads(line.split("PHASES ", 1)[1])
-    return phases
-
-
-def run_trl_dpo(a) -> dict:
-    w = workload_of(a.workload, a.long_tokens)
-    return bench_dpo.run_trl_dpo(a, max_len=w.max_len, lr=LR, seed=SEED, projections=PROJECTIONS, clock=_clock())
-
-
-def run_reference(a) -> dict:
-    w = workload_of(a.workload, a.long_tokens)
-    return bench_longctx.run_reference(a, w, SHAPES[w.model], HEAD_DIM, SEED, PROJECTIONS)
-
-
-def run_hypersloth(a) -> dict:
-    out = Path(a.work) / f"out_{a.system}"
-    cfg = hypersloth_config(a, out)
-    subprocess.run([sys.executable, "-m", "HyperSloth.cli.train", str(cfg), "--overwrite"], check=True)
-    summary = json.loads((out / "train_summary.json").read_text())
-    peaks = [json.loads((out / "logs" / f"rank{r}.final.json").read_text())["peak_gpu_gb"] for r in range(a.gpus)]
-    return {"step_seconds": summary["step_seconds"], "losses": summary["step_losses"], "peak_gb": peaks,
-            "phases": summary.get("phase_seconds_per_step"), "rank_phases": rank_phases(out),
-            "padding_pct": summary.get("padding_pct"), "token_budget": summary.get("token_budget"),
-            "gradient_checkpointing": summary.get("gradient_checkpointing"),
-            "first_step_end_unix": summary.get("first_step_end_unix"), "cuda_graphs": summary.get("cuda_graphs"),
-            "rewards_margins": (summary.get("step_rewards") or {}).get("rewards/margins"),
-            # HyperSloth never cuts a sample: one longer than max_seq_length is refused before training.
-            "longest_sample_tokens": (summary.get("token_budget") or {}).get("longest_sample")}
 
 
 # ------------------------------------------------------------------ orchestration
@@ -385,6 +116,16 @@ def system_argv(name: str, workload: str, a, work: Path, model: str) -> list[str
         argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(system["gpus"]),
                 "--master_port", str(port), *argv[1:]]
     return argv
+
+
+def step_stats(seconds: list[float], warmup: int) -> dict:
+    """Mean, median, p90 of the timed steps (after `warmup`), and the cold first step."""
+    timed = np.asarray(seconds[warmup:], dtype=np.float64)
+    if timed.size == 0:
+        raise ValueError(f"no timed steps: {len(seconds)} steps ran, {warmup} are warm-up")
+    return {"s_per_step": float(timed.mean()), "s_median": float(np.median(timed)),
+            "s_p90": float(np.percentile(timed, 90)), "first_step_s": float(seconds[0]),
+            "timed_steps": int(timed.size)}
 
 
 def record_for(name: str, workload: str, raw: dict, data: dict, a, launched: float, wall_s: float) -> dict:

@@ -59,7 +59,7 @@ def timed(fn, repeats: int) -> list[float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="0.6b", help="a scripts/benchmark.py SHAPES key: 0.6b, 1.7b, 8b")
+    p.add_argument("--model", default="0.6b", help="a scripts/bench_workloads.py SHAPES key: 0.6b, 1.7b, 8b")
     p.add_argument("--checkpoint", default="/tmp/hs_bench/ckpt_{model}")
     p.add_argument("--rows", default="16384,24576", help="packed row lengths (bucket lengths) to check")
     p.add_argument("--repeats", type=int, default=10)
@@ -79,7 +79,7 @@ def main() -> None:
     from HyperSloth.train.patches import enable_unsloth_torch_varlen, unsloth_static_packed_rows
 
     sys.path.insert(0, str(ROOT / "scripts"))
-    from benchmark import FOUR_BIT, PROJECTIONS
+    from bench_workloads import FOUR_BIT, PROJECTIONS
 
     shim = enable_unsloth_torch_varlen()
     loaded = load_model(

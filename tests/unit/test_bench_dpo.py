@@ -1,4 +1,5 @@
-"""scripts/bench_dpo.py + benchmark.py's dpo-0.6b workload: the parts that need no GPU."""
+"""scripts/bench_dpo.py + the benchmark's dpo-0.6b workload (bench_workloads.py, bench_systems.py, benchmark.py):
+the parts that need no GPU."""
 
 import sys
 from argparse import Namespace
@@ -10,6 +11,8 @@ from datasets import load_from_disk
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import bench_dpo  # noqa: E402
+import bench_systems  # noqa: E402
+import bench_workloads  # noqa: E402
 import benchmark  # noqa: E402
 
 from HyperSloth.cli.plan import format_summary, preview  # noqa: E402
@@ -18,7 +21,7 @@ from HyperSloth.cli.plan import format_summary, preview  # noqa: E402
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     work = tmp_path_factory.mktemp("bench-dpo")
-    return work, benchmark.build_data(work, benchmark.WORKLOADS["dpo-0.6b"], steps=2)
+    return work, bench_workloads.build_data(work, bench_workloads.WORKLOADS["dpo-0.6b"], steps=2)
 
 
 def test_both_systems_get_the_same_pairs_in_the_same_steps(built):
@@ -34,7 +37,7 @@ def test_both_systems_get_the_same_pairs_in_the_same_steps(built):
     assert sum(map(sum, data["step_sequences"])) == int(lengths.sum())
     prompt = np.asarray(pairs["prompt_length"])
     assert 150 < np.median(prompt) < 400 and prompt.max() <= bench_dpo.PROMPT.high
-    assert data["max_sequence"] <= benchmark.WORKLOADS["dpo-0.6b"].max_len
+    assert data["max_sequence"] <= bench_workloads.WORKLOADS["dpo-0.6b"].max_len
 
 
 def test_hypersloth_trains_the_workload_as_dpo(built, tmp_path):
@@ -43,7 +46,7 @@ def test_hypersloth_trains_the_workload_as_dpo(built, tmp_path):
     checkpoint.mkdir()
     args = Namespace(workload="dpo-0.6b", long_tokens=None, gpus=1, profile=False, token_budget="auto",
                      work=str(work), checkpoint=str(checkpoint), gc=False, steps=5, graphs=True)
-    config = benchmark.hypersloth_config(args, tmp_path / "out_hypersloth-1")
+    config = bench_systems.hypersloth_config(args, tmp_path / "out_hypersloth-1")
     summary = preview(str(config))
     assert (summary.unit, summary.spec.samples_per_step, summary.num_samples) == ("pairs", 32, 64)
     assert "global batch 32 pairs per optimizer step" in format_summary(summary)
@@ -55,10 +58,11 @@ def test_dpo_systems_and_workloads_are_paired():
         benchmark.check_pairing(["dpo-0.6b"], [["unsloth-best", "hypersloth-1"]])
     with pytest.raises(SystemExit, match=r"systems \['trl-dpo-16x2'\] cannot run the SFT workload short-0.6b"):
         benchmark.check_pairing(["short-0.6b"], [["trl-dpo-16x2"]])
-    assert {benchmark.SYSTEMS[f"trl-dpo-{s}"]["micro"] * benchmark.SYSTEMS[f"trl-dpo-{s}"]["accum"]
-            for s in ("32x1", "16x2", "8x4", "4x8")} == {benchmark.GLOBAL_BATCH}
+    assert {bench_systems.SYSTEMS[f"trl-dpo-{s}"]["micro"] * bench_systems.SYSTEMS[f"trl-dpo-{s}"]["accum"]
+            for s in ("32x1", "16x2", "8x4", "4x8")} == {bench_workloads.GLOBAL_BATCH}
 
 
 def test_dpo_flops_add_the_reference_forward():
-    sft, dpo = benchmark.flops_per_step("0.6b", [1000]), benchmark.flops_per_step("0.6b", [1000], dpo=True)
+    sft = bench_workloads.flops_per_step("0.6b", [1000])
+    dpo = bench_workloads.flops_per_step("0.6b", [1000], dpo=True)
     assert 1.45 < dpo / sft < 1.5  # 6 N L vs 4 N L, plus the attention terms

@@ -1,4 +1,4 @@
-"""scripts/bench_longctx.py + benchmark.py's long-context workloads: the pure parts (no GPU)."""
+"""scripts/bench_longctx.py + bench_workloads.py's long-context workloads: the pure parts (no GPU)."""
 
 import sys
 from pathlib import Path
@@ -8,18 +8,19 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import bench_longctx  # noqa: E402
-import benchmark  # noqa: E402
+import bench_workloads  # noqa: E402
 
 from HyperSloth.plan.batching import PlanSpec, adaptive_partition_batches  # noqa: E402
 
 
 def test_the_long_sample_lands_in_step_one_of_the_plan():
-    w = benchmark.workload_of("longctx-8b", 262144)
+    w = bench_workloads.workload_of("longctx-8b", 262144)
     assert w.long_sample == 262144 and w.max_len == 262144 and w.four_bit
-    assert benchmark.workload_of("short-8b", 262144).long_sample == 0  # only long-context workloads change
-    lengths = bench_longctx.with_long_sample(benchmark.sample_lengths(w, 32 * 3), w.long_sample, 32, benchmark.SEED)
+    assert bench_workloads.workload_of("short-8b", 262144).long_sample == 0  # only long-context workloads change
+    lengths = bench_longctx.with_long_sample(bench_workloads.sample_lengths(w, 32 * 3), w.long_sample, 32,
+                                             bench_workloads.SEED)
     assert (lengths == 262144).sum() == 1 and lengths.max() == 262144
-    spec = PlanSpec(num_ranks=1, samples_per_step=32, mode="packed", token_budget=1 << 22, seed=benchmark.SEED)
+    spec = PlanSpec(num_ranks=1, samples_per_step=32, mode="packed", token_budget=1 << 22, seed=bench_workloads.SEED)
     step1 = [i for mb in adaptive_partition_batches(lengths, lengths - 1, spec).steps[0].ranks[0] for i in mb]
     assert int(np.argmax(lengths)) in step1 and step1[0] == int(np.argmax(lengths))  # first of the stock order
     assert bench_longctx.with_long_sample(lengths, 0, 32, 0) is lengths

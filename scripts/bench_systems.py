@@ -1,0 +1,158 @@
+"""The systems of scripts/benchmark.py (its docstring says what each is): the table of what each runs with
+(`SYSTEMS`: its runner, GPUs, split of the global batch, checkpointing), and the runners, each called in the
+system's own process (`benchmark.py --as-system RUNNER`): stock Unsloth + TRL's SFTTrainer (DDP under
+torchrun), HyperSloth through its CLI, TRL's DPOTrainer (bench_dpo.py), the long-context reference
+(bench_longctx.py). Each returns the raw result that benchmark.py turns into a record.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import bench_dpo  # scripts/ is on sys.path
+import bench_longctx
+from bench_workloads import GLOBAL_BATCH, HEAD_DIM, LR, PROJECTIONS, SEED, SHAPES, workload_of
+
+SYSTEMS = {
+    "unsloth-best": dict(runner="unsloth", gpus=1, micro=32, accum=1, gc=False, shim=True),
+    "unsloth-best-gc": dict(runner="unsloth", gpus=1, micro=32, accum=1, gc="unsloth", shim=True),
+    "unsloth-best-16x2": dict(runner="unsloth", gpus=1, micro=16, accum=2, gc=False, shim=True),
+    "unsloth-stock": dict(runner="unsloth", gpus=1, micro=8, accum=4, gc="unsloth", shim=False),
+    "unsloth-ddp": dict(runner="unsloth", gpus=2, micro=16, accum=1, gc=False, shim=True),
+    "hypersloth-1": dict(runner="hypersloth", gpus=1, gc=False),
+    "hypersloth-1-eager": dict(runner="hypersloth", gpus=1, gc=False, graphs=False),
+    "hypersloth-2": dict(runner="hypersloth", gpus=2, gc=False),
+    "hypersloth-2-gc": dict(runner="hypersloth", gpus=2, gc="unsloth"),
+    "hypersloth-2-profile": dict(runner="hypersloth", gpus=2, gc=False, profile=True),
+    # Long-context workloads: the exact step-1 loss (every sample alone, unpacked), the attention floor, and
+    # with --exactness the packed-vs-alone gradient check of the long sample (scripts/bench_longctx.py).
+    "reference": dict(runner="reference", gpus=1, gc=False),
+    # DPO workloads: stock Unsloth + TRL's DPOTrainer, pairs per device x accumulation (scripts/bench_dpo.py);
+    # hypersloth-N runs the same workloads with training.method="dpo".
+    **{name: dict(runner="trl-dpo", gpus=1, micro=micro, accum=accum, gc=False)
+       for name, (micro, accum) in bench_dpo.TRL_SPLITS.items()},
+}
+
+
+# ------------------------------------------------------------------ runners (each in its system's own process)
+
+
+def _clock():
+    """HyperSloth's own step clock (a synchronised stamp at every optimizer step end), for the stock runs."""
+    from HyperSloth.train.profiling import PhaseTimer, StepClock
+
+    return StepClock(PhaseTimer(enabled=False))
+
+
+def run_stock_unsloth(a) -> dict | None:
+    """Stock Unsloth + TRL SFTTrainer; under torchrun (WORLD_SIZE > 1) TRL's own DDP path."""
+    import unsloth  # noqa: F401  (first, it patches transformers/trl)
+    import torch
+    from datasets import load_from_disk
+    from trl import SFTConfig, SFTTrainer
+    from unsloth import FastLanguageModel
+
+    from HyperSloth.train.patches import enable_unsloth_torch_varlen
+
+    shim = enable_unsloth_torch_varlen() if a.shim else False
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    w = workload_of(a.workload, a.long_tokens)
+    model, tok = FastLanguageModel.from_pretrained(a.checkpoint, max_seq_length=w.max_len, dtype=torch.bfloat16,
+                                                   load_in_4bit=w.four_bit, device_map={"": local})
+    model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, lora_dropout=0, bias="none",
+                                             target_modules=PROJECTIONS, random_state=SEED,
+                                             use_gradient_checkpointing=a.gc)
+    clock = _clock()
+    extra = {"ddp_find_unused_parameters": False} if world > 1 else {}
+    args = SFTConfig(output_dir=str(Path(a.work) / f"out_{a.system}"), per_device_train_batch_size=a.micro,
+                     gradient_accumulation_steps=a.accum, max_steps=a.steps, learning_rate=LR,
+                     lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch_fused", logging_steps=1,
+                     report_to="none", save_strategy="no", bf16=True, max_length=w.max_len,
+                     train_sampling_strategy="sequential", seed=SEED, **extra)
+    trainer = SFTTrainer(model=model, processing_class=tok, train_dataset=load_from_disk(a.work + "/stock_data"),
+                         args=args, callbacks=[clock])
+    # What the stock trainer will feed: TRL cuts samples at max_length while preparing the dataset.
+    longest = max(len(ids) for ids in trainer.train_dataset["input_ids"])
+    trainer.train()
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    peaks = [peak]
+    if world > 1:
+        mine = torch.tensor([peak], device="cuda")
+        gathered = [torch.zeros_like(mine) for _ in range(world)]
+        torch.distributed.all_gather(gathered, mine)
+        peaks = [float(g) for g in gathered]
+        if torch.distributed.get_rank() != 0:
+            return None
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return {"step_seconds": clock.step_seconds(), "losses": losses, "peak_gb": peaks, "varlen_shim": shim,
+            "first_step_end_unix": clock.first_step_end_unix, "longest_sample_tokens": longest}
+
+
+def hypersloth_config(a, out: Path) -> Path:
+    w = workload_of(a.workload, a.long_tokens)
+    per_device = GLOBAL_BATCH // a.gpus
+    text = f'''
+from HyperSloth.config import *
+hyper_config_model = HyperConfig(
+    data=DataConfig(dataset_name="bench", data_dir="{a.work}/data"),
+    training=TrainingConfig(gpus={list(range(a.gpus))}, {'method="dpo"' if w.pairs else 'loss_type="all"'},
+                            batching="packed", profile={a.profile}, cuda_graphs={a.graphs},
+                            tokens_per_micro_batch={a.token_budget!r}),
+    fast_model_args=FastModelArgs(model_name="{a.checkpoint}", max_seq_length={w.max_len}, dtype="bfloat16",
+                                  load_in_4bit={w.four_bit}, backend="unsloth",
+                                  use_gradient_checkpointing={a.gc!r}),
+    lora_args=LoraArgs(r=16, lora_alpha=16, lora_dropout=0.0, random_state={SEED}),
+)
+training_config_model = TrainingArgsConfig(
+    output_dir="{out}", per_device_train_batch_size={per_device}, gradient_accumulation_steps=1,
+    learning_rate={LR}, lr_scheduler_type="constant", warmup_steps=0, max_steps={a.steps},
+    logging_steps=1, save_steps=100000, report_to="none", seed={SEED}, num_train_epochs=None,
+    extra_args={{"save_strategy": "no"}},
+)
+'''
+    path = out.with_suffix(".py")
+    path.write_text(text)
+    return path
+
+
+def rank_phases(out: Path) -> dict[int, list[dict]]:
+    """Per-rank per-step phase seconds, from the `PHASES` line every rank logs with profile=True."""
+    phases = {}
+    for log in sorted((out / "logs").glob("rank*.log")):
+        match = re.search(r"rank(\d+)", log.name)
+        for line in log.read_text().splitlines():
+            if "PHASES " in line and match:
+                phases[int(match.group(1))] = json.loads(line.split("PHASES ", 1)[1])
+    return phases
+
+
+def run_trl_dpo(a) -> dict:
+    w = workload_of(a.workload, a.long_tokens)
+    return bench_dpo.run_trl_dpo(a, max_len=w.max_len, lr=LR, seed=SEED, projections=PROJECTIONS, clock=_clock())
+
+
+def run_reference(a) -> dict:
+    w = workload_of(a.workload, a.long_tokens)
+    return bench_longctx.run_reference(a, w, SHAPES[w.model], HEAD_DIM, SEED, PROJECTIONS)
+
+
+def run_hypersloth(a) -> dict:
+    out = Path(a.work) / f"out_{a.system}"
+    cfg = hypersloth_config(a, out)
+    subprocess.run([sys.executable, "-m", "HyperSloth.cli.train", str(cfg), "--overwrite"], check=True)
+    summary = json.loads((out / "train_summary.json").read_text())
+    peaks = [json.loads((out / "logs" / f"rank{r}.final.json").read_text())["peak_gpu_gb"] for r in range(a.gpus)]
+    return {"step_seconds": summary["step_seconds"], "losses": summary["step_losses"], "peak_gb": peaks,
+            "phases": summary.get("phase_seconds_per_step"), "rank_phases": rank_phases(out),
+            "padding_pct": summary.get("padding_pct"), "token_budget": summary.get("token_budget"),
+            "gradient_checkpointing": summary.get("gradient_checkpointing"),
+            "first_step_end_unix": summary.get("first_step_end_unix"), "cuda_graphs": summary.get("cuda_graphs"),
+            "rewards_margins": (summary.get("step_rewards") or {}).get("rewards/margins"),
+            # HyperSloth never cuts a sample: one longer than max_seq_length is refused before training.
+            "longest_sample_tokens": (summary.get("token_budget") or {}).get("longest_sample")}
