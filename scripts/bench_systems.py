@@ -145,7 +145,12 @@ def run_reference(a) -> dict:
 def run_hypersloth(a) -> dict:
     out = Path(a.work) / f"out_{a.system}"
     cfg = hypersloth_config(a, out)
-    subprocess.run([sys.executable, "-m", "HyperSloth.cli.train", str(cfg), "--overwrite"], check=True)
+    done = subprocess.run([sys.executable, "-m", "HyperSloth.cli.train", str(cfg), "--overwrite"])
+    if done.returncode != 0:  # the launcher's own lines are in this system's log; the worker's last words are not
+        for stderr in sorted((out / "logs").glob("rank*.stderr")):
+            lines = stderr.read_text(errors="replace").splitlines()[-30:]
+            print(f"--- last {len(lines)} lines of {stderr}:", *lines, sep="\n", flush=True)
+        raise SystemExit(f"hypersloth-train exited with {done.returncode}")
     summary = json.loads((out / "train_summary.json").read_text())
     peaks = [json.loads((out / "logs" / f"rank{r}.final.json").read_text())["peak_gpu_gb"] for r in range(a.gpus)]
     return {"step_seconds": summary["step_seconds"], "losses": summary["step_losses"], "peak_gb": peaks,

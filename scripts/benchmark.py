@@ -185,8 +185,9 @@ def run_slot(slot: list[str], workload: str, a, data: dict) -> list[dict]:
         wall = time.time() - started
         result = work / f"result_{name}.json"
         if rc != 0 or not result.exists():
-            tail = log.read_text()[-2500:]
-            print(f"[{workload} {name}] FAILED ({rc}) after {wall:.0f}s; tail:\n{tail}", flush=True)
+            text = log.read_text(errors="replace")
+            said = "\n".join(line for line in text.splitlines() if line.startswith("hypersloth-train:"))
+            print(f"[{workload} {name}] FAILED ({rc}) after {wall:.0f}s\n{said}\ntail:\n{text[-4000:]}", flush=True)
             records.append({"workload": workload, "system": name, "error": f"exit {rc}", "wall_s": wall})
             continue
         raw = json.loads(result.read_text())
