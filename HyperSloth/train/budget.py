@@ -105,8 +105,51 @@ def settle(description, load: Callable[[Any], Any], lengths: Sequence[int] | np.
     logger.info(decision.probe_line())
     if loaded.backend == "unsloth":  # Unsloth's pre-train detector sees the probe's backward, resets its compile cache
         logger.info("Unsloth will warn that a forward/backward ran before trainer.train(): that was this probe")
+    if gc_mode == "unsloth":
+        _warn_if_host_memory_short(loaded.model, longest)
     settled = description.model_copy(update={"token_budget": decision.tokens, "gradient_checkpointing": gc_mode})
     return settled, loaded, decision
+
+
+def offload_host_bytes(model, tokens: int) -> int | None:
+    """Host bytes Unsloth's offloaded checkpointing holds for a micro-batch of `tokens`: every decoder layer's
+    input (hidden_size x 2 bytes per token, bf16/fp16), kept in host memory until the backward reads it.
+    None when the model's config does not say its shape."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers, hidden = getattr(text, "num_hidden_layers", None), getattr(text, "hidden_size", None)
+    if not isinstance(layers, int) or not isinstance(hidden, int):
+        return None
+    return layers * hidden * 2 * int(tokens)
+
+
+def host_memory_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+HOST_MEMORY_HEADROOM = 0.8  # warn when the offloaded checkpoints would take more than this share of what is free
+
+
+def _warn_if_host_memory_short(model, longest: int) -> None:
+    """One warning when the longest sample's offloaded checkpoints may not fit host memory: the kernel's
+    out-of-memory killer then ends the worker at its first step with SIGKILL and no Python error to show."""
+    from loguru import logger
+
+    need, available = offload_host_bytes(model, longest), host_memory_available()
+    if need is None or available is None or need <= HOST_MEMORY_HEADROOM * available:
+        return
+    logger.warning(f"Unsloth's gradient checkpointing keeps every layer's input in host memory: the longest sample "
+                   f"({longest:,} tokens) needs about {need / 2**30:.0f} GiB of it, and {available / 2**30:.0f} GiB "
+                   f"is available now. If the first step is killed (SIGKILL: the out-of-memory killer), free host "
+                   f"memory or train shorter samples (lower max_seq_length)")
 
 
 def heaviest_micro_batch(description, lengths: Sequence[int] | np.ndarray) -> int:

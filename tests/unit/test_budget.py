@@ -373,3 +373,29 @@ def test_with_checkpointing_on_the_longest_sample_is_proven_by_one_pass_or_refus
     with pytest.raises(RuntimeError, match="ran out of memory"):
         budget_choice.measure(oom, limit_bytes=limit, cap=10**6, must_fit=65536, can_switch=False,
                               is_oom=lambda e: isinstance(e, FakeOOM))
+
+
+def test_a_long_sample_whose_offloaded_checkpoints_exceed_host_memory_is_warned_about(monkeypatch, logs):
+    """Qwen3-8B's shape (36 layers, hidden 4096) at 262,144 tokens offloads 72 GiB of layer inputs to host memory."""
+    from types import SimpleNamespace
+
+    class Loaded8B(_Loaded):
+        model = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=36, hidden_size=4096))
+
+    assert budget.offload_host_bytes(Loaded8B.model, 262144) == 36 * 4096 * 2 * 262144
+    assert budget.offload_host_bytes(SimpleNamespace(config=SimpleNamespace()), 262144) is None
+    monkeypatch.setattr(budget, "measure_auto", _fake_measure({False: 30720, "unsloth": 300000}))
+    for available_gib, warned in ((31, True), (200, False)):
+        monkeypatch.setattr(budget, "host_memory_available", lambda: available_gib * 2**30)
+        logs.clear()
+        budget.settle(_Description("auto"), lambda gc: Loaded8B(), [100, 262144])
+        said = [line for line in logs if "host memory" in line]
+        assert bool(said) == warned
+        if warned:
+            assert "72 GiB" in said[0] and "31 GiB" in said[0] and "262,144 tokens" in said[0]
+    # Without checkpointing (the sample fits on the GPU) nothing is offloaded, so nothing is said.
+    monkeypatch.setattr(budget, "host_memory_available", lambda: 2**30)
+    logs.clear()
+    budget.settle(_Description("auto"), lambda gc: Loaded8B(), [100, 4096])
+    assert not [line for line in logs if "host memory" in line]
+    assert budget.host_memory_available() is None or budget.host_memory_available() > 0
