@@ -30,4 +30,13 @@ print('ATTENTION_FLOOR_S', 262144, attention_floor_s(262144, 32, 8, 128, 36))" 2
   el "floor done"
 }
 
+callB() {  # issue 18: the Qwen3-8B 4-bit row, HyperSloth-1 at defaults against unsloth-best, in one call; and the
+  # machine's host memory and /tmp (the 262k run of call C died without a Python error)
+  free -g | head -2; df -h /tmp | tail -1
+  bench --workloads short-8b --slots "unsloth-best,hypersloth-1" --warmup 3 --steps 20 --tag 2026-12-01b-8b \
+    --budget-s $(left 540) > $L/bench.log 2>&1
+  el "bench done"; show $L/bench.log; free -g | head -2
+  grep -h "budget probe\|tokens_per_micro_batch=auto\|eager decoder\|CUDA graphs" $W/*/out_*/logs/rank0.log 2>/dev/null | cut -c1-300
+}
+
 "$@"
