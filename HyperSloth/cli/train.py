@@ -24,6 +24,7 @@ from HyperSloth.launch.local import (
 from HyperSloth.launch.model_source import hub_problem
 from HyperSloth.launch.tmux import check_tmux_session, launch_tmux
 from HyperSloth.outputs import checkpoints, run_files
+from HyperSloth.outputs.startup import StartupTimeline
 from HyperSloth.plan.run import MachineFacts, RunDescription, resolve_run, write_run
 
 
@@ -165,19 +166,21 @@ def _fail(message: str, code: int = 2) -> None:
     raise SystemExit(code)
 
 
-def _run_under_torchrun(config_path: str, overwrite: bool) -> int:
+def _run_under_torchrun(config_path: str, overwrite: bool, timeline: StartupTimeline) -> int:
     """torchrun already started this process as one rank: resolve the run (every rank the same way), let
     rank 0 prepare the output folder and write run.json, then be the worker; spawn nothing."""
     from HyperSloth.train import dist, worker
 
+    timeline.mark("worker_imports")
     info = dist.DistInfo.from_env()
     description, _ = resolve_config(config_path, world_size=info.world_size)
     if info.is_main:
         prepare_output_dir(description, overwrite=overwrite, peers_running=True)
         write_run(description)
+    timeline.mark("launcher_checks")
     # Other ranks never remove shared files: each worker starts its own log afresh (logs.configure),
     # and rank 0 removes only the files of ranks this run does not have.
-    worker.main(description, info)
+    worker.main(description, info, timeline)
     return 0
 
 
@@ -202,8 +205,8 @@ def _tmux_replace(session: str, replace: bool) -> bool:
     return replace
 
 
-def _start_tmux(run: CheckedRun, session: str, replace: bool) -> int:
-    attach = launch_tmux(run.run_path, run.gpus, run.output_dir, session, replace=replace)
+def _start_tmux(run: CheckedRun, session: str, replace: bool, timeline: StartupTimeline) -> int:
+    attach = launch_tmux(run.run_path, run.gpus, run.output_dir, session, replace=replace, timeline=timeline)
     print(f"hypersloth-train: started {len(run.gpus)} rank(s) in tmux session '{session}' "
           f"(windows: main, rank0..rank{len(run.gpus) - 1}); logs in {run_files.logs_dir(run.output_dir)}")
     print(f"hypersloth-train: attach with: {attach}")
@@ -213,20 +216,23 @@ def _start_tmux(run: CheckedRun, session: str, replace: bool) -> int:
 def train(config: str, tmux: str | None = None, y: bool = False, dry_run: bool = False,
           overwrite: bool = False) -> None:
     """Train with one worker per GPU of CONFIG's `training.gpus` (see `hypersloth-train --help`)."""
+    timeline = StartupTimeline.starting_now()  # launch = this process's start; every worker gets the stamps
+    timeline.mark("launcher_start")
     config_path = str(config)
     if tmux is True or tmux == "":
         _fail("--tmux needs a session name, e.g. --tmux train")
     try:
         if is_torchrun_env(os.environ):
-            raise SystemExit(_run_under_torchrun(config_path, bool(overwrite)))
+            raise SystemExit(_run_under_torchrun(config_path, bool(overwrite), timeline))
         if dry_run:
             raise SystemExit(_dry_run(config_path))
         # tmux is checked first: a refused command writes nothing (no run.json that would then refuse the retry).
         replace = _tmux_replace(str(tmux), bool(y)) if tmux is not None else False
         run = check_run(config_path, overwrite=bool(overwrite))
+        timeline.mark("launcher_checks")
         if tmux is not None:
-            raise SystemExit(_start_tmux(run, str(tmux), replace=replace))
-        code = launch(run.run_path, run.gpus, run.output_dir)
+            raise SystemExit(_start_tmux(run, str(tmux), replace=replace, timeline=timeline))
+        code = launch(run.run_path, run.gpus, run.output_dir, timeline=timeline)
     except (ConfigError, LaunchError) as err:
         _fail(str(err))
     raise SystemExit(code)

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import IO, Iterator
 
 from HyperSloth.outputs import run_files
+from HyperSloth.outputs.startup import StartupTimeline
 
 # TORCHRUN_VARS: variables of torchrun / torch.distributed that must not reach our workers: HyperSloth
 # owns the process group, and Hugging Face must see each worker as a single process.
@@ -200,6 +201,14 @@ def build_worker_specs(
         WorkerSpec(rank, gpu, argv, worker_env(env, rank=rank, gpus=gpus, port=port, cuda=cuda))
         for rank, gpu in enumerate(gpus)
     ]
+
+
+def stamped_env(timeline: StartupTimeline | None, phase: str) -> dict[str, str]:
+    """This process's environment plus `timeline`, after marking `phase` on it (just the environment without)."""
+    if timeline is None:
+        return dict(os.environ)
+    timeline.mark(phase)
+    return {**os.environ, **timeline.to_env()}
 
 
 class _StderrPump(threading.Thread):
@@ -381,6 +390,7 @@ def launch(
     worker_argv: Sequence[str] | None = None,
     cuda: bool | None = None,
     grace_s: float = 5.0,
+    timeline: StartupTimeline | None = None,
 ) -> int:
     """Run one worker per entry of `gpus` to completion; return the exit code for the CLI.
 
@@ -388,13 +398,15 @@ def launch(
     process group, SIGKILL after `grace_s`); 128+signal when SIGINT/SIGTERM/SIGHUP stops the
     launcher. No child outlives this call, whatever happens, nor this process (parent-death signal).
     `cuda=None` asks torch whether CUDA is there. Call it from the thread that lives longest: the
-    workers die when the thread that started them ends.
+    workers die when the thread that started them ends. `timeline`: the launcher's start-up stamps, marked
+    here once the store is bound and handed to every worker (HyperSloth.outputs.startup).
     """
     from HyperSloth.launch.rendezvous import host_store
 
     cuda = cuda_device_count() > 0 if cuda is None else cuda
     store = host_store(MASTER_ADDR)  # held (bound) until this function returns
-    specs = build_worker_specs(config_path, gpus, output_dir, port=store.port, cuda=cuda, worker_argv=worker_argv)
+    specs = build_worker_specs(config_path, gpus, output_dir, port=store.port, cuda=cuda, worker_argv=worker_argv,
+                               base_env=stamped_env(timeline, "rendezvous"))
     logs_dir = run_files.logs_dir(output_dir)
     logs_dir.mkdir(parents=True, exist_ok=True)
     for stale in run_files.rank_files_in(logs_dir, "failure.json"):  # a previous run's stamps must not name a culprit

@@ -28,9 +28,11 @@ from HyperSloth.launch.local import (
     build_worker_specs,
     cuda_device_count,
     recorded_error,
+    stamped_env,
     stop_process_groups,
 )
 from HyperSloth.outputs import run_files
+from HyperSloth.outputs.startup import StartupTimeline
 
 from HyperSloth.outputs.run_files import RENDEZVOUS_PORT_FILE, TORCHRUN_VARS, rank_file_in
 
@@ -127,11 +129,13 @@ def launch_tmux(
     cuda: bool | None = None,
     socket_name: str | None = None,
     grace_s: float = 5.0,
+    timeline: StartupTimeline | None = None,
 ) -> str:
     """Create tmux session `session`: window `main` (monitor) and one window per GPU (`rank0`, ...).
 
     Returns as soon as the session exists, with the command to attach to it. An existing session
-    raises TmuxSessionExists unless `replace`. `socket_name` picks a private tmux server (`tmux -L`).
+    raises TmuxSessionExists unless `replace`. `socket_name` picks a private tmux server (`tmux -L`);
+    `timeline`: the launcher's start-up stamps, handed to the rank windows.
     """
     server = check_tmux_session(session, replace=replace, socket_name=socket_name)
     if server.has_session(session):
@@ -148,7 +152,8 @@ def launch_tmux(
     )
     try:  # a half-made session (Ctrl-C, a monitor that never binds) must not stay behind
         port = _wait_for_port(port_file, tmux_session)
-        specs = build_worker_specs(config_path, gpus, output_dir, port=port, cuda=cuda, worker_argv=worker_argv)
+        specs = build_worker_specs(config_path, gpus, output_dir, port=port, cuda=cuda, worker_argv=worker_argv,
+                                   base_env=stamped_env(timeline, "rendezvous"))
         for spec in specs:
             tmux_session.new_window(window_name=run_files.rank_name(spec.rank), start_directory=os.getcwd(),
                                     window_shell=_window_command(_rank_script(spec, logs_dir)), attach=False)

@@ -73,6 +73,8 @@ ENV_LOCAL_RANK = "HYPERSLOTH_LOCAL_RANK"
 ENV_WORLD_SIZE = "HYPERSLOTH_WORLD_SIZE"
 ENV_MASTER_ADDR = "HYPERSLOTH_MASTER_ADDR"
 ENV_MASTER_PORT = "HYPERSLOTH_MASTER_PORT"
+# The launcher's start-up stamps, handed to every worker (HyperSloth.outputs.startup).
+ENV_LAUNCH_STAMPS = "HYPERSLOTH_LAUNCH_STAMPS"
 # Where the budget probe caches its measurements (HyperSloth.train.probe_cache); "off" turns the cache off.
 ENV_CACHE_DIR = "HYPERSLOTH_CACHE_DIR"
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import copy
 import importlib
 import importlib.util
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,6 +27,9 @@ class LoadedModel:
     tokenizer: Any
     backend: str  # "unsloth" or "transformers"
     dtype: torch.dtype
+    # When the base model (with its tokenizer) was loaded and the adapters attached (time.time(); no "adapter"
+    # for full fine-tuning): the worker's start-up timeline (HyperSloth.outputs.startup).
+    stamps: dict[str, float] = field(default_factory=dict)
 
 
 def resolve_backend(args: FastModelArgs) -> str:
@@ -51,19 +55,20 @@ def load_model(fast: FastModelArgs, lora: LoraArgs | None) -> LoadedModel:
     backend = resolve_backend(fast)
     dtype = resolve_dtype(fast)
     native = _checkpoint_config(fast)
+    stamps: dict[str, float] = {}
     if backend == "unsloth":
-        model, tokenizer = _load_unsloth(fast, lora, dtype)
+        model, tokenizer = _load_unsloth(fast, lora, dtype, stamps)
     else:
-        model, tokenizer = _load_transformers(fast, lora, dtype, native)
+        model, tokenizer = _load_transformers(fast, lora, dtype, stamps, native)
     line = describe_rope(native, model.config, fast.max_seq_length, backend) if native is not None else None
     if line:
         logger.warning(line)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return LoadedModel(model=model, tokenizer=tokenizer, backend=backend, dtype=dtype)
+    return LoadedModel(model=model, tokenizer=tokenizer, backend=backend, dtype=dtype, stamps=stamps)
 
 
-def _load_unsloth(fast: FastModelArgs, lora: LoraArgs | None, dtype: torch.dtype):
+def _load_unsloth(fast: FastModelArgs, lora: LoraArgs | None, dtype: torch.dtype, stamps: dict[str, float]):
     from unsloth import FastLanguageModel
 
     # use_gradient_checkpointing goes to from_pretrained too: its default ("unsloth") patches torch's
@@ -78,6 +83,7 @@ def _load_unsloth(fast: FastModelArgs, lora: LoraArgs | None, dtype: torch.dtype
         trust_remote_code=fast.trust_remote_code,
         use_gradient_checkpointing=fast.use_gradient_checkpointing,
     )
+    stamps["model_load"] = time.time()
     if lora is not None and lora.init_adapter_path:
         from peft import PeftModel
 
@@ -90,6 +96,8 @@ def _load_unsloth(fast: FastModelArgs, lora: LoraArgs | None, dtype: torch.dtype
         check_target_modules(model, lora.target_modules)
         model = _unsloth_lora(FastLanguageModel, model, fast, lora)
     _allow_packed_rows(model)
+    if lora is not None:
+        stamps["adapter"] = time.time()
     return model, tokenizer
 
 
@@ -115,7 +123,8 @@ def _unsloth_lora(FastLanguageModel, model, fast: FastModelArgs, lora: LoraArgs)
     )
 
 
-def _load_transformers(fast: FastModelArgs, lora: LoraArgs | None, dtype: torch.dtype, native=None):
+def _load_transformers(fast: FastModelArgs, lora: LoraArgs | None, dtype: torch.dtype, stamps: dict[str, float],
+                       native=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # Remote model code runs only when the config asks for it (trust_remote_code, default False).
@@ -143,9 +152,12 @@ def _load_transformers(fast: FastModelArgs, lora: LoraArgs | None, dtype: torch.
     if fast.use_gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
+    stamps["model_load"] = time.time()
     if lora is None:
         return model, tokenizer
-    return _attach_peft(model, lora), tokenizer
+    model = _attach_peft(model, lora)
+    stamps["adapter"] = time.time()
+    return model, tokenizer
 
 
 def _attach_peft(model, lora: LoraArgs):

@@ -1,7 +1,8 @@
 """Step timing and the optional per-phase breakdown (data, forward, backward, all-reduce, clip, optimizer).
 
 `StepClock` always runs: one CUDA synchronise per optimizer step (HF's per-step loss logging syncs
-anyway), giving wall seconds per step for the run summary and the benchmark. `PhaseTimer` runs only
+anyway), giving wall seconds per step for the run summary and the benchmark. It also closes the
+start-up timeline (HyperSloth.outputs.startup): graph capture, the Trainer's set-up and step 1. `PhaseTimer` runs only
 with `training.profile=True`: it synchronises between phases, which costs a little speed, so it is
 meant for finding the next bottleneck, not for the headline numbers.
 """
@@ -16,6 +17,8 @@ from contextlib import contextmanager
 import torch
 from loguru import logger
 from transformers import TrainerCallback
+
+from HyperSloth.outputs.startup import StartupTimeline
 
 PHASES = ("data", "forward", "backward", "allreduce", "clip", "optimizer")
 
@@ -67,14 +70,21 @@ class PhaseTimer:
 class StepClock(TrainerCallback):
     """Wall time of every optimizer step, plus the phase marks around the optimizer."""
 
-    def __init__(self, timer: PhaseTimer):
+    def __init__(self, timer: PhaseTimer, startup: StartupTimeline | None = None):
         self.timer = timer
         self.stamps: list[float] = []
         self.first_step_end_unix: float | None = None  # wall clock: start-up = this - the launch time
+        self.startup = startup  # the worker's start-up timeline, closed at the end of step 1 (None: not kept)
+
+    def mark_startup(self, phase: str) -> None:
+        """A start-up phase ended now (nothing once step 1 has ended, or without a timeline)."""
+        if self.startup is not None and self.first_step_end_unix is None:
+            self.startup.mark(phase)
 
     def on_train_begin(self, args, state, control, **kwargs):
         _sync()
         self.stamps = [time.perf_counter()]
+        self.mark_startup("train_setup")
         self.timer.restart()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
@@ -87,7 +97,10 @@ class StepClock(TrainerCallback):
         _sync()
         self.stamps.append(time.perf_counter())
         if self.first_step_end_unix is None:
+            self.mark_startup("first_step")
             self.first_step_end_unix = time.time()
+            if self.startup is not None:  # every rank in its own log; rank 0's also on the console
+                logger.info(self.startup.line())
         self.timer.steps += 1
         self.timer.restart()  # what follows until the next forward is data loading
 

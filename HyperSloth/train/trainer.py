@@ -225,6 +225,7 @@ class HyperSlothTrainer(SFTTrainer):
 
     def train(self, *args, **kwargs):
         self.capture_planned_graphs()
+        self.clock.mark_startup("graph_capture")
         return super().train(*args, **kwargs)
 
     def capture_planned_graphs(self) -> None:

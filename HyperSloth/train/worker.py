@@ -21,26 +21,33 @@ import numpy as np
 from HyperSloth.config import ConfigError
 from HyperSloth.outputs import checkpoints, logs, report, run_files
 from HyperSloth.outputs.checkpoints import CheckpointError
+from HyperSloth.outputs.startup import StartupTimeline, process_start_unix
 from HyperSloth.plan.run import RunDescription, read_run
 from HyperSloth.train import budget, dist, probe_cache
 
 
 def main_from_cli(run_path: str) -> None:
     """Entry point of one worker started with a run.json; exits non-zero (with the error in its log) on failure."""
+    timeline = StartupTimeline.from_env(os.environ)  # the launcher's stamps
+    started = process_start_unix()
+    if started is not None and timeline.marks:  # spawned by the launcher: the gap is fork/exec + interpreter
+        timeline.mark("worker_start", started)
+    timeline.mark("worker_imports")
     info = dist.DistInfo.from_env()
     try:
         description = read_run(run_path)
     except ConfigError as err:
         print(f"[rank {info.rank}] {err}", file=sys.stderr)
         sys.exit(2)
-    main(description, info)
+    main(description, info, timeline)
 
 
-def main(description: RunDescription, info: dist.DistInfo) -> None:
+def main(description: RunDescription, info: dist.DistInfo, timeline: StartupTimeline | None = None) -> None:
     """Train `description` as rank `info.rank`. On failure: the traceback goes to this rank's log file only,
-    one line naming the error to stderr (the launcher shows it), and exit 2 (a config problem) or 1."""
+    one line naming the error to stderr (the launcher shows it), and exit 2 (a config problem) or 1.
+    `timeline`: the start-up stamps so far (default: launched when this process started)."""
     try:
-        run(description, info)
+        run(description, info, timeline or StartupTimeline.starting_now())
     except ConfigError as err:
         print(f"[rank {info.rank}] {err}", file=sys.stderr)
         sys.exit(2)
@@ -58,8 +65,9 @@ def main(description: RunDescription, info: dist.DistInfo) -> None:
         sys.exit(1)
 
 
-def run(description: RunDescription, info: dist.DistInfo) -> dict[str, Any] | None:
-    """Train on this rank's share of every step; returns the run summary on rank 0."""
+def run(description: RunDescription, info: dist.DistInfo, timeline: StartupTimeline) -> dict[str, Any] | None:
+    """Train on this rank's share of every step, marking start-up phases on `timeline`; returns the run
+    summary on rank 0."""
     if info.world_size != description.world_size:
         raise ConfigError(f"this worker is one of {info.world_size} but the run was resolved for "
                           f"{description.world_size}: start it with `hypersloth-train CONFIG`")
@@ -74,8 +82,10 @@ def run(description: RunDescription, info: dist.DistInfo) -> dict[str, Any] | No
                 logger.info(note)
         if description.backend == "unsloth":
             _prepare_unsloth(info.rank)  # before transformers/trl are imported below
+            timeline.mark("unsloth_import")
         dist.setup(info, timeout_s=description.nccl_timeout_s)
-        return _train(description, info, out_dir)
+        timeline.mark("dist_init")
+        return _train(description, info, out_dir, timeline)
     except BaseException as err:
         _record_failure(out_dir, info.rank, err)  # before the process group goes down
         raise
@@ -103,40 +113,47 @@ def _record_failure(out_dir: Path, rank: int, err: BaseException) -> None:
     run_files.atomic_write_json(run_files.rank_file(out_dir, rank, "failure.json"), record)
 
 
-def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path) -> dict[str, Any] | None:
+def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path, timeline: StartupTimeline
+           ) -> dict[str, Any] | None:
     import transformers
     from datasets import load_from_disk
 
     from HyperSloth.plan.eval_set import split_for_run
-    from HyperSloth.train import model as model_lib
     from HyperSloth.train.evaluation import eval_summary
 
     transformers.set_seed(description.seed)
+    timeline.mark("train_imports")
     started = time.perf_counter()
     large_files_check = _check_large_files(description) if info.is_main else None
     # Loading and the micro-batch budget go together: "auto" is measured on the loaded model (every rank,
     # then the minimum), and a longest sample that fits only with checkpointing reloads the model with it.
-    lengths = np.asarray(load_from_disk(description.dataset.path)["length"], dtype=np.int64)
+    full_dataset = load_from_disk(description.dataset.path)  # memory-mapped: read once, split below
+    lengths = np.asarray(full_dataset["length"], dtype=np.int64)
+    timeline.mark("dataset")
     lora = description.hyper_config.lora_args
     setup = probe_cache.ProbeSetup(fast=description.hyper_config.fast_model_args.model_dump(mode="json"),
                                    lora=lora.model_dump(mode="json") if lora else None,
                                    backend=description.backend,
                                    cache=probe_cache.ProbeCache(probe_cache.cache_dir()))
-    description, loaded_model, budget_decision = budget.settle(description, _loader(description), lengths, setup)
+    description, loaded_model, budget_decision = budget.settle(description, _loader(description, timeline),
+                                                               lengths, setup)
+    timeline.mark("budget_probe")
     logger.info(f"model {description.hyper_config.fast_model_args.model_name} loaded with {loaded_model.backend} ({loaded_model.dtype})")
     if info.is_main:
         run_files.atomic_write_json(run_files.resolved_file(out_dir), {
             "token_budget": budget_decision.as_record(),
             "gradient_checkpointing": description.gradient_checkpointing})
     # A hold-out leaves the training rows; the eval rows are checked against the resolved fingerprint.
-    dataset, eval_dataset = split_for_run(load_from_disk(description.dataset.path), description.eval_set)
+    dataset, eval_dataset = split_for_run(full_dataset, description.eval_set)
     trainer, setup = _builder(description.method)(description, loaded_model, dataset, info, eval_dataset=eval_dataset)
+    timeline.mark("trainer_built")
+    trainer.clock.startup = timeline  # it marks graph_capture, train_setup and first_step
     if large_files_check is not None:
         _refuse_corrupt(description.resume_from_checkpoint, large_files_check.result())
     result = trainer.train(resume_from_checkpoint=description.resume_from_checkpoint)
     # Every rank's record is written before the collective, which waits for all: rank 0's report sees them all.
     # A mismatch fails the run on every rank before anything is saved (the adapter could be any rank's).
-    digests = dist.exchange("weights_sha256", _write_weight_digest(trainer.model, out_dir, info.rank))
+    digests = dist.exchange("weights_sha256", _write_weight_digest(trainer.model, out_dir, info.rank, timeline))
     if len(set(digests)) > 1:
         raise RuntimeError(weights_mismatch(digests))
     if not info.is_main:
@@ -148,6 +165,7 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path) -> d
     summary["token_budget"] = budget_decision.as_record()  # the budget planned with, and what it came from
     summary["cuda_graphs"] = trainer.graphs_summary()
     summary["gradient_checkpointing"] = description.gradient_checkpointing
+    summary["startup"] = timeline.record()  # launch to the end of step 1, phase by phase (outputs/startup.py)
     summary.update(eval_summary(trainer.state.log_history, description.eval_set, out_dir))
     run_files.atomic_write_json(out_dir / run_files.SUMMARY_FILE, summary)
     run_files.atomic_write_json(out_dir / run_files.CONFIG_FILE, description.resolved_config())
@@ -184,15 +202,19 @@ def _builder(method: str):
     return build_trainer
 
 
-def _loader(description: RunDescription):
+def _loader(description: RunDescription, timeline: StartupTimeline):
     """`load(gradient_checkpointing)` for budget.settle: the run's model, with the run's checkpointing (None)
-    or the one given."""
+    or the one given; each load's stamps go on `timeline` (a second load follows a first budget probe)."""
     from HyperSloth.train import model as model_lib
 
     def load(checkpointing):
+        if any(phase == "model_load" for phase, _ in timeline.marks):
+            timeline.mark("budget_probe")  # the probe that asked for this reload
         mode = description.gradient_checkpointing if checkpointing is None else checkpointing
         fast = description.hyper_config.fast_model_args.model_copy(update={"use_gradient_checkpointing": mode})
-        return model_lib.load_model(fast, description.hyper_config.lora_args)
+        loaded = model_lib.load_model(fast, description.hyper_config.lora_args)
+        timeline.marks_from(loaded.stamps)
+        return loaded
 
     return load
 
@@ -209,9 +231,9 @@ def weights_mismatch(digests: list[str]) -> str:
             "saved; this is a HyperSloth bug, please report it")
 
 
-def _write_weight_digest(model, out_dir: Path, rank: int) -> str:
-    """A hash of this rank's trainable weights (returned and written to its final record): all ranks must end
-    with identical adapters."""
+def _write_weight_digest(model, out_dir: Path, rank: int, timeline: StartupTimeline) -> str:
+    """A hash of this rank's trainable weights (returned and written to its final record, with the rank's
+    start-up timeline): all ranks must end with identical adapters."""
     digest = hashlib.sha256()
     count = 0
     for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
@@ -219,7 +241,8 @@ def _write_weight_digest(model, out_dir: Path, rank: int) -> str:
             digest.update(name.encode())
             digest.update(param.detach().float().cpu().numpy().tobytes())
             count += param.numel()
-    record = {"rank": rank, "sha256": digest.hexdigest(), "trainable_params": count, "peak_gpu_gb": _peak_gpu_gb()}
+    record = {"rank": rank, "sha256": digest.hexdigest(), "trainable_params": count, "peak_gpu_gb": _peak_gpu_gb(),
+              "startup": timeline.record()}
     run_files.atomic_write_json(run_files.rank_file(out_dir, rank, "final.json"), record)
     return record["sha256"]
 

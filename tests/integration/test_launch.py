@@ -21,10 +21,12 @@ import HyperSloth.cli.train as train_cli
 import HyperSloth.launch.local as launch_mod
 import HyperSloth.launch.tmux as tmux_mod
 from HyperSloth.launch.local import TORCHRUN_VARS, build_worker_specs, launch, worker_env
+from HyperSloth.outputs.startup import StartupTimeline
 
 # A fake worker: records its environment and pid (and a grandchild's pid), then acts out `mode`.
 FAKE_WORKER = textwrap.dedent('''
     import json, os, socket, subprocess, sys, time
+    STARTED = time.time()
     out, mode = sys.argv[1], sys.argv[2]
     rank = int(os.environ["HYPERSLOTH_RANK"])
     addr, port = os.environ["HYPERSLOTH_MASTER_ADDR"], int(os.environ["HYPERSLOTH_MASTER_PORT"])
@@ -36,7 +38,7 @@ FAKE_WORKER = textwrap.dedent('''
     socket.create_connection((addr, port), timeout=5).close()  # ... and it answers
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) if mode != "ok" else None
     record = {"pid": os.getpid(), "child_pid": child.pid if child else None, "env": dict(os.environ),
-              "port_owned": port_owned}
+              "port_owned": port_owned, "started": STARTED}
     with open(os.path.join(out, f"rank{rank}.json.tmp"), "w") as f:
         json.dump(record, f)
     os.replace(os.path.join(out, f"rank{rank}.json.tmp"), os.path.join(out, f"rank{rank}.json"))
@@ -107,6 +109,17 @@ def test_env_contract_on_cuda_maps_gpus_and_strips_torchrun_vars(fake, tmp_path,
     err = capfd.readouterr().err
     assert "rank 0 says hello" in err and "rank 1 says hello" not in err
     assert f"output in {out.resolve()}" in err
+
+
+def test_the_launcher_hands_its_start_up_stamps_to_every_worker(fake, tmp_path):
+    launched = time.time() - 1.0
+    timeline = StartupTimeline(launched, [("launcher_start", launched + 0.25), ("launcher_checks", launched + 0.5)])
+    assert launch("cfg.py", [0, 1], tmp_path / "out", worker_argv=fake.argv("ok"), cuda=False, timeline=timeline) == 0
+    # Marked once the store is bound, before the first worker is started; every worker gets the same stamps.
+    assert [phase for phase, _ in timeline.marks] == ["launcher_start", "launcher_checks", "rendezvous"]
+    received = [StartupTimeline.from_env(record["env"]) for record in fake.read(2)]
+    assert received == [timeline, timeline]
+    assert min(record["started"] for record in fake.read(2)) >= timeline.marks[-1][1]
 
 
 def test_cpu_env_hides_gpus_and_splits_threads(monkeypatch):
@@ -354,7 +367,8 @@ def cli(monkeypatch):
 def test_valid_config_reaches_the_launcher(cli, tmp_path):
     config = write_config(tmp_path, gpus="[1, 3]")
     assert cli.run([str(config)]) == 0
-    [(kind, args, _)] = cli.calls
+    [(kind, args, kwargs)] = cli.calls
+    assert [phase for phase, _ in kwargs["timeline"].marks] == ["launcher_start", "launcher_checks"]
     # The workers get the resolved run (run.json in the output dir), never the config file.
     out = (tmp_path / "out").resolve()
     assert (kind, args) == ("launch", (out / "run.json", [1, 3], out))
@@ -423,7 +437,9 @@ def test_missing_tmux_binary_exits_2_and_writes_nothing(cli, tmp_path, capsys, m
 def test_tmux_flag_goes_to_launch_tmux(cli, tmp_path, capsys):
     assert cli.run([str(write_config(tmp_path)), "--tmux", "train", "--y"]) == 0
     [(kind, args, kwargs)] = cli.calls
-    assert kind == "tmux" and args[3] == "train" and kwargs == {"replace": True}
+    assert kind == "tmux" and args[3] == "train" and kwargs.pop("replace") is True
+    # The launcher's start-up stamps so far go to the rank windows (launch_tmux adds the rendezvous).
+    assert [phase for phase, _ in kwargs.pop("timeline").marks] == ["launcher_start", "launcher_checks"] and not kwargs
     assert "attach with: tmux attach" in capsys.readouterr().out
 
 
@@ -458,7 +474,8 @@ def test_dry_run_prints_the_plan_and_spawns_nothing(cli, tmp_path, capsys, monke
 def test_under_torchrun_the_worker_runs_in_process(cli, tmp_path, monkeypatch):
     seen = []
     worker = types.ModuleType("HyperSloth.train.worker")
-    worker.main = lambda description, info: seen.append((description.world_size, info.rank, os.getpid()))
+    worker.main = lambda description, info, timeline: seen.append(
+        (description.world_size, info.rank, os.getpid(), [phase for phase, _ in timeline.marks]))
     monkeypatch.setitem(sys.modules, "HyperSloth.train.worker", worker)
     # `from HyperSloth.train import worker` finds the package attribute first, set once any test imported the
     # real one.
@@ -469,7 +486,8 @@ def test_under_torchrun_the_worker_runs_in_process(cli, tmp_path, monkeypatch):
     config = write_config(tmp_path)
     # The world size comes from torchrun (4), not from len(gpus) (2); only rank 0 writes run.json.
     assert cli.run([str(config)]) == 0
-    assert seen == [(4, 1, os.getpid())] and cli.calls == []
+    # The start-up timeline goes on in this process: the CLI's stamps, then the worker's.
+    assert seen == [(4, 1, os.getpid(), ["launcher_start", "worker_imports", "launcher_checks"])] and cli.calls == []
     assert not (tmp_path / "out" / "run.json").exists()
 
 

@@ -30,6 +30,8 @@ from training_fixtures import (
     relative_error,
 )
 
+from HyperSloth.outputs.startup import PHASES
+
 pytestmark = pytest.mark.slow
 
 RTOL = 1e-5
@@ -425,3 +427,36 @@ def test_the_planned_token_budget_is_recorded_with_its_source(runs):
     assert resolved["token_budget"]["tokens"] == 512 and resolved["token_budget"]["source"] == "explicit"
     assert resolved["gradient_checkpointing"] is False
     assert run.summary["token_budget"] == resolved["token_budget"]
+
+
+# ---------------------------------------------------------------- 8. the start-up timeline
+
+
+def assert_start_up_timeline(run: RunResult, phases: list[str]) -> None:
+    """train_summary.json's `startup` names `phases` in this order, each ending after the one before, from the
+    launch to the end of step 1; every rank's final record has its own; rank 0 printed the breakdown."""
+    startup = run.summary["startup"]
+    assert list(startup["end_s"]) == phases == list(startup["phase_s"])
+    ends = list(startup["end_s"].values())
+    assert ends == sorted(ends) and ends[0] >= 0 and all(s >= 0 for s in startup["phase_s"].values())
+    assert startup["total_s"] == ends[-1] == pytest.approx(sum(startup["phase_s"].values()), abs=0.01)
+    # The step clock's own stamp of step 1's end, and the CLI's exit, come after the timeline's last stamp.
+    assert startup["launch_unix"] + startup["total_s"] <= run.summary["first_step_end_unix"] + 1e-3
+    assert run.summary["first_step_end_unix"] < run.ended_at
+    for record in run.final_records():
+        assert list(record["startup"]["end_s"])[-1] == "first_step"
+    assert f"start-up {startup['total_s']:.1f} s to the end of step 1" in run.output
+
+
+LAUNCHED = [p for p in PHASES if p != "unsloth_import"]  # transformers on CPU, workers spawned by the launcher
+
+
+@needs("packed-2w", "torchrun", *(["tmux"] if HAVE_TMUX else []))
+def test_the_start_up_timeline_runs_from_the_launch_to_the_end_of_step_1(runs):
+    assert_start_up_timeline(runs.get("packed-2w").check_ok(), LAUNCHED)
+    # torchrun started this process as the worker: no spawn of ours, the worker's imports come first.
+    in_process = ["launcher_start", "worker_imports", "launcher_checks", *LAUNCHED[LAUNCHED.index("dist_init"):]]
+    assert_start_up_timeline(runs.get("torchrun").check_ok(), in_process)
+    if HAVE_TMUX:  # the stamps reach the rank windows inline; rank 0's console is its window, not the CLI
+        startup = runs.get("tmux").check_ok().summary["startup"]
+        assert list(startup["end_s"]) == LAUNCHED and list(startup["end_s"].values()) == sorted(startup["end_s"].values())

@@ -291,7 +291,7 @@ def test_a_failed_save_ends_the_worker_with_its_message_and_no_traceback(monkeyp
     message = ("could not save checkpoint-2: rank 1 failed to write its part: OSError: [Errno 28] No space left "
                "on device. The newest complete checkpoint is /out/checkpoint-1: ...")
 
-    def failing_run(description, info):
+    def failing_run(description, info, timeline):
         raise CheckpointError(message)
 
     monkeypatch.setattr(worker, "run", failing_run)

@@ -4,6 +4,7 @@ on every path (a stand-in `unsloth` module records what HyperSloth passes it; Un
 from __future__ import annotations
 
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -33,6 +34,13 @@ def test_targets_that_all_match_train_those_modules(tiny_model_dir):
     loaded = model_lib.load_model(fast_args(tiny_model_dir), LoraArgs(target_modules=["q_proj", "v_proj"]))
     adapted = {name.split(".")[-4] for name, p in loaded.model.named_parameters() if p.requires_grad}
     assert adapted == {"q_proj", "v_proj"}
+    # The start-up timeline's stamps: the base model loaded, then the adapters attached.
+    assert list(loaded.stamps) == ["model_load", "adapter"]
+    assert loaded.stamps["model_load"] <= loaded.stamps["adapter"] <= time.time()
+
+
+def test_full_fine_tuning_stamps_no_adapter(tiny_model_dir):
+    assert list(model_lib.load_model(fast_args(tiny_model_dir), None).stamps) == ["model_load"]
 
 
 class FakeUnsloth:
@@ -77,7 +85,9 @@ def fake_unsloth(monkeypatch) -> FakeUnsloth:
 @pytest.mark.parametrize("checkpointing", [False, True, "unsloth"])
 def test_unsloth_gets_the_checkpointing_setting_when_loading(fake_unsloth, tiny_model_dir, checkpointing):
     fast = fast_args(tiny_model_dir, use_gradient_checkpointing=checkpointing)
-    model_lib._load_unsloth(fast, LoraArgs(), torch.float32)
+    stamps: dict[str, float] = {}
+    model_lib._load_unsloth(fast, LoraArgs(), torch.float32, stamps)
+    assert list(stamps) == ["model_load", "adapter"] and stamps["model_load"] <= stamps["adapter"]
     # from_pretrained's own default ("unsloth") would patch torch's checkpointing whatever the config says.
     [(_, loaded), (_, peft)] = fake_unsloth.calls
     assert loaded["use_gradient_checkpointing"] == checkpointing == peft["use_gradient_checkpointing"]
@@ -92,7 +102,7 @@ def test_unsloth_adapter_to_continue_gets_the_checkpointing_setting(fake_unsloth
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM")).save_pretrained(tmp_path)
     fast = fast_args(tiny_model_dir, use_gradient_checkpointing=checkpointing)
-    model, _ = model_lib._load_unsloth(fast, LoraArgs(init_adapter_path=str(tmp_path)), torch.float32)
+    model, _ = model_lib._load_unsloth(fast, LoraArgs(init_adapter_path=str(tmp_path)), torch.float32, {})
     # get_peft_model is skipped for a saved adapter; Unsloth's patch_peft_model applies the setting instead.
     assert [name for name, _ in fake_unsloth.calls] == ["from_pretrained", "patch_peft_model"]
     assert fake_unsloth.calls[1][1] == {"use_gradient_checkpointing": checkpointing, "model": "PeftModelForCausalLM"}

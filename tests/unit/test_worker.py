@@ -9,6 +9,7 @@ import pytest
 from loguru import logger
 
 from HyperSloth.outputs import logs
+from HyperSloth.outputs.startup import StartupTimeline
 from HyperSloth.train import worker
 
 
@@ -21,7 +22,7 @@ def restore_loguru():
 
 def test_a_failing_worker_prints_its_error_in_two_lines_and_logs_the_traceback(tmp_path, monkeypatch, capfd,
                                                                                restore_loguru):
-    def failing_run(description, info):
+    def failing_run(description, info, timeline):
         logs.configure(info.rank, tmp_path)
 
         def load_model():
@@ -44,7 +45,7 @@ def test_a_failing_worker_prints_its_error_in_two_lines_and_logs_the_traceback(t
 def test_a_config_problem_found_by_a_worker_exits_2_with_its_message(tmp_path, monkeypatch, capfd, restore_loguru):
     from HyperSloth.config import ConfigError
 
-    def refusing_run(description, info):
+    def refusing_run(description, info, timeline):
         raise ConfigError("lora_args.target_modules ['nope'] match no module of this model")
 
     monkeypatch.setattr(worker, "run", refusing_run)
@@ -76,6 +77,8 @@ def test_the_digest_is_written_before_it_is_compared(tmp_path):
 
     model = torch.nn.Linear(3, 2)
     model.bias.requires_grad_(False)
-    digest = worker._write_weight_digest(model, tmp_path, 1)
+    timeline = StartupTimeline(100.0, [("dist_init", 101.5)])
+    digest = worker._write_weight_digest(model, tmp_path, 1, timeline)
     record = json.loads((tmp_path / "logs" / "rank1.final.json").read_text())
     assert record["sha256"] == digest and record["trainable_params"] == 6 and record["rank"] == 1
+    assert record["startup"]["phase_s"] == {"dist_init": 1.5}  # each rank's own start-up, beside its digest
