@@ -35,6 +35,7 @@ class CheckedRun:
     run_path: Path  # OUTPUT_DIR/run.json, the only thing the workers read
     gpus: list[int]
     output_dir: Path
+    cuda: bool  # GPU workers (else CPU workers over gloo), as resolved: the GPUs are counted once
 
 
 def _check_output_dir(output_dir: Path) -> None:
@@ -158,7 +159,7 @@ def check_run(config_path: str | os.PathLike, *, overwrite: bool = False) -> Che
     for note in [*machine_notes(description, machine), *description.resume_notes]:
         print(f"hypersloth-train: {note}", file=sys.stderr, flush=True)
     print(f"hypersloth-train: {description.batch_line()}", file=sys.stderr, flush=True)
-    return CheckedRun(write_run(description), list(description.gpus), output_dir)
+    return CheckedRun(write_run(description), list(description.gpus), output_dir, description.device == "cuda")
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -206,7 +207,8 @@ def _tmux_replace(session: str, replace: bool) -> bool:
 
 
 def _start_tmux(run: CheckedRun, session: str, replace: bool, timeline: StartupTimeline) -> int:
-    attach = launch_tmux(run.run_path, run.gpus, run.output_dir, session, replace=replace, timeline=timeline)
+    attach = launch_tmux(run.run_path, run.gpus, run.output_dir, session, replace=replace, cuda=run.cuda,
+                         timeline=timeline)
     print(f"hypersloth-train: started {len(run.gpus)} rank(s) in tmux session '{session}' "
           f"(windows: main, rank0..rank{len(run.gpus) - 1}); logs in {run_files.logs_dir(run.output_dir)}")
     print(f"hypersloth-train: attach with: {attach}")
@@ -232,7 +234,7 @@ def train(config: str, tmux: str | None = None, y: bool = False, dry_run: bool =
         timeline.mark("launcher_checks")
         if tmux is not None:
             raise SystemExit(_start_tmux(run, str(tmux), replace=replace, timeline=timeline))
-        code = launch(run.run_path, run.gpus, run.output_dir, timeline=timeline)
+        code = launch(run.run_path, run.gpus, run.output_dir, cuda=run.cuda, timeline=timeline)
     except (ConfigError, LaunchError) as err:
         _fail(str(err))
     raise SystemExit(code)

@@ -8,10 +8,11 @@ Three ways to run the workers of `training.gpus`:
 - torchrun: nothing is spawned here; `is_torchrun_env` lets the CLI call the worker in-process.
 
 The worker contract (environment, argv, log paths) lives in `worker_env` / `build_worker_specs`.
-The rendezvous port is owned by this process from the moment it is chosen: `launch` binds the run's
-TCPStore itself (port 0: the kernel picks a free one) and holds it until the workers are gone, so no
-other process can take the port between choosing and binding (see `rendezvous.host_store`).
-This module imports no model code; torch only lazily (to count GPUs and to host the store).
+The rendezvous port is owned by this process from the moment it is chosen: `launch` binds it itself
+(port 0: the kernel picks a free one), serves the run's TCPStore on it and holds it until the workers are
+gone, so no other process can take the port between choosing and binding (see `rendezvous`).
+This module imports no model code, and torch only once the workers run (for the store): GPUs are counted
+without it where that is certain (`devices`), so no worker waits for the launcher's torch import.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Iterator
 
+from HyperSloth.launch.devices import cuda_device_count  # noqa: F401 - the launcher's GPU count (cli, tmux)
 from HyperSloth.outputs import run_files
 from HyperSloth.outputs.startup import StartupTimeline
 
@@ -129,13 +131,6 @@ def die_with_parent_hook(signum: int = signal.SIGKILL) -> Callable[[], None] | N
             os.kill(os.getpid(), signal.SIGKILL)
 
     return hook
-
-
-def cuda_device_count() -> int:
-    """Number of visible CUDA devices (0 on a CPU-only torch); imports torch only when asked."""
-    import torch
-
-    return torch.cuda.device_count()
 
 
 def default_worker_argv(config_path: str | os.PathLike) -> list[str]:
@@ -397,16 +392,29 @@ def launch(
     0 when every rank exits 0; 1 when a rank fails (the others are stopped: SIGTERM to each
     process group, SIGKILL after `grace_s`); 128+signal when SIGINT/SIGTERM/SIGHUP stops the
     launcher. No child outlives this call, whatever happens, nor this process (parent-death signal).
-    `cuda=None` asks torch whether CUDA is there. Call it from the thread that lives longest: the
+    `cuda=None` counts the GPUs (`devices.cuda_device_count`). Call it from the thread that lives longest: the
     workers die when the thread that started them ends. `timeline`: the launcher's start-up stamps, marked
-    here once the store is bound and handed to every worker (HyperSloth.outputs.startup).
+    here once the port is reserved and handed to every worker (HyperSloth.outputs.startup). The store is
+    served on that port once the workers have started: its torch import overlaps theirs.
     """
-    from HyperSloth.launch.rendezvous import host_store
+    from HyperSloth.launch.rendezvous import reserve_port
 
     cuda = cuda_device_count() > 0 if cuda is None else cuda
-    store = host_store(MASTER_ADDR)  # held (bound) until this function returns
-    specs = build_worker_specs(config_path, gpus, output_dir, port=store.port, cuda=cuda, worker_argv=worker_argv,
-                               base_env=stamped_env(timeline, "rendezvous"))
+    listener = reserve_port(MASTER_ADDR)  # the port is ours from here; the store takes the socket over
+    try:
+        specs = build_worker_specs(config_path, gpus, output_dir, port=listener.getsockname()[1], cuda=cuda,
+                                   worker_argv=worker_argv, base_env=stamped_env(timeline, "rendezvous"))
+        return _supervise(specs, listener, output_dir, grace_s, cuda)
+    finally:
+        listener.close()  # a no-op once the store took the socket over
+
+
+def _supervise(specs: Sequence[WorkerSpec], listener, output_dir: str | os.PathLike, grace_s: float,
+               cuda: bool) -> int:
+    """`launch` once the port is reserved: start the workers, serve the store on `listener`, wait, stop."""
+    from HyperSloth.launch.rendezvous import host_store
+
+    gpus = [spec.gpu for spec in specs]
     logs_dir = run_files.logs_dir(output_dir)
     logs_dir.mkdir(parents=True, exist_ok=True)
     for stale in run_files.rank_files_in(logs_dir, "failure.json"):  # a previous run's stamps must not name a culprit
@@ -416,9 +424,10 @@ def launch(
     supervisor = _Supervisor(specs, logs_dir, grace_s)
     # The stop runs while signals are still only recorded, so a second Ctrl-C cannot cut it short.
     with _signals_recorded() as signals:
-        failure = None
+        failure, store = None, None
         try:
             supervisor.start(signals)
+            store = host_store(MASTER_ADDR, listener)  # torch imported while the workers import theirs
             failure = supervisor.wait_first_failure(signals)
         finally:
             stopped_by = signals.signum

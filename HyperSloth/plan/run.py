@@ -8,7 +8,7 @@ and `--dry-run` use the same resolver, so the preview plans exactly what the wor
 
 Every derived number (global batch, micro-batches per step, token budget) is computed here and only
 here, and every problem found is collected and reported at once, saying what to change.
-Torch-free: the caller counts the GPUs (`launch.local.cuda_device_count`) and passes the number in.
+Torch-free: the caller counts the GPUs (`launch.devices.cuda_device_count`) and passes the number in.
 """
 
 from __future__ import annotations

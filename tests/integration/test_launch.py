@@ -122,6 +122,30 @@ def test_the_launcher_hands_its_start_up_stamps_to_every_worker(fake, tmp_path):
     assert min(record["started"] for record in fake.read(2)) >= timeline.marks[-1][1]
 
 
+# The launcher in a fresh process: has torch been imported when each worker is started?
+NO_TORCH_BEFORE_SPAWN = textwrap.dedent('''
+    import json, subprocess, sys
+    from HyperSloth.launch import local
+    seen, popen = [], subprocess.Popen
+    def recording_popen(*args, **kwargs):
+        seen.append("torch" in sys.modules)
+        return popen(*args, **kwargs)
+    local.subprocess.Popen = recording_popen
+    code = local.launch("cfg.py", [0, 1], sys.argv[1], worker_argv=json.loads(sys.argv[2]))
+    print(json.dumps({"code": code, "torch_before_spawn": seen, "torch_after": "torch" in sys.modules}))
+''')
+
+
+def test_the_launcher_starts_the_workers_before_it_imports_torch(fake, tmp_path):
+    """Counting the GPUs needs no torch on this machine, and the store's torch import comes once the workers
+    run (it overlaps theirs): no worker waits for it. The store still serves them (the fake worker connects)."""
+    argv = [sys.executable, "-c", NO_TORCH_BEFORE_SPAWN, str(tmp_path / "out"), json.dumps(fake.argv("ok"))]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout.splitlines()[-1]) == {"code": 0, "torch_before_spawn": [False, False],
+                                                       "torch_after": True}
+    assert all(record["port_owned"] for record in fake.read(2))
+
+
 def test_cpu_env_hides_gpus_and_splits_threads(monkeypatch):
     base = {"PATH": "/bin", "RANK": "3"}
     env = worker_env(base, rank=1, gpus=[0, 1], port=1234, cuda=False)
@@ -437,7 +461,7 @@ def test_missing_tmux_binary_exits_2_and_writes_nothing(cli, tmp_path, capsys, m
 def test_tmux_flag_goes_to_launch_tmux(cli, tmp_path, capsys):
     assert cli.run([str(write_config(tmp_path)), "--tmux", "train", "--y"]) == 0
     [(kind, args, kwargs)] = cli.calls
-    assert kind == "tmux" and args[3] == "train" and kwargs.pop("replace") is True
+    assert kind == "tmux" and args[3] == "train" and kwargs.pop("replace") is True and kwargs.pop("cuda") is False
     # The launcher's start-up stamps so far go to the rank windows (launch_tmux adds the rendezvous).
     assert [phase for phase, _ in kwargs.pop("timeline").marks] == ["launcher_start", "launcher_checks"] and not kwargs
     assert "attach with: tmux attach" in capsys.readouterr().out
