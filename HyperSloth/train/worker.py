@@ -31,7 +31,8 @@ def main_from_cli(run_path: str) -> None:
     timeline = StartupTimeline.from_env(os.environ)  # the launcher's stamps
     started = process_start_unix()
     if started is not None and timeline.marks:  # spawned by the launcher: the gap is fork/exec + interpreter
-        timeline.mark("worker_start", started)
+        # /proc's stamp is truncated to 10 ms: never before the launcher's last stamp, taken before the spawn
+        timeline.mark("worker_start", max(started, timeline.marks[-1][1]))
     timeline.mark("worker_imports")
     info = dist.DistInfo.from_env()
     try:
