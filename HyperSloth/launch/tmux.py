@@ -2,9 +2,10 @@
 rank when one fails and summarises the exit codes. Same worker contract as `launch.launch`.
 
 `hypersloth-train --tmux` returns once the session exists, so it cannot hold the rendezvous port:
-the `main` window's monitor does. It binds the run's TCPStore (port 0, `rendezvous.host_store`), writes
-the port to `logs/rendezvous.port` and holds the store until every rank has exited; the launcher
-waits for that file before it creates the rank windows, so a port is never chosen and bound apart.
+the `main` window's monitor does. It binds the run's port (port 0, `rendezvous.reserve_port`), writes it
+to `logs/rendezvous.port`, serves the TCPStore on it and holds the store until every rank has exited; the
+launcher waits for that file before it creates the rank windows, so a port is never chosen and bound apart,
+and the monitor's torch import overlaps the ranks' own.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from HyperSloth.outputs.startup import StartupTimeline
 
 from HyperSloth.outputs.run_files import RENDEZVOUS_PORT_FILE, TORCHRUN_VARS, rank_file_in
 
-PORT_WAIT_S = 120.0  # the monitor imports torch before it can bind the store
+PORT_WAIT_S = 120.0  # the monitor's Python start and imports (no torch) before it binds the port
 
 # A tmux window inherits the tmux *server's* environment, not ours; these launcher variables are
 # passed inline so a run started from a virtualenv with NCCL settings behaves as without tmux.
@@ -182,12 +183,16 @@ def _wait_for_port(port_file: Path, tmux_session, timeout_s: float = PORT_WAIT_S
 
 
 def _hold_rendezvous(port_file: Path):
-    """Bind the run's store and publish its port (atomically: the launcher polls the file)."""
-    from HyperSloth.launch.rendezvous import host_store
+    """Reserve the run's port, publish it (atomically: the launcher polls the file), then serve the store on
+    it: the launcher starts the rank windows while this process imports torch for the store."""
+    from HyperSloth.launch.rendezvous import host_store, reserve_port
 
-    store = host_store(MASTER_ADDR)
-    run_files.atomic_write_text(port_file, f"{store.port}\n")
-    return store
+    listener = reserve_port(MASTER_ADDR)
+    try:
+        run_files.atomic_write_text(port_file, f"{listener.getsockname()[1]}\n")
+        return host_store(MASTER_ADDR, listener)
+    finally:
+        listener.close()  # a no-op once the store took the socket over
 
 
 def _read_exit_codes(logs_dir: Path, world_size: int) -> dict[int, int]:

@@ -91,3 +91,22 @@ def test_a_worker_that_connects_before_the_store_serves_waits_for_it():
     assert client.returncode == 0 and out.strip() == "welcome"
     listener.close()  # the store took the socket over: closing the Python object changes nothing
     store.set("still", "serving")
+
+
+def test_the_tmux_monitor_publishes_the_port_before_it_serves_the_store(tmp_path, monkeypatch):
+    """The launcher creates the rank windows once the port file exists: the monitor's torch import for the
+    store must come after it, overlapping the ranks' imports."""
+    import HyperSloth.launch.rendezvous as rendezvous
+    from HyperSloth.launch import tmux
+
+    port_file = tmp_path / "rendezvous.port"
+    published = []
+
+    def serving(addr, listener):
+        published.append((port_file.read_text().strip(), str(listener.getsockname()[1])))
+        return host_store(addr, listener)
+
+    monkeypatch.setattr(rendezvous, "host_store", serving)
+    store = tmux._hold_rendezvous(port_file)
+    [(in_file, reserved)] = published
+    assert in_file == reserved == str(store.port)
