@@ -1,0 +1,110 @@
+"""lora_install on a tiny PEFT Qwen3 whose layers carry stand-ins for Unsloth's hooks (Unsloth is not
+installed on CPU): same names as Unsloth's, each computing what Unsloth's own PEFT fallback computes."""
+
+from __future__ import annotations
+
+import types
+
+import peft
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from HyperSloth.train import lora_install as li
+
+TOL = 1e-5
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def apply_lora_qkv(self, X):
+    return self.q_proj(X), self.k_proj(X), self.v_proj(X)
+
+
+def apply_lora_o(self, X):
+    return self.o_proj(X)
+
+
+def apply_lora_mlp_swiglu(self, X):
+    return self.down_proj(self.act_fn(self.gate_proj(X)) * self.up_proj(X))
+
+
+def tiny_peft_model(unsloth_hooks: bool = True, **lora) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    model = peft.get_peft_model(Qwen3ForCausalLM(config), peft.LoraConfig(
+        r=8, lora_alpha=16, target_modules=TARGETS, init_lora_weights=False, **lora))
+    if unsloth_hooks:  # what FastLanguageModel.patch_peft_model sets per layer
+        for layer in li.decoder_layers(model):
+            layer.self_attn.apply_qkv, layer.self_attn.apply_o = apply_lora_qkv, apply_lora_o
+            layer.mlp.forward = types.MethodType(apply_lora_mlp_swiglu, layer.mlp)
+    return model
+
+
+def run_layer(layer, X):
+    """The three hooks as Unsloth's attention / decoder forward call them, and their LoRA grads."""
+    attn, mlp = layer.self_attn, layer.mlp
+    Q, K, V = attn.apply_qkv(attn, X.clone())
+    O = attn.apply_o(attn, X.repeat(1, 1, 2))  # o_proj maps heads * head_dim (64) to hidden (32)
+    M = mlp(X.clone())
+    loss = sum((t * torch.linspace(-1, 1, t.numel()).view_as(t)).sum() for t in (Q, K, V, O, M))
+    params = [p for n, p in layer.named_parameters() if "lora_" in n]
+    return [Q, K, V, O, M], torch.autograd.grad(loss, [X, *params])
+
+
+def rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def test_installed_hooks_give_unsloths_numbers_and_uninstall_restores():
+    model = tiny_peft_model()
+    layer = li.decoder_layers(model)[1]
+    X = torch.randn(1, 23, 32, requires_grad=True)
+    before = run_layer(layer, X)
+    assert li.install_lora_passes(model, mode="concat") is None
+    assert layer.self_attn.apply_qkv.func is li._qkv_hook and layer.mlp.forward.__func__.func is li._mlp_hook
+    after = run_layer(layer, X)
+    for a, b in zip([*after[0], *after[1]], [*before[0], *before[1]]):
+        assert rel_err(a, b) < TOL
+    assert li.uninstall_lora_passes(model) == 4  # self_attn and mlp of both layers
+    assert layer.self_attn.apply_qkv is apply_lora_qkv and layer.mlp.forward.__func__ is apply_lora_mlp_swiglu
+
+
+def test_disabled_adapter_goes_back_to_unsloths_function():
+    model = tiny_peft_model()
+    assert li.install_lora_passes(model) is None
+    layer = li.decoder_layers(model)[0]
+    X = torch.randn(1, 9, 32)
+    with model.disable_adapter():
+        Q = layer.self_attn.apply_qkv(layer.self_attn, X)[0]
+        M = layer.mlp(X)
+        M_unsloth = apply_lora_mlp_swiglu(layer.mlp, X)
+    base = layer.self_attn.q_proj.get_base_layer()
+    assert torch.equal(Q, base(X))  # Unsloth's path (PEFT with the adapter off): the base layer alone
+    assert torch.equal(M, M_unsloth) and rel_err(M, layer.mlp(X)) > 1e-2  # and not the adapter's output
+
+
+@pytest.mark.parametrize(
+    "lora, hooks, reason",
+    [
+        ({"lora_dropout": 0.05}, True, "layer 0 q_proj: lora_dropout 0.05 > 0"),
+        ({"lora_bias": True}, True, "layer 0 q_proj: lora_B has a bias (lora_bias=True)"),
+        ({"use_dora": True}, True, "layer 0 q_proj: DoRA or another LoRA variant"),
+        ({}, False, "layer 0 attention has no Unsloth apply_lora_qkv / apply_lora_o hook"),
+    ],
+)
+def test_refuses_what_is_not_plain_lora_and_changes_nothing(lora, hooks, reason):
+    model = tiny_peft_model(unsloth_hooks=hooks, **lora)
+    assert li.install_lora_passes(model) == reason
+    for layer in li.decoder_layers(model):
+        assert li.PREVIOUS not in layer.self_attn.__dict__ and li.PREVIOUS not in layer.mlp.__dict__
+
+
+def test_refuses_a_trainable_base_weight_and_a_tiled_mlp():
+    model = tiny_peft_model()
+    layers = li.decoder_layers(model)
+    layers[1].mlp.down_proj.get_base_layer().weight.requires_grad_(True)
+    assert li.install_lora_passes(model) == "layer 1 down_proj: the base weight is trainable"
+    layers[0].mlp._unsloth_forward = layers[0].mlp.forward
+    assert li.install_lora_passes(model) == "layer 0 tiled MLP (_unsloth_forward)"
+    assert li.install_lora_passes(torch.nn.Linear(2, 2)).startswith("no decoder layers found")
