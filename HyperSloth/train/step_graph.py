@@ -47,15 +47,16 @@ class GraphLayout:
     def __init__(self, segments: int, max_seqlen: int, max_rows: int):
         self.segments = int(segments)  # entries of the lengths buffer: samples, plus the padding segments
         self.max_seqlen = int(max_seqlen)  # >= every segment (samples and padding) of every graphed row
-        # Rows up to half the token budget: the graph pool (about one such row's activations, shared by all
-        # graphs) and a new length's eager warm-up then never hold more than the budget's row did.
+        # The largest graphed row (`graph_layout`): the graph pool (about that row's activations, shared by all
+        # graphs, held for the whole run) plus any row that runs eagerly beside it, a new length's warm-up
+        # included, never hold more than the token budget's row did.
         self.max_rows = int(max_rows)
 
     def refusal(self, lengths: np.ndarray) -> str | None:
         """Why a row with these segment lengths cannot use the graphs (None: it can)."""
         rows = int(lengths.sum())
         if rows > self.max_rows:
-            return f"rows over {self.max_rows} tokens (half the token budget, for memory)"
+            return f"rows over {self.max_rows} tokens (graph pool + the largest eager row within the token budget)"
         if len(lengths) > self.segments:
             return f"a row of {len(lengths)} segments (the graphs hold {self.segments})"
         longest = int(lengths.max()) if len(lengths) else 0
@@ -67,15 +68,30 @@ class GraphLayout:
         return {"segments": self.segments, "max_seqlen": self.max_seqlen, "max_rows": self.max_rows}
 
 
-def graph_layout(samples_per_micro_batch: int, longest_sample: int, token_budget: int) -> GraphLayout:
-    """The layout of a run whose graphed rows hold at most `token_budget // 2` tokens (`GraphLayout.max_rows`):
-    room for every sample of a micro-batch plus the padding segments a bucket can add to such a row (its
-    padding is under an eighth of the row, `collate.bucket_tokens`, cut into segments of at most
-    `collate.PAD_SEGMENT_TOKENS`), and a `max_seqlen` (a power of two) covering the longest sample and the
-    longest padding segment."""
+def graph_rows_limit(token_budget: int, longest_row: int | None = None) -> int:
+    """The largest row that may be graphed. The graph pool holds about one graphed row's activations for
+    the whole run, so a graphed row G and any row R that runs beside it eagerly (a longer one, or a new
+    length's warm-up before its capture) must satisfy G + R <= token budget: memory grows linearly in
+    tokens and the budget's row is what the probe proved to fit. Half the budget when the plan's longest
+    row (`longest_row`) is graphed too; budget - longest row when that row is longer than half and runs
+    eagerly. (Qwen3-8B 4-bit, budget 28,416 with 22k-token rows: a half-budget rule let a 6,144-token graph
+    pool of 26 GiB sit beside 22k-token eager rows, out of memory at step 3.)"""
+    half = int(token_budget) // 2
+    if longest_row is None or int(longest_row) <= half:
+        return half
+    return max(int(token_budget) - int(longest_row), 0)
+
+
+def graph_layout(samples_per_micro_batch: int, longest_sample: int, token_budget: int,
+                 longest_row: int | None = None) -> GraphLayout:
+    """The layout of a run whose graphed rows hold at most `graph_rows_limit(token_budget, longest_row)`
+    tokens (`GraphLayout.max_rows`): room for every sample of a micro-batch plus the padding segments a
+    bucket can add to such a row (its padding is under an eighth of the row, `collate.bucket_tokens`, cut
+    into segments of at most `collate.PAD_SEGMENT_TOKENS`), and a `max_seqlen` (a power of two) covering the
+    longest sample and the longest padding segment."""
     from HyperSloth.train.collate import PAD_SEGMENT_TOKENS, padding_segments
 
-    max_rows = int(token_budget) // 2
+    max_rows = graph_rows_limit(token_budget, longest_row)
     max_padding = max(max_rows // 8, 64)
     longest = max(int(longest_sample), min(PAD_SEGMENT_TOKENS, max_padding), 1)
     return GraphLayout(segments=int(samples_per_micro_batch) + len(padding_segments(max_padding)),

@@ -79,20 +79,39 @@ def decoder_graphs(description: RunDescription, loaded_model, steps: PlanSteps, 
         return {"graphs_off": reason}
     from HyperSloth.train.patches import unsloth_static_packed_rows
 
-    layout = graph_layout(spec.samples_per_step, int(lengths.max()), spec.token_budget)
+    targs = description.training_config
+    total = targs.max_steps or (targs.num_train_epochs or 1) * steps.steps_per_epoch
+    counts, longest_row = planned_rows(steps, lengths, rank, total, spec.token_budget)
+    layout = graph_layout(spec.samples_per_step, int(lengths.max()), spec.token_budget, longest_row)
+    if layout.max_rows < MIN_GRAPH_ROWS:
+        reason = (f"the longest planned row ({longest_row:,} tokens) runs eagerly and leaves room for graphs of "
+                  f"only {layout.max_rows:,} tokens within the token budget ({spec.token_budget:,}) beside it")
+        logger.info(f"eager decoder forward+backward: {reason}")
+        return {"graphs_off": reason}
     params = trainable_parameters(loaded_model.model)
     graphs = DecoderGraphs(params, layout, static_packed_info=unsloth_static_packed_rows)
     graphs.install(loaded_model.model.get_base_model().model)
-    targs = description.training_config
-    total = targs.max_steps or (targs.num_train_epochs or 1) * steps.steps_per_epoch
+    return {"graphs": graphs, "graph_rows": rows_to_capture(counts, layout, graphs.max_graphs)}
+
+
+MIN_GRAPH_ROWS = 2048  # below this a graph saves too little to be worth its capture
+
+
+def planned_rows(steps: PlanSteps, lengths: np.ndarray, rank: int, total_steps: int, token_budget: int
+                 ) -> tuple[dict[int, int], int]:
+    """This rank's packed row lengths: how often each occurs in the first `GRAPH_PLAN_STEPS` steps (the rows
+    worth capturing before step 1), and the longest row of the whole run (what must fit beside the graphs)."""
     counts: dict[int, int] = {}
-    for index in range(min(total, GRAPH_PLAN_STEPS)):
+    longest = 0
+    for index in range(total_steps):
         step = steps.plan(index // steps.steps_per_epoch).steps[index % steps.steps_per_epoch]
         for micro in step.ranks[rank]:
             if len(micro) > 0:
-                rows = packed_row_tokens(int(lengths[list(micro)].sum()), spec.token_budget)
-                counts[rows] = counts.get(rows, 0) + 1
-    return {"graphs": graphs, "graph_rows": rows_to_capture(counts, layout, graphs.max_graphs)}
+                rows = packed_row_tokens(int(lengths[list(micro)].sum()), token_budget)
+                longest = max(longest, rows)
+                if index < GRAPH_PLAN_STEPS:
+                    counts[rows] = counts.get(rows, 0) + 1
+    return counts, longest
 
 
 def trainer_arguments(description: RunDescription, loaded_model, dataset, info: DistInfo, steps: PlanSteps,

@@ -36,6 +36,50 @@ def test_layout_covers_samples_and_the_padding_of_every_graphed_row():
     assert graph_layout(8, 100, 16_384).max_seqlen == 1024
 
 
+def test_the_graph_pool_and_the_longest_eager_row_fit_the_budget_together():
+    """A graphed row G and a row R run eagerly beside its pool must satisfy G + R <= budget (memory is linear in
+    tokens; the probe proved the budget's row). Qwen3-8B 4-bit: budget 28,416, rows of ~22k tokens. The old
+    half-budget rule graphed 6,144-token rows (a 26 GiB pool) beside 22k-token eager rows: out of memory."""
+    limit = step_graph.graph_rows_limit
+    assert limit(28_416) == limit(28_416, 14_208) == 14_208  # every planned row graphable: half the budget
+    assert limit(28_416, 22_528) == 5_888  # the 22k row runs eagerly beside a pool of at most 5,888 tokens
+    assert limit(28_416, 28_416) == 0 and limit(100, 400) == 0  # a row at (or over) the budget leaves no room
+    layout = graph_layout(32, 4096, 28_416, longest_row=22_528)
+    assert layout.max_rows == 5_888
+    assert layout.refusal(np.array([3000, 2888])) is None
+    assert "graph pool" in layout.refusal(np.array([3000, 2889]))
+    for graphed, eager in ((14_208, 14_208), (5_888, 22_528), (2048, 22_528)):
+        budget = 28_416
+        assert graphed + eager <= budget or graphed > limit(budget, eager)
+
+
+def test_planned_rows_count_the_first_steps_and_find_the_longest_row_of_the_run(monkeypatch):
+    from types import SimpleNamespace
+
+    from HyperSloth.train import trainer_args
+    from HyperSloth.train.collate import packed_row_tokens
+
+    lengths = np.array([100, 200, 300, 5000, 40])
+    # two epochs of two steps; each step lists rank 0's micro-batches (indices into `lengths`); rank 1 has none
+    epochs = {0: [[[0, 1], [2]], [[3], []]], 1: [[[0], [4]], [[1, 2, 3]]]}
+
+    class Steps:
+        steps_per_epoch = 2
+
+        def plan(self, epoch):
+            return SimpleNamespace(steps=[SimpleNamespace(ranks=[[np.array(m, dtype=int) for m in step], []])
+                                          for step in epochs[epoch]])
+
+    row = lambda tokens: packed_row_tokens(tokens, 8192)
+    counts, longest = trainer_args.planned_rows(Steps(), lengths, rank=0, total_steps=4, token_budget=8192)
+    assert longest == row(5500)  # epoch 1, step 1: samples 1, 2 and 3
+    assert sum(counts.values()) == 6 and counts[row(300)] == 2  # the empty micro-batch is not a row
+    monkeypatch.setattr(trainer_args, "GRAPH_PLAN_STEPS", 1)  # count the first step only
+    counts, longest = trainer_args.planned_rows(Steps(), lengths, rank=0, total_steps=4, token_budget=8192)
+    assert counts == {row(300): 2} and longest == row(5500)  # the longest row still covers the whole run
+    assert trainer_args.planned_rows(Steps(), lengths, rank=1, total_steps=4, token_budget=8192) == ({}, 0)
+
+
 def test_padding_is_cut_into_short_equal_segments():
     assert padding_segments(0) == []
     assert padding_segments(1024) == [1024]
