@@ -17,7 +17,9 @@ from HyperSloth.train import worker
 def restore_loguru():
     yield
     logger.remove()
-    logger.add(sys.stderr)  # loguru's default handler, as other tests expect it
+    # loguru's default handler, as other tests expect it; writing to whatever sys.stderr is when a message comes,
+    # not to this test's captured stream (closed after it: the next test's messages would be lost with an error)
+    logger.add(lambda message: sys.stderr.write(message))
 
 
 def test_a_failing_worker_prints_its_error_in_two_lines_and_logs_the_traceback(tmp_path, monkeypatch, capfd,
