@@ -32,7 +32,7 @@ def projection(n: int, d: int, r: int, s: float, gen: torch.Generator):
 
 def ref_linear(X, p):
     W, _, A, B, s = p
-    return X @ W.t() + s * (X @ A.t()) @ B.t()
+    return X @ W.t() + s * (X @ A.to(X.dtype).t()) @ B.to(X.dtype).t()
 
 
 def ref_mlp(X, gate, up, down):
@@ -42,7 +42,7 @@ def ref_mlp(X, gate, up, down):
 def grads(outs, X, projs, seed: int = 1):
     """d(sum_i <out_i, G_i>)/d(X, A_1, B_1, ...) with fixed random G_i."""
     gen = torch.Generator().manual_seed(seed)
-    cot = [torch.randn(o.shape, generator=gen) for o in outs]
+    cot = [torch.randn(o.shape, generator=gen).to(o.dtype) for o in outs]
     leaves = [X] + [t for p in projs for t in (p[2], p[3])]
     return torch.autograd.grad(outs, leaves, cot)
 
@@ -163,3 +163,26 @@ def test_auto_mode_takes_the_path_concat_pays_picks(monkeypatch):
 def test_dense_weight_refuses_a_quant_state():
     with pytest.raises(ValueError, match="fast_dequantize"):
         lp.dense_weight(torch.zeros(2, 2), object())
+
+
+@pytest.mark.parametrize("mode", ["concat", "epilogue"])
+def test_bf16_activations_with_fp32_adapters_stay_at_bf16_error(mode):
+    """The GPU dtypes: bf16 X and W, adapters in fp32 or bf16; grads come back in each adapter's dtype."""
+    gen = torch.Generator().manual_seed(7)
+    T, d, inter, r = 300, 64, 192, 16
+    projs = [projection(n, k, r, 2.0, gen) for n, k in ((inter, d), (inter, d), (d, inter))]
+    projs[2] = (projs[2][0], None, projs[2][2].detach().bfloat16().requires_grad_(),
+                projs[2][3].detach().bfloat16().requires_grad_(), 2.0)  # down's adapter in bf16
+    bf16 = [(W.bfloat16(), None, A, B, s) for W, _, A, B, s in projs]
+    X = torch.randn(1, T, d, generator=gen).bfloat16()
+    Xl = X.clone().requires_grad_()
+    out = lp.lora_swiglu_mlp(Xl.clone(), *bf16, mode=mode)
+    ours = grads([out], Xl, bf16)
+    assert out.dtype == ours[0].dtype == torch.bfloat16
+    assert [g.dtype for g in ours[1:]] == [torch.float32] * 4 + [torch.bfloat16] * 2
+    ref_projs = [(W.float(), None, A, B, s) for W, _, A, B, s in bf16]
+    Xf = X.float().requires_grad_()
+    ref = ref_mlp(Xf, *ref_projs)
+    ref_grads = grads([ref], Xf, ref_projs)
+    errors = [rel_err(out.float(), ref)] + [rel_err(a.float(), b.float()) for a, b in zip(ours, ref_grads)]
+    assert max(errors) < 2e-2, errors  # bf16 rounding (2^-8 relative per op), not a dropped term
