@@ -236,6 +236,12 @@ class TrainingConfig(BaseModel):
         "length (Unsloth backend on a GPU, LoRA without dropout, no checkpointing; otherwise eager, with one "
         "log line saying why). Same loss and gradients; fewer kernel launches (HyperSloth.train.step_graph).",
     )
+    lora_passes: bool = Field(
+        True,
+        description="Compute Unsloth's LoRA projections (QKV, O, SwiGLU MLP) without the separate pass that adds "
+        "the low-rank product onto each full-size output (HyperSloth.train.lora_passes; Unsloth backend, plain "
+        "LoRA; otherwise Unsloth's own, with one log line saying why). Same math, fewer memory passes.",
+    )
 
     method: Literal["sft", "dpo"] = Field(
         "sft",

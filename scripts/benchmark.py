@@ -23,7 +23,8 @@ Systems (every one sees the same global batches, in the same order, so per-step 
   every system's step 1 is judged (scripts/bench_longctx.py).
 - `hypersloth-N`: HyperSloth on N GPUs at product defaults (tokens_per_micro_batch="auto", no
   checkpointing); `hypersloth-2-gc`: with Unsloth's checkpointing; `hypersloth-1-eager`: HyperSloth-1 with
-  `cuda_graphs=False` (what the graphs are worth); `hypersloth-2-profile`: the per-phase
+  `cuda_graphs=False` (what the graphs are worth); `hypersloth-1-unsloth-lora`: HyperSloth-1 with Unsloth's own
+  LoRA projections (`lora_passes=False`, what HyperSloth's passes are worth); `hypersloth-2-profile`: the per-phase
   timer on (synchronises between phases: for the breakdown, not the headline).
 
 Workloads: random-weight Qwen3-shaped checkpoints (built here, in a child process, so this process never
@@ -108,7 +109,7 @@ def system_argv(name: str, workload: str, a, work: Path, model: str) -> list[str
             "--steps", str(a.warmup + a.steps), "--micro", str(system.get("micro", 0)),
             "--accum", str(system.get("accum", 1)), "--gc", str(system["gc"]), "--gpus", str(system["gpus"]),
             "--shim", str(system.get("shim", False)), "--profile", str(system.get("profile", False)),
-            "--graphs", str(system.get("graphs", True)),
+            "--graphs", str(system.get("graphs", True)), "--lora-passes", str(system.get("lora_passes", True)),
             "--long-tokens", str(a.long_tokens), "--exactness", str(a.exactness),
             "--result", str(work / f"result_{name}.json")]
     if system["runner"] == "unsloth" and system["gpus"] > 1:
@@ -304,6 +305,7 @@ def main() -> None:
     p.add_argument("--shim", type=lambda s: s == "True", default=False)
     p.add_argument("--profile", type=lambda s: s == "True", default=False)
     p.add_argument("--graphs", type=lambda s: s == "True", default=True)
+    p.add_argument("--lora-passes", type=lambda s: s == "True", default=True)
     a = p.parse_args()
     if a.render:
         render(Path(a.render), Path(a.out))

@@ -160,6 +160,7 @@ class RunDescription(BaseModel):
     nccl_timeout_s: int = Field(gt=0, description="Seconds a collective may wait before the run aborts.")
     profile: bool = Field(description="Per-phase step timing (a CUDA sync between phases).")
     cuda_graphs: bool = Field(description="Replay packed rows' decoder passes from CUDA graphs where possible.")
+    lora_passes: bool = Field(True, description="HyperSloth's LoRA projections in place of Unsloth's where possible.")
     eval_steps: int | None = Field(description="Evaluate every N steps (and after the last); None = at the end only.")
     early_stopping_patience: int | None
     save_best_adapter: bool
@@ -376,6 +377,7 @@ def resolve_run(loaded: LoadedConfig, *, world_size: int, machine: MachineFacts,
         nccl_timeout_s=training.nccl_timeout_s,
         profile=training.profile,
         cuda_graphs=training.cuda_graphs,
+        lora_passes=training.lora_passes,
         eval_steps=targs.eval_steps,
         early_stopping_patience=targs.early_stopping_patience,
         save_best_adapter=targs.save_best_adapter,

@@ -50,14 +50,17 @@ def import_backend(backend: str) -> None:
         importlib.import_module("unsloth")
 
 
-def load_model(fast: FastModelArgs, lora: LoraArgs | None) -> LoadedModel:
-    """Load the base model (4-bit, 8-bit or 16/32-bit) and attach LoRA, or leave it whole for full FT."""
+def load_model(fast: FastModelArgs, lora: LoraArgs | None, lora_passes: bool = False) -> LoadedModel:
+    """Load the base model (4-bit, 8-bit or 16/32-bit) and attach LoRA, or leave it whole for full FT.
+    `lora_passes`: put HyperSloth's LoRA projections (`lora_passes`) in place of Unsloth's (Unsloth backend)."""
     backend = resolve_backend(fast)
     dtype = resolve_dtype(fast)
     native = _checkpoint_config(fast)
     stamps: dict[str, float] = {}
     if backend == "unsloth":
         model, tokenizer = _load_unsloth(fast, lora, dtype, stamps)
+        if lora is not None and lora_passes:
+            _install_lora_passes(model)
     else:
         model, tokenizer = _load_transformers(fast, lora, dtype, stamps, native)
     line = describe_rope(native, model.config, fast.max_seq_length, backend) if native is not None else None
@@ -99,6 +102,17 @@ def _load_unsloth(fast: FastModelArgs, lora: LoraArgs | None, dtype: torch.dtype
     if lora is not None:
         stamps["adapter"] = time.time()
     return model, tokenizer
+
+
+def _install_lora_passes(model) -> None:
+    """HyperSloth's LoRA projections in place of Unsloth's hooks, or one line saying why not (all or nothing)."""
+    from HyperSloth.train.lora_install import install_lora_passes
+
+    why = install_lora_passes(model)
+    if why is None:
+        logger.info("LoRA projections: HyperSloth's passes (no separate low-rank output pass; lora_passes=True)")
+    else:
+        logger.info(f"LoRA projections: Unsloth's ({why})")
 
 
 def _allow_packed_rows(model) -> None:

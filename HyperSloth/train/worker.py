@@ -213,7 +213,7 @@ def _loader(description: RunDescription, timeline: StartupTimeline):
             timeline.mark("budget_probe")  # the probe that asked for this reload
         mode = description.gradient_checkpointing if checkpointing is None else checkpointing
         fast = description.hyper_config.fast_model_args.model_copy(update={"use_gradient_checkpointing": mode})
-        loaded = model_lib.load_model(fast, description.hyper_config.lora_args)
+        loaded = model_lib.load_model(fast, description.hyper_config.lora_args, lora_passes=description.lora_passes)
         timeline.marks_from(loaded.stamps)
         return loaded
 
