@@ -160,6 +160,7 @@ def run_hypersloth(a) -> dict:
             "padding_pct": summary.get("padding_pct"), "token_budget": summary.get("token_budget"),
             "gradient_checkpointing": summary.get("gradient_checkpointing"),
             "first_step_end_unix": summary.get("first_step_end_unix"), "cuda_graphs": summary.get("cuda_graphs"),
+            "startup": summary.get("startup"),  # launch to the end of step 1, phase by phase
             "rewards_margins": (summary.get("step_rewards") or {}).get("rewards/margins"),
             # HyperSloth never cuts a sample: one longer than max_seq_length is refused before training.
             "longest_sample_tokens": (summary.get("token_budget") or {}).get("longest_sample")}

@@ -155,7 +155,7 @@ def record_for(name: str, workload: str, raw: dict, data: dict, a, launched: flo
         "varlen_shim": raw.get("varlen_shim"), "padding_pct": raw.get("padding_pct", 0.0), "wall_s": wall_s,
         "longest_sample_tokens": raw.get("longest_sample_tokens"),
         # launch (this parent starting the system's process) to the end of its first optimizer step
-        "cuda_graphs": raw.get("cuda_graphs"),
+        "cuda_graphs": raw.get("cuda_graphs"), "startup_phases": (raw.get("startup") or {}).get("phase_s"),
         "startup_s": raw["first_step_end_unix"] - launched if raw.get("first_step_end_unix") else None,
         "probe_s": (budget or {}).get("probe_seconds") if isinstance(budget, dict) else None,
         "rewards_margins": raw.get("rewards_margins"),
