@@ -39,4 +39,27 @@ callB() {  # issue 18: the Qwen3-8B 4-bit row, HyperSloth-1 at defaults against 
   grep -h "budget probe\|tokens_per_micro_batch=auto\|eager decoder\|CUDA graphs" $W/*/out_*/logs/rank0.log 2>/dev/null | cut -c1-300
 }
 
+callE() {  # issue 18: (1) the LoRA blocks alone, Unsloth's against HyperSloth's passes (lora_bench, 0.6B cases first);
+  # (2) short-0.6b: HyperSloth-1 at defaults (lora_passes on), with Unsloth's LoRA projections, and unsloth-best,
+  # in one call; (3) short-8b HyperSloth-1 at defaults: it ran out of memory at step 3 in call B (graph pool beside
+  # eager rows), fixed since
+  timeout 100 python3 scripts/lora_bench.py --budget-s 70 > $L/lora_bench.log 2>&1
+  el "lora_bench done"; grep -v "^{" $L/lora_bench.log | tail -12 | cut -c1-300
+  python3 -c "
+import json
+for c in json.load(open('$OUT/lora_bench.json')) if __import__('os').path.exists('$OUT/lora_bench.json') else []:
+    v = c.get('variants', {}); s = {k: round(x, 3) for k, x in c.items() if k.startswith('speedup')}
+    print(c.get('model'), c.get('block'), c.get('tokens'), c.get('auto_path'), s,
+          {k: (round(x.get('median_ms', -1), 2) if isinstance(x, dict) else x) for k, x in v.items()}, c.get('error', ''))
+" 2>&1 | cut -c1-400
+  bench --workloads short-0.6b --slots "hypersloth-1,hypersloth-1-unsloth-lora,unsloth-best" --warmup 3 --steps 20 \
+    --tag 2026-12-01b-lora --budget-s $(left 360) > $L/bench06.log 2>&1
+  el "0.6b done"; show $L/bench06.log
+  grep -h "LoRA projections\|CUDA graphs for\|eager decoder\|start-up" $W/short-0.6b/out_*/logs/rank0.log 2>/dev/null | cut -c1-300
+  bench --workloads short-8b --slots "hypersloth-1" --warmup 3 --steps 20 --tag 2026-12-01b-8b-fixed \
+    --budget-s $(left 560) > $L/bench8b.log 2>&1
+  el "8b done"; show $L/bench8b.log
+  grep -h "LoRA projections\|CUDA graphs for\|eager decoder\|start-up" $W/short-8b/out_*/logs/rank0.log 2>/dev/null | cut -c1-300
+}
+
 "$@"
