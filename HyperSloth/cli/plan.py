@@ -21,7 +21,7 @@ import numpy as np
 
 from HyperSloth.cli.command import Command, Flag, Positional
 from HyperSloth.config import ConfigError, load_config
-from HyperSloth.plan.batching import EpochPlan, PlanSpec, PlanStats, adaptive_partition_batches
+from HyperSloth.plan.batching import EpochPlan, PlanSpec, PlanStats, adaptive_partition_batches, int_column
 from HyperSloth.plan.eval_set import describe_eval_plan, eval_row_lengths, plan_eval, training_rows
 from HyperSloth.plan.inputs import dataset_lengths, plan_spec_for
 from HyperSloth.plan.pairs import pair_plan_inputs
@@ -64,7 +64,7 @@ def _dataset_columns(path: Path, loss_type: str, max_seq_length: int, method: st
     try:
         if method == "dpo":
             lengths, units = pair_plan_inputs(dataset, max_seq_length)
-            return lengths, units, np.asarray(dataset["num_trainable"], dtype=np.int64)
+            return lengths, units, int_column(dataset, "num_trainable")
         lengths, trainable = dataset_lengths(dataset, loss_type, max_seq_length)
         return lengths, trainable, trainable
     except ValueError as err:

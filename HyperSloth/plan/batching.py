@@ -184,6 +184,14 @@ def _validate_inputs(lengths, trainable) -> tuple[np.ndarray, np.ndarray]:
     return lens, tr
 
 
+def int_column(columns, name: str) -> np.ndarray:
+    """Column `name` of a built dataset (or any mapping of columns) as an int64 array, read in one slice.
+
+    A `datasets` column is a lazy `Column` (datasets 4); np.asarray over it reads it row by row: 7.5 s for a
+    million rows against 0.05 s for the slice (datasets 4.8, the 2-core CPU machine), on every rank at start."""
+    return np.asarray(columns[name][:], dtype=np.int64)
+
+
 def sample_token_counts(columns, loss_type: str, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(lengths, trainable-token counts) per sample: the planner's two inputs, from a built dataset (or any
     mapping of its `length` and `num_trainable` columns), of `rows` only when given.
@@ -192,11 +200,11 @@ def sample_token_counts(columns, loss_type: str, rows: np.ndarray | None = None)
     loss over every token (`loss_type="all"`) trains length - 1 of them; a response-only loss trains the
     dataset's `num_trainable` column, counted by the same rule when the dataset was built.
     """
-    lengths = np.asarray(columns["length"], dtype=np.int64)
+    lengths = int_column(columns, "length")
     lengths = lengths if rows is None else lengths[rows]
     if loss_type == "all":
         return lengths, np.maximum(lengths - 1, 0)
-    trainable = np.asarray(columns["num_trainable"], dtype=np.int64)
+    trainable = int_column(columns, "num_trainable")
     return lengths, trainable if rows is None else trainable[rows]
 
 

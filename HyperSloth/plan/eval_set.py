@@ -24,7 +24,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from HyperSloth.config import ConfigError
-from HyperSloth.plan.batching import EpochPlan, PlanSpec, adaptive_partition_batches, sample_token_counts
+from HyperSloth.plan.batching import EpochPlan, PlanSpec, adaptive_partition_batches, int_column, sample_token_counts
 from HyperSloth.plan.pairs import PAIR_COLUMNS, PREFERENCE_KIND, dataset_kind, kind_problem, longest_sequence
 
 MAX_EVAL_FRACTION = 0.5  # beyond this the "hold-out" would be larger than what is trained on
@@ -178,7 +178,7 @@ def resolve_eval_dataset(name: str, path: Path, registry_entry: dict[str, Any], 
         raise ConfigError(f"eval dataset '{name}' is empty: rebuild it from a file with conversations, or use "
                           "data.eval_fraction to hold out part of the training dataset")
     rows = np.arange(len(dataset), dtype=np.int64)
-    longest = longest_sequence(dataset) if kind == PREFERENCE_KIND else int(np.max(dataset["length"]))
+    longest = longest_sequence(dataset) if kind == PREFERENCE_KIND else int(np.max(int_column(dataset, "length")))
     if max_seq_length is not None and longest > max_seq_length:
         raise ConfigError(f"eval dataset '{name}' holds samples of up to {longest} tokens but "
                           f"fast_model_args.max_seq_length is {max_seq_length}: raise max_seq_length or rebuild it "

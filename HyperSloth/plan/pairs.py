@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from HyperSloth.plan.batching import int_column
+
 PREFERENCE_KIND = "preference"  # the registry's `kind` of a preference dataset; chats are "sft" (or unset)
 PAIR_COLUMNS = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids")
 PAIR_LENGTH_COLUMNS = ("prompt_length", "chosen_length", "rejected_length")
@@ -41,14 +43,14 @@ def kind_problem(kind: str, method: str, name: str) -> str | None:
 
 def longest_sequence(dataset) -> int:
     """The longest prompt + completion of a preference dataset (the unit max_seq_length bounds)."""
-    prompt, chosen, rejected = (np.asarray(dataset[c], dtype=np.int64) for c in PAIR_LENGTH_COLUMNS)
+    prompt, chosen, rejected = (int_column(dataset, c) for c in PAIR_LENGTH_COLUMNS)
     return int((prompt + np.maximum(chosen, rejected)).max()) if prompt.size else 0
 
 
 def pair_plan_inputs(dataset, max_seq_length: int) -> tuple[np.ndarray, np.ndarray]:
     """(pair lengths, ones) for the planner (see the module docstring); ValueError, saying what to change,
     for an empty dataset or a sequence longer than max_seq_length."""
-    lengths = np.asarray(dataset["length"], dtype=np.int64)
+    lengths = int_column(dataset, "length")
     if lengths.size == 0:
         raise ValueError("the dataset is empty: rebuild it from a file with preference pairs")
     longest = longest_sequence(dataset)

@@ -35,6 +35,7 @@ from HyperSloth.config import (
     runtime_problems,
 )
 from HyperSloth.outputs import checkpoints, run_files
+from HyperSloth.plan.batching import int_column
 from HyperSloth.plan.eval_set import EvalSet, resolve_eval_set
 from HyperSloth.plan.pairs import PREFERENCE_KIND, REQUIRED_PAIR_COLUMNS, dataset_kind, kind_problem, longest_sequence
 
@@ -269,7 +270,7 @@ def _built_max_length(folder: Path, entry: dict[str, Any]) -> int:
     dataset = datasets.load_from_disk(str(folder))
     if dataset_kind(entry) == PREFERENCE_KIND:
         return longest_sequence(dataset)  # a pair's `length` holds two sequences
-    return int(np.max(dataset["length"]))
+    return int(np.max(int_column(dataset, "length")))
 
 
 def dataset_facts(hyper: HyperConfig, problems: list[str]) -> DatasetFacts | None:

@@ -16,12 +16,11 @@ from typing import Any
 
 from loguru import logger
 
-import numpy as np
-
 from HyperSloth.config import ConfigError
 from HyperSloth.outputs import checkpoints, logs, report, run_files
 from HyperSloth.outputs.checkpoints import CheckpointError
 from HyperSloth.outputs.startup import StartupTimeline, process_start_unix
+from HyperSloth.plan.batching import int_column
 from HyperSloth.plan.run import RunDescription, read_run
 from HyperSloth.train import budget, dist, probe_cache
 
@@ -129,7 +128,7 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path, time
     # Loading and the micro-batch budget go together: "auto" is measured on the loaded model (every rank,
     # then the minimum), and a longest sample that fits only with checkpointing reloads the model with it.
     full_dataset = load_from_disk(description.dataset.path)  # memory-mapped: read once, split below
-    lengths = np.asarray(full_dataset["length"], dtype=np.int64)
+    lengths = int_column(full_dataset, "length")
     timeline.mark("dataset")
     lora = description.hyper_config.lora_args
     setup = probe_cache.ProbeSetup(fast=description.hyper_config.fast_model_args.model_dump(mode="json"),

@@ -54,3 +54,48 @@ def test_sample_token_counts_is_the_one_trainable_rule():
     assert [a.tolist() for a in sample_token_counts(data, "response_only", rows)] == [[3, 5], [1, 2]]
     # loss_type="all" never reads num_trainable (a column the caller need not load)
     assert sample_token_counts({"length": [4]}, "all")[1].tolist() == [3]
+
+
+class _SliceOnly:
+    """A column that reads in one slice and refuses to be read element by element: np.asarray over a
+    `datasets` Column read it row by row (7.5 s for a million rows, on every rank at start)."""
+
+    def __init__(self, values):
+        self.values = values
+
+    def __len__(self):
+        return len(self.values)
+
+    def __getitem__(self, key):
+        if not isinstance(key, slice):
+            raise AssertionError(f"column read row by row (item {key!r})")
+        return self.values[key]
+
+    def __iter__(self):
+        raise AssertionError("column read row by row")
+
+
+def test_the_planner_inputs_read_each_column_in_one_slice():
+    from HyperSloth.plan.batching import sample_token_counts
+    from HyperSloth.plan.pairs import pair_plan_inputs
+
+    columns = {"length": _SliceOnly([3, 5, 2]), "num_trainable": _SliceOnly([1, 4, 0])}
+    lengths, trainable = sample_token_counts(columns, "response_only", rows=np.array([2, 0]))
+    assert lengths.tolist() == [2, 3] and trainable.tolist() == [0, 1] and lengths.dtype == np.int64
+    assert dataset_lengths(columns, "all", 8)[1].tolist() == [2, 4, 1]
+    pairs = {"length": _SliceOnly([9]), "prompt_length": _SliceOnly([2]), "chosen_length": _SliceOnly([3]),
+             "rejected_length": _SliceOnly([2])}
+    assert pair_plan_inputs(pairs, 16)[0].tolist() == [9]
+
+
+@pytest.mark.parametrize("view", ["plain", "selected", "numpy"])
+def test_a_datasets_column_reads_as_its_values(view):
+    import datasets
+
+    from HyperSloth.plan.batching import int_column
+
+    dataset = datasets.Dataset.from_dict({"length": [4, 7, 1, 9], "text": ["a", "b", "c", "d"]})
+    dataset = {"plain": dataset, "selected": dataset.select([3, 1]), "numpy": dataset.with_format("numpy")}[view]
+    expected = {"plain": [4, 7, 1, 9], "selected": [9, 7], "numpy": [4, 7, 1, 9]}[view]
+    column = int_column(dataset, "length")
+    assert isinstance(column, np.ndarray) and column.dtype == np.int64 and column.tolist() == expected
