@@ -198,9 +198,17 @@ def _balance_text(summary: Mapping[str, Any]) -> str | None:
 def _time_text(summary: Mapping[str, Any]) -> str | None:
     wall = _num(summary, "wall_s")
     steps = [v for v in _series(summary, "step_seconds") if v is not None]
+    startup = _startup_s(summary)
     parts = [f"wall {wall:.1f} s (model load + training)" if wall is not None else None,
+             f"start-up {startup:.1f} s (launch to the end of step 1)" if startup is not None else None,
              f"median step {median(steps):.3f} s" if steps else None]
     return "; ".join(p for p in parts if p) or None
+
+
+def _startup_s(summary: Mapping[str, Any]) -> float | None:
+    """Seconds from `hypersloth-train` starting to the end of step 1 (train_summary.json's `startup`)."""
+    startup = summary.get("startup")
+    return _num(startup, "total_s") if isinstance(startup, Mapping) else None
 
 
 def _memory_text(summary: Mapping[str, Any]) -> str | None:
@@ -341,6 +349,7 @@ def _metrics_table(summary: Mapping[str, Any]) -> str:
         ("tokens seen", _fmt(n("tokens_seen"), ",.0f")), ("tokens/s", _fmt(n("tokens_per_s"), ",.1f")),
         ("training time", _fmt(n("train_runtime_s"), ".2f", " s")),
         ("wall time (load + train)", _fmt(n("wall_s"), ".2f", " s")),
+        ("start-up (launch to end of step 1)", _fmt(_startup_s(summary), ".2f", " s")),
         ("padding", _fmt(pad, ".2f", "%")), ("padding with random batching", _fmt(rand, ".2f", "%")),
         ("computed tokens saved vs random", _fmt(saved, ".2f", "%")),
         ("rank load imbalance (max/mean)", _fmt(n("imbalance"), ".4f")),

@@ -22,7 +22,8 @@ def full_summary(steps: int = 6) -> dict:
         "tokens_per_s": 4938.0, "padding_pct": 10.0, "random_padding_pct": 40.0, "imbalance": 1.0123,
         "wall_s": 7.25, "step_seconds": [0.1, 0.3, 0.2, 0.4, 0.2, 0.5][:steps],
         "phase_seconds_per_step": {"forward": 0.03, "backward": 0.06, "allreduce": 0.01},
-        "peak_gpu_gb": 3.5,
+        "peak_gpu_gb": 3.5, "startup": {"launch_unix": 1.0, "total_s": 4.56, "phase_s": {"first_step": 4.56},
+                                        "end_s": {"first_step": 4.56}},
     }
 
 
@@ -53,7 +54,8 @@ def test_full_report_has_numbers_curves_ranks_and_config(tmp_path):
     for expected in ("| optimizer steps | 6 |", "| tokens/s | 4,938.0 |", "| tokens seen | 12,345 |",
                      "| padding | 10.00% |", "| padding with random batching | 40.00% |",
                      "| computed tokens saved vs random | 33.33% |", "| rank load imbalance (max/mean) | 1.0123 |",
-                     "| wall time (load + train) | 7.25 s |", "| peak GPU memory (rank 0) | 3.50 GiB |",
+                     "| wall time (load + train) | 7.25 s |", "| start-up (launch to end of step 1) | 4.56 s |",
+                     "| peak GPU memory (rank 0) | 3.50 GiB |",
                      "| first loss | 3.0000 |", "| last loss | 1.7500 |",
                      "![loss and learning rate per step](report.png)",
                      "every rank ended with identical trained weights", "| 0 | 32,768 | `abababababab` | 3.50 GiB |",
@@ -148,6 +150,7 @@ def test_console_summary_is_short_and_has_the_key_numbers():
     assert "3.0000 -> 1.7500 (min 1.7500 at step 6)" in text
     assert "4,938 tokens/s" in text and "10.0% (random batching: 40.0%; 33.3% fewer computed tokens)" in text
     assert "imbalance 1.012" in text and "median step 0.250 s" in text and "peak 3.50 GiB" in text
+    assert "wall 7.2 s (model load + training); start-up 4.6 s (launch to the end of step 1); median step" in text
 
 
 def test_console_summary_of_a_sparse_one_step_run():
