@@ -61,6 +61,7 @@ def load_model(fast: FastModelArgs, lora: LoraArgs | None, lora_passes: bool = F
         model, tokenizer = _load_unsloth(fast, lora, dtype, stamps)
         if lora is not None and lora_passes:
             _install_lora_passes(model)
+            stamps["adapter"] = time.time()  # the adapters are attached once their passes are in place
     else:
         model, tokenizer = _load_transformers(fast, lora, dtype, stamps, native)
     line = describe_rope(native, model.config, fast.max_seq_length, backend) if native is not None else None

@@ -84,3 +84,29 @@ def test_the_digest_is_written_before_it_is_compared(tmp_path):
     record = json.loads((tmp_path / "logs" / "rank1.final.json").read_text())
     assert record["sha256"] == digest and record["trainable_params"] == 6 and record["rank"] == 1
     assert record["startup"]["phase_s"] == {"dist_init": 1.5}  # each rank's own start-up, beside its digest
+
+
+def test_a_reload_for_checkpointing_puts_the_first_probe_between_the_two_loads(monkeypatch):
+    """budget.settle loads, probes, and may load again with checkpointing: the timeline keeps them apart."""
+    import time
+
+    from HyperSloth.config import FastModelArgs
+    from HyperSloth.train import model as model_lib
+
+    loads = []
+
+    def fake_load(fast, lora, **kwargs):
+        loads.append(fast.use_gradient_checkpointing)
+        return types.SimpleNamespace(stamps={"model_load": time.time(), "adapter": time.time()})
+
+    monkeypatch.setattr(model_lib, "load_model", fake_load)
+    hyper = types.SimpleNamespace(fast_model_args=FastModelArgs(model_name="m"), lora_args=None)
+    description = types.SimpleNamespace(gradient_checkpointing=False, hyper_config=hyper, lora_passes=False)
+    timeline = StartupTimeline(time.time())
+    load = worker._loader(description, timeline)
+    load(None)
+    load(True)
+    assert loads == [False, True]
+    assert [phase for phase, _ in timeline.marks] == ["model_load", "adapter", "budget_probe", "model_load", "adapter"]
+    stamps = [at for _, at in timeline.marks]
+    assert stamps == sorted(stamps)
