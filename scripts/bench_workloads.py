@@ -118,7 +118,10 @@ def build_data(work: Path, w: Workload, steps: int) -> dict:
                             "num_trainable": (lengths - 1).tolist(), "text": [""] * n})
     ds.save_to_disk(str(work / "data" / "built_dataset" / "bench"))
     (work / "data" / "data_config.json").write_text(json.dumps(
-        {"version": 1, "datasets": {"bench": {"name": "bench", "path": "built_dataset/bench"}}}))
+        {"version": 1, "datasets": {"bench": {"name": "bench", "path": "built_dataset/bench",
+                                              # what hypersloth-build-dataset writes: the launcher reads the
+                                              # longest sample here instead of the dataset's length column
+                                              "stats": {"max_tokens": int(lengths.max())}}}}))
     # HyperSloth's step sets do not depend on the rank count: order the stock data step by step.
     spec = PlanSpec(num_ranks=1, samples_per_step=GLOBAL_BATCH, mode="packed", token_budget=1 << 22, seed=SEED)
     plan = adaptive_partition_batches(lengths, lengths - 1, spec, epoch=0)
