@@ -82,6 +82,10 @@ class RankFailure:
             return f"rank {self.rank} (gpu {self.gpu}) failed with {self.error.splitlines()[0]}"
         killed = self.exit_code < 0
         how = f"was killed by {signal.Signals(-self.exit_code).name}" if killed else f"failed with exit code {self.exit_code}"
+        if self.exit_code == -signal.SIGKILL:
+            # Not the launcher's: it SIGKILLs only workers it is already stopping after another rank failed.
+            how += (" (not by HyperSloth: most often the kernel's out-of-memory killer, when host RAM ran out;"
+                    " `dmesg` or the system journal says)")
         return f"rank {self.rank} (gpu {self.gpu}) {how}"
 
     def details(self) -> list[str]:
