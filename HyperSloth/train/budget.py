@@ -27,7 +27,11 @@ How "auto" is decided on a GPU, once per run, after the model is loaded and befo
    "The longest sample" below stands for the heaviest micro-batch the plan can form (`heaviest_micro_batch`):
    with sorted-pad batching, the per-device batch of the longest samples, each padded to the longest.
    When the line already says the longest sample cannot fit and checkpointing is still off, nothing is
-   verified: the worker switches checkpointing on and measures again (`needs_checkpointing`). With
+   verified: the worker switches checkpointing on and measures again (`needs_checkpointing`). Before any
+   probe, when the model's shape alone says so (every layer's input and its MLP's gate and up outputs for
+   the heaviest micro-batch exceed the whole GPU: `budget_choice.shape_needs_checkpointing`; Qwen3-8B at
+   131k tokens needs 270 GB of those), the model is loaded with checkpointing at once: no probe without it
+   and no second load (the 262k-token 8B start spent 9.6 s reloading and two passes finding this out). With
    checkpointing on, one pass at the longest sample decides: its size becomes the budget if it fits, else
    the run stops before training with the length that fits (it would run out of memory at that step).
 4. Ranks agree: every rank measures, then all take the minimum (`agree_min`, an all-reduce MIN), so
@@ -59,7 +63,7 @@ import numpy as np
 
 from HyperSloth.train import probe_cache
 from HyperSloth.train.budget_choice import BudgetDecision, needs_checkpointing
-from HyperSloth.train.budget_probe import cached_needs_checkpointing, measure_auto
+from HyperSloth.train.budget_probe import cached_needs_checkpointing, measure_auto, shape_says_checkpointing
 
 
 def settle(description, load: Callable[[Any], Any], lengths: Sequence[int] | np.ndarray,
@@ -76,12 +80,13 @@ def settle(description, load: Callable[[Any], Any], lengths: Sequence[int] | np.
     from loguru import logger
 
     gc_mode, longest = description.gradient_checkpointing, heaviest_micro_batch(description, lengths)
-    known = (description.token_budget_auto and not gc_mode and setup is not None
-             and cached_needs_checkpointing(setup, lengths, description.global_batch_size))
+    may_switch = description.token_budget_auto and not gc_mode and setup is not None
+    known = may_switch and (("the probe cache" if cached_needs_checkpointing(setup, lengths, description.global_batch_size)
+                             else None) or ("the model's shape" if shape_says_checkpointing(setup, longest) else None))
     if known:
         gc_mode = _checkpointing_mode(setup.backend)
-        logger.warning(f"the probe cache says the longest sample ({longest:,} tokens) cannot fit without gradient "
-                       f"checkpointing on this GPU: loading with gradient checkpointing ({gc_mode!r})")
+        logger.warning(f"{known} says the heaviest micro-batch ({_heaviest_text(description, longest)}) cannot fit "
+                       f"without gradient checkpointing on this GPU: loading with gradient checkpointing ({gc_mode!r})")
     loaded = load(gc_mode if known else None)
     if not description.token_budget_auto:
         return description, loaded, BudgetDecision(tokens=description.token_budget,

@@ -25,6 +25,7 @@ from HyperSloth.train.budget_choice import (
     fit_memory,
     measure,
     probe_sizes,
+    shape_needs_checkpointing,
     useful_cap,
 )
 
@@ -199,4 +200,25 @@ def cached_needs_checkpointing(setup: probe_cache.ProbeSetup, lengths: Sequence[
     whole_gpu = torch.cuda.get_device_properties(device).total_memory * (1 - SAFETY_FRACTION)
     needed = all(t in cached for t in sizes) and fit_memory(
         [(t, cached[t]) for t in sizes]).max_tokens(whole_gpu) < int(longest[0])
+    return agree_min(int(needed)) == 1
+
+
+def shape_says_checkpointing(setup: probe_cache.ProbeSetup, heaviest_tokens: int) -> bool:
+    """True when the model's shape alone says the heaviest micro-batch cannot fit this GPU without
+    checkpointing (`budget_choice.shape_needs_checkpointing`; its config read from the model's folder or the
+    Hub cache); agreed over ranks. False without CUDA, or when the config cannot be read."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(setup.fast["model_name"],
+                                            trust_remote_code=bool(setup.fast.get("trust_remote_code")))
+    except Exception:  # noqa: BLE001 (any failure only means: measure instead)
+        config = None
+    device = torch.device("cuda", torch.cuda.current_device())
+    total = torch.cuda.get_device_properties(device).total_memory
+    needed = config is not None and shape_needs_checkpointing(config, heaviest_tokens, total)
     return agree_min(int(needed)) == 1

@@ -295,6 +295,48 @@ def test_settle_loads_with_checkpointing_at_once_when_the_cache_knows(monkeypatc
     assert d.gradient_checkpointing == "unsloth"
 
 
+def test_settle_loads_with_checkpointing_at_once_when_the_models_shape_says_so(monkeypatch, logs):
+    from HyperSloth.train.probe_cache import ProbeSetup
+
+    monkeypatch.setattr(budget, "measure_auto", _fake_measure({False: 30720, "unsloth": 300000}))
+    monkeypatch.setattr(budget, "cached_needs_checkpointing", lambda setup, lengths, samples_per_step: False)
+    asked = []
+    monkeypatch.setattr(budget, "shape_says_checkpointing", lambda setup, tokens: asked.append(tokens) or True)
+    loads = []
+    setup = ProbeSetup(fast={}, lora=None, backend="unsloth")
+    d, _, decision = budget.settle(_Description("auto"), lambda gc: loads.append(gc) or _Loaded(), [100, 262144],
+                                   setup)
+    assert asked == [262144] and loads == ["unsloth"]  # one load: no probe without checkpointing, no reload
+    assert decision.checkpointing_switched_on and decision.reload_seconds is None
+    assert any(line.startswith("the model's shape says the heaviest micro-batch (the longest sample, 262,144 tokens)")
+               for line in logs)
+    # an explicit budget or checkpointing already on never asks
+    asked.clear()
+    budget.settle(_Description("auto", gc="unsloth"), lambda gc: _Loaded(), [100, 262144], setup)
+    budget.settle(_Description("explicit"), lambda gc: _Loaded(), [100, 262144], setup)
+    assert asked == []
+
+
+def test_the_shape_floor_is_below_the_measured_peaks_and_decides_only_when_far_over_the_gpu():
+    """The floor counts each layer's input and the MLP's gate and up outputs (16-bit): Qwen3-8B 2.06 MB per token
+    against 4.2 MB measured on the H200 (docs/benchmarks.md), Qwen3-0.6B 0.40 MB against 1.36 MB."""
+    from types import SimpleNamespace
+
+    qwen3_8b = SimpleNamespace(num_hidden_layers=36, hidden_size=4096, intermediate_size=12288)
+    qwen3_06b = SimpleNamespace(num_hidden_layers=28, hidden_size=1024, intermediate_size=3072)
+    per_token_8b = budget_choice.activation_floor_bytes(qwen3_8b, 1)
+    assert per_token_8b == 36 * (4096 + 2 * 12288) * 2 < 4_425_926  # the measured slope (bytes per token)
+    assert budget_choice.activation_floor_bytes(qwen3_06b, 1) < 1_355_145
+    h200 = 150_109_880_320
+    assert budget_choice.shape_needs_checkpointing(qwen3_8b, 131_072, h200)  # 270 GB of activations at least
+    assert not budget_choice.shape_needs_checkpointing(qwen3_8b, 32_768, h200)  # 68 GB: measure instead
+    assert not budget_choice.shape_needs_checkpointing(qwen3_06b, 262_144, h200)  # 105 GB: measure instead
+    assert budget_choice.activation_floor_bytes(SimpleNamespace(hidden_size=8), 10) is None
+    assert not budget_choice.shape_needs_checkpointing(SimpleNamespace(), 10**9, h200)
+    text = SimpleNamespace(get_text_config=lambda: qwen3_8b)  # a multimodal config: its text part decides
+    assert budget_choice.activation_floor_bytes(text, 2) == 2 * per_token_8b
+
+
 def _linear(calls, base=4 * GIB, per_token=2**20):
     def peak(tokens):
         calls.append(tokens)
