@@ -59,9 +59,20 @@ def _use_concat(mode: str, tokens: int, d_in: int, n_out: int) -> bool:
     return mode == "concat" or (mode == "auto" and concat_pays(tokens, d_in, n_out))
 
 
+def _scaled(t: Tensor, s: float, dtype: torch.dtype) -> Tensor:
+    """s t in `dtype`, with no kernel where there is nothing to do (s = 1 is the common lora_alpha = r)."""
+    t = t.to(dtype)
+    return t if s == 1 else t * s
+
+
+def _cat(ts: Sequence[Tensor], dim: int = 0) -> Tensor:
+    """torch.cat without the copy for one tensor (the O projection): fewer launches where steps run eagerly."""
+    return ts[0] if len(ts) == 1 else torch.cat(list(ts), dim=dim)
+
+
 def _scaled_A(As: Sequence[Tensor], ss: Sequence[float], dtype: torch.dtype) -> Tensor:
     """[s_1 A_1; ...; s_m A_m] (m*r x d): X times its transpose is every projection's scaled tail at once."""
-    return torch.cat([A.to(dtype) * s for A, s in zip(As, ss)])
+    return _cat([_scaled(A, s, dtype) for A, s in zip(As, ss)])
 
 
 def _epilogue_forward(X2: Tensor, Ws, quants, As, Bs, ss, weight_fn: WeightFn) -> tuple[list[Tensor], Tensor]:
@@ -101,7 +112,7 @@ def _concat_forward(X2: Tensor, Ws, quants, As, Bs, ss, weight_fn: WeightFn) -> 
 
 def _lora_u(dYs, Bs, ss) -> Tensor:
     """U = [s_1 dY_1 B_1 | ... | s_m dY_m B_m] (T x m r): the LoRA part of dX is U [A_1; ...; A_m]."""
-    return torch.cat([torch.mm(dY, B.to(dY.dtype) * s) for dY, B, s in zip(dYs, Bs, ss)], dim=1)
+    return _cat([torch.mm(dY, _scaled(B, s, dY.dtype)) for dY, B, s in zip(dYs, Bs, ss)], dim=1)
 
 
 def _lora_grads(X2: Tensor, tail: Tensor, U: Tensor, dYs, As) -> tuple[list[Tensor], list[Tensor]]:
@@ -125,7 +136,7 @@ def _split_rows(M: Tensor, As) -> list[Tensor]:
 
 def _input_grad(U: Tensor, dYs, Ws, quants, As, weight_fn: WeightFn, out: Tensor | None) -> Tensor:
     """dX = U [A_1; ...; A_m] (K = m r, the one write) + sum_i dY_i W_i (each added in a GEMM epilogue)."""
-    A_cat = torch.cat([A.to(U.dtype) for A in As])
+    A_cat = _cat([A.to(U.dtype) for A in As])
     dX = torch.mm(U, A_cat, out=out)
     for dY, W, quant in zip(dYs, Ws, quants):
         dX.addmm_(dY, weight_fn(W, quant))
