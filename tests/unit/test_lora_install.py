@@ -108,3 +108,38 @@ def test_refuses_a_trainable_base_weight_and_a_tiled_mlp():
     layers[0].mlp._unsloth_forward = layers[0].mlp.forward
     assert li.install_lora_passes(model) == "layer 0 tiled MLP (_unsloth_forward)"
     assert li.install_lora_passes(torch.nn.Linear(2, 2)).startswith("no decoder layers found")
+
+
+@pytest.mark.parametrize("mode", ["concat", "epilogue"])  # epilogue writes dX into the saved input's storage
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_installed_hooks_under_gradient_checkpointing_give_the_same_grads(reentrant, mode):
+    """Long samples switch checkpointing on: the layer's forward runs again inside the backward, and dX may be
+    written into the saved input's storage (as Unsloth's in-place backward does). The grads must not change."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = tiny_peft_model()
+    assert li.install_lora_passes(model, mode=mode) is None
+    layer = li.decoder_layers(model)[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    params = [p for n, p in layer.named_parameters() if "lora_" in n]
+    weights = torch.linspace(-1, 1, 23 * 32).view(1, 23, 32)
+
+    def block(hidden):
+        normed = hidden * 1.5  # a fresh activation, as the RMSNorm output the hooks see
+        Q, K, V = attn.apply_qkv(attn, normed)
+        mixed = hidden + attn.apply_o(attn, Q + torch.cat([K, V], dim=-1))  # o_proj reads 64 = 4 heads x 16
+        return mixed + mlp(mixed * 0.5)
+
+    def grads(checkpointed: bool):
+        X0 = torch.randn(1, 23, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        hidden = X0 * 1.0
+        out = checkpoint(block, hidden, use_reentrant=reentrant) if checkpointed else block(hidden)
+        for p in params:
+            p.grad = None
+        (out * weights).sum().backward()  # the reentrant checkpoint supports .backward() only
+        return [X0.grad, *(p.grad for p in params)]
+
+    plain, checkpointed = grads(False), grads(True)
+    assert all(g is not None and g.abs().max() > 0 for g in plain)  # every LoRA weight and the input get a grad
+    for a, b in zip(checkpointed, plain):
+        assert rel_err(a, b) < TOL
