@@ -62,4 +62,27 @@ for c in json.load(open('$OUT/lora_bench.json')) if __import__('os').path.exists
   grep -h "LoRA projections\|CUDA graphs for\|eager decoder\|start-up" $W/short-8b/out_*/logs/rank0.log 2>/dev/null | cut -c1-300
 }
 
+# ---- prepared for the next session (not run in this one: the device time ran out) ----
+
+callF() {  # issue 22: 262,144 tokens on Qwen3-8B 4-bit again, with host memory sampled every 10 s (call C's worker
+  # died in step 1 without a Python error; 72 GiB of offloaded layer inputs is the suspect) and the kernel's log
+  ( while true; do echo "$(date +%T) $(free -g | awk '/Mem:/ {print "used", $3, "avail", $7}')"; sleep 10; done ) \
+    > $L/host-memory.log 2>&1 &
+  MON=$!
+  bench --workloads longctx-8b --long-tokens 262144 --warmup 0 --steps 1 --tag next-lc262k --slots "hypersloth-1" \
+    --budget-s $(left 560) > $L/bench.log 2>&1
+  kill $MON; el "bench done"; show $L/bench.log; tail -5 $L/host-memory.log
+  grep -h "host memory\|model's shape\|budget probe\|turning on gradient" $W/*/out_*/logs/rank0.log 2>/dev/null | cut -c1-300
+  dmesg 2>/dev/null | grep -i "out of memory\|killed process" | tail -3
+}
+
+callG() {  # issue 18: what the LoRA passes are worth on 8B 4-bit (eager), and long-0.6b against unsloth-best
+  bench --workloads short-8b --slots "hypersloth-1,hypersloth-1-unsloth-lora" --warmup 3 --steps 20 --tag next-8b-passes \
+    --budget-s $(left 330) > $L/bench8b.log 2>&1
+  el "8b done"; show $L/bench8b.log
+  bench --workloads long-0.6b --slots "hypersloth-1,unsloth-best" --warmup 3 --steps 20 --tag next-long \
+    --budget-s $(left 560) > $L/bench-long.log 2>&1
+  el "long done"; show $L/bench-long.log
+}
+
 "$@"
