@@ -47,7 +47,7 @@ callE() {  # issue 18: (1) the LoRA blocks alone, Unsloth's against HyperSloth's
   el "lora_bench done"; grep -v "^{" $L/lora_bench.log | tail -12 | cut -c1-300
   python3 -c "
 import json
-for c in json.load(open('$OUT/lora_bench.json')) if __import__('os').path.exists('$OUT/lora_bench.json') else []:
+for c in (json.load(open('$OUT/lora_bench.json'))['cases'] if __import__('os').path.exists('$OUT/lora_bench.json') else []):
     v = c.get('variants', {}); s = {k: round(x, 3) for k, x in c.items() if k.startswith('speedup')}
     print(c.get('model'), c.get('block'), c.get('tokens'), c.get('auto_path'), s,
           {k: (round(x.get('median_ms', -1), 2) if isinstance(x, dict) else x) for k, x in v.items()}, c.get('error', ''))
