@@ -97,13 +97,18 @@ def decoder_graphs(description: RunDescription, loaded_model, steps: PlanSteps, 
 MIN_GRAPH_ROWS = 2048  # below this a graph saves too little to be worth its capture
 
 
+ROW_SCAN_STEPS = 20_000  # the longest row is looked for in this many steps at most (planning every epoch costs)
+
+
 def planned_rows(steps: PlanSteps, lengths: np.ndarray, rank: int, total_steps: int, token_budget: int
                  ) -> tuple[dict[int, int], int]:
     """This rank's packed row lengths: how often each occurs in the first `GRAPH_PLAN_STEPS` steps (the rows
-    worth capturing before step 1), and the longest row of the whole run (what must fit beside the graphs)."""
+    worth capturing before step 1), and the longest row of the run (what must fit beside the graphs). A run
+    of more than `ROW_SCAN_STEPS` steps is scanned that far: its rows come from the same samples and budget,
+    so the maximum of 20,000 steps is the run's, up to what the budget's 8% safety share absorbs."""
     counts: dict[int, int] = {}
     longest = 0
-    for index in range(total_steps):
+    for index in range(min(total_steps, ROW_SCAN_STEPS)):
         step = steps.plan(index // steps.steps_per_epoch).steps[index % steps.steps_per_epoch]
         for micro in step.ranks[rank]:
             if len(micro) > 0:

@@ -78,6 +78,8 @@ def test_planned_rows_count_the_first_steps_and_find_the_longest_row_of_the_run(
     counts, longest = trainer_args.planned_rows(Steps(), lengths, rank=0, total_steps=4, token_budget=8192)
     assert counts == {row(300): 2} and longest == row(5500)  # the longest row still covers the whole run
     assert trainer_args.planned_rows(Steps(), lengths, rank=1, total_steps=4, token_budget=8192) == ({}, 0)
+    monkeypatch.setattr(trainer_args, "ROW_SCAN_STEPS", 2)  # a long run is scanned that far (epoch 0 here)
+    assert trainer_args.planned_rows(Steps(), lengths, rank=0, total_steps=4, token_budget=8192)[1] == row(5000)
 
 
 def test_padding_is_cut_into_short_equal_segments():
