@@ -77,9 +77,11 @@ def tmux_run(tmp_path, monkeypatch):
                                    records_dir=records, pane=staticmethod(pane_text)))
     finally:
         if server.is_alive():
-            socket_path = server.cmd("display-message", "-p", "#{socket_path}").stdout[0]
+            # the server may exit between is_alive and this query (its last session just ended): no path then
+            socket_path = (server.cmd("display-message", "-p", "#{socket_path}").stdout or [None])[0]
             server.kill()
-            Path(socket_path).unlink(missing_ok=True)  # tmux 3.3 leaves the socket file behind
+            if socket_path:
+                Path(socket_path).unlink(missing_ok=True)  # tmux 3.3 leaves the socket file behind
 
 
 def alive(pid: int) -> bool:
