@@ -62,7 +62,7 @@ from typing import Any
 import numpy as np
 
 from HyperSloth.train import probe_cache
-from HyperSloth.train.budget_choice import BudgetDecision, needs_checkpointing
+from HyperSloth.train.budget_choice import BudgetDecision, needs_checkpointing, offload_host_bytes
 from HyperSloth.train.budget_probe import cached_needs_checkpointing, measure_auto, shape_says_checkpointing
 
 
@@ -116,18 +116,6 @@ def settle(description, load: Callable[[Any], Any], lengths: Sequence[int] | np.
     return settled, loaded, decision
 
 
-def offload_host_bytes(model, tokens: int) -> int | None:
-    """Host bytes Unsloth's offloaded checkpointing holds for a micro-batch of `tokens`: every decoder layer's
-    input (hidden_size x 2 bytes per token, bf16/fp16), kept in host memory until the backward reads it.
-    None when the model's config does not say its shape."""
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    layers, hidden = getattr(text, "num_hidden_layers", None), getattr(text, "hidden_size", None)
-    if not isinstance(layers, int) or not isinstance(hidden, int):
-        return None
-    return layers * hidden * 2 * int(tokens)
-
-
 def host_memory_available() -> int | None:
     """MemAvailable of /proc/meminfo in bytes (None where there is no such file)."""
     try:
@@ -148,7 +136,7 @@ def _warn_if_host_memory_short(model, longest: int) -> None:
     out-of-memory killer then ends the worker at its first step with SIGKILL and no Python error to show."""
     from loguru import logger
 
-    need, available = offload_host_bytes(model, longest), host_memory_available()
+    need, available = offload_host_bytes(getattr(model, "config", None), longest), host_memory_available()
     if need is None or available is None or need <= HOST_MEMORY_HEADROOM * available:
         return
     logger.warning(f"Unsloth's gradient checkpointing keeps every layer's input in host memory: the longest sample "

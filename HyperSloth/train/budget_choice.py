@@ -81,17 +81,34 @@ def needs_checkpointing(budget_tokens: int, longest_sample: int) -> bool:
     return longest_sample > budget_tokens
 
 
+def _text_shape(config: Any, *names: str) -> tuple[int, ...] | None:
+    """The named sizes of the config's text model (a multimodal config's text part), None if one is missing."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    shape = tuple(getattr(text, name, None) for name in names)
+    return shape if all(isinstance(value, int) and value > 0 for value in shape) else None
+
+
 def activation_floor_bytes(config: Any, tokens: int, bytes_per_value: int = 2) -> int | None:
     """A lower bound on what the forward of `tokens` tokens keeps for the backward without checkpointing:
     every decoder layer's input and its MLP's gate and up outputs (what Unsloth's and PEFT's SwiGLU MLP save
     at the least), in 16-bit. Attention, norms, logits and the weights come on top, so the real peak is
     higher (Qwen3-8B: 2.06 MB per token here against 4.2 MB measured). None when the config lacks a shape."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    shape = [getattr(text, name, None) for name in ("num_hidden_layers", "hidden_size", "intermediate_size")]
-    if not all(isinstance(value, int) and value > 0 for value in shape):
+    shape = _text_shape(config, "num_hidden_layers", "hidden_size", "intermediate_size")
+    if shape is None:
         return None
     layers, hidden, intermediate = shape
     return int(tokens) * layers * (hidden + 2 * intermediate) * bytes_per_value
+
+
+def offload_host_bytes(config: Any, tokens: int) -> int | None:
+    """Host bytes Unsloth's offloaded checkpointing holds for a micro-batch of `tokens`: every decoder layer's
+    input (hidden_size x 2 bytes per token, bf16/fp16), kept in host memory until the backward reads it.
+    None when the config does not say its shape."""
+    shape = _text_shape(config, "num_hidden_layers", "hidden_size")
+    if shape is None:
+        return None
+    layers, hidden = shape
+    return layers * hidden * 2 * int(tokens)
 
 
 def shape_needs_checkpointing(config: Any, heaviest_tokens: int, total_bytes: int,

@@ -209,15 +209,11 @@ def shape_says_checkpointing(setup: probe_cache.ProbeSetup, heaviest_tokens: int
     Hub cache); agreed over ranks. False without CUDA, or when the config cannot be read."""
     import torch
 
+    from HyperSloth.train.model import read_checkpoint_config
+
     if not torch.cuda.is_available():
         return False
-    try:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(setup.fast["model_name"],
-                                            trust_remote_code=bool(setup.fast.get("trust_remote_code")))
-    except Exception:  # noqa: BLE001 (any failure only means: measure instead)
-        config = None
+    config = read_checkpoint_config(setup.fast["model_name"], bool(setup.fast.get("trust_remote_code")))
     device = torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(device).total_memory
     needed = config is not None and shape_needs_checkpointing(config, heaviest_tokens, total)

@@ -255,12 +255,18 @@ def describe_rope(native, loaded, max_seq_length: int, backend: str) -> str | No
 
 def _checkpoint_config(fast: FastModelArgs):
     """The checkpoint's own config (before any loader changes it), or None when it cannot be read."""
+    return read_checkpoint_config(fast.model_name, fast.trust_remote_code)
+
+
+def read_checkpoint_config(model_name: str, trust_remote_code: bool = False):
+    """The config in the model's folder or the Hub cache, without loading weights; None when it cannot be read
+    (for the checks that only need the model's shape: the RoPE line, the budget's checkpointing floor)."""
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(fast.model_name, trust_remote_code=fast.trust_remote_code)
+        return AutoConfig.from_pretrained(model_name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
-        logger.debug(f"could not read {fast.model_name}'s config for the RoPE check: {err}")
+        logger.debug(f"could not read {model_name}'s config: {err}")
         return None
 
 

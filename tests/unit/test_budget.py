@@ -424,8 +424,8 @@ def test_a_long_sample_whose_offloaded_checkpoints_exceed_host_memory_is_warned_
     class Loaded8B(_Loaded):
         model = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=36, hidden_size=4096))
 
-    assert budget.offload_host_bytes(Loaded8B.model, 262144) == 36 * 4096 * 2 * 262144
-    assert budget.offload_host_bytes(SimpleNamespace(config=SimpleNamespace()), 262144) is None
+    assert budget_choice.offload_host_bytes(Loaded8B.model.config, 262144) == 36 * 4096 * 2 * 262144
+    assert budget_choice.offload_host_bytes(SimpleNamespace(), 262144) is None
     monkeypatch.setattr(budget, "measure_auto", _fake_measure({False: 30720, "unsloth": 300000}))
     for available_gib, warned in ((31, True), (200, False)):
         monkeypatch.setattr(budget, "host_memory_available", lambda: available_gib * 2**30)
