@@ -22,11 +22,15 @@ SYSTEMS = {
     "unsloth-best": dict(runner="unsloth", gpus=1, micro=32, accum=1, gc=False, shim=True),
     "unsloth-best-gc": dict(runner="unsloth", gpus=1, micro=32, accum=1, gc="unsloth", shim=True),
     "unsloth-best-16x2": dict(runner="unsloth", gpus=1, micro=16, accum=2, gc=False, shim=True),
+    # The same runs under torch.profiler for steps 4-6 (HyperSloth.train.profiling.KernelProfile): kernel tables
+    # and a trace in the system's output folder; left out of the benchmark's comparisons.
+    "unsloth-best-profile": dict(runner="unsloth", gpus=1, micro=32, accum=1, gc=False, shim=True, profile=True),
     "unsloth-stock": dict(runner="unsloth", gpus=1, micro=8, accum=4, gc="unsloth", shim=False),
     "unsloth-ddp": dict(runner="unsloth", gpus=2, micro=16, accum=1, gc=False, shim=True),
     "hypersloth-1": dict(runner="hypersloth", gpus=1, gc=False),
     "hypersloth-1-eager": dict(runner="hypersloth", gpus=1, gc=False, graphs=False),
     "hypersloth-1-unsloth-lora": dict(runner="hypersloth", gpus=1, gc=False, lora_passes=False),
+    "hypersloth-1-profile": dict(runner="hypersloth", gpus=1, gc=False, profile=True),
     "hypersloth-2": dict(runner="hypersloth", gpus=2, gc=False),
     "hypersloth-2-gc": dict(runner="hypersloth", gpus=2, gc="unsloth"),
     "hypersloth-2-profile": dict(runner="hypersloth", gpus=2, gc=False, profile=True),
@@ -70,14 +74,20 @@ def run_stock_unsloth(a) -> dict | None:
                                              target_modules=PROJECTIONS, random_state=SEED,
                                              use_gradient_checkpointing=a.gc)
     clock = _clock()
+    out = Path(a.work) / f"out_{a.system}"
+    callbacks = [clock]
+    if a.profile:  # steps 4-6 under torch.profiler, as HyperSloth's training.profile does
+        from HyperSloth.train.profiling import KernelProfile
+
+        callbacks.append(KernelProfile(clock.timer, clock, out))
     extra = {"ddp_find_unused_parameters": False} if world > 1 else {}
-    args = SFTConfig(output_dir=str(Path(a.work) / f"out_{a.system}"), per_device_train_batch_size=a.micro,
+    args = SFTConfig(output_dir=str(out), per_device_train_batch_size=a.micro,
                      gradient_accumulation_steps=a.accum, max_steps=a.steps, learning_rate=LR,
                      lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch_fused", logging_steps=1,
                      report_to="none", save_strategy="no", bf16=True, max_length=w.max_len,
                      train_sampling_strategy="sequential", seed=SEED, **extra)
     trainer = SFTTrainer(model=model, processing_class=tok, train_dataset=load_from_disk(a.work + "/stock_data"),
-                         args=args, callbacks=[clock])
+                         args=args, callbacks=callbacks)
     # What the stock trainer will feed: TRL cuts samples at max_length while preparing the dataset.
     longest = max(len(ids) for ids in trainer.train_dataset["input_ids"])
     trainer.train()
@@ -92,6 +102,7 @@ def run_stock_unsloth(a) -> dict | None:
             return None
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return {"step_seconds": clock.step_seconds(), "losses": losses, "peak_gb": peaks, "varlen_shim": shim,
+            "kernel_profile": callbacks[-1].summary if a.profile else None,
             "first_step_end_unix": clock.first_step_end_unix, "longest_sample_tokens": longest}
 
 
@@ -157,6 +168,7 @@ def run_hypersloth(a) -> dict:
     peaks = [json.loads((out / "logs" / f"rank{r}.final.json").read_text())["peak_gpu_gb"] for r in range(a.gpus)]
     return {"step_seconds": summary["step_seconds"], "losses": summary["step_losses"], "peak_gb": peaks,
             "phases": summary.get("phase_seconds_per_step"), "rank_phases": rank_phases(out),
+            "kernel_profile": summary.get("kernel_profile"),
             "padding_pct": summary.get("padding_pct"), "token_budget": summary.get("token_budget"),
             "gradient_checkpointing": summary.get("gradient_checkpointing"),
             "first_step_end_unix": summary.get("first_step_end_unix"), "cuda_graphs": summary.get("cuda_graphs"),

@@ -24,8 +24,10 @@ Systems (every one sees the same global batches, in the same order, so per-step 
 - `hypersloth-N`: HyperSloth on N GPUs at product defaults (tokens_per_micro_batch="auto", no
   checkpointing); `hypersloth-2-gc`: with Unsloth's checkpointing; `hypersloth-1-eager`: HyperSloth-1 with
   `cuda_graphs=False` (what the graphs are worth); `hypersloth-1-unsloth-lora`: HyperSloth-1 with Unsloth's own
-  LoRA projections (`lora_passes=False`, what HyperSloth's passes are worth); `hypersloth-2-profile`: the per-phase
-  timer on (synchronises between phases: for the breakdown, not the headline).
+  LoRA projections (`lora_passes=False`, what HyperSloth's passes are worth); `hypersloth-N-profile` and
+  `unsloth-best-profile`: the per-phase timer on (synchronises between phases: for the breakdown, not the
+  headline) and torch.profiler over steps 4-6 (`profile_kernels.txt`, `profile_trace.json.gz` in the system's
+  output folder).
 
 Workloads: random-weight Qwen3-shaped checkpoints (built here, in a child process, so this process never
 holds GPU memory); synthetic samples with lognormal token lengths, loss on all tokens, global batch 32,
@@ -152,6 +154,7 @@ def record_for(name: str, workload: str, raw: dict, data: dict, a, launched: flo
         "peak_gb": max(raw["peak_gb"]), "peak_gb_per_rank": raw["peak_gb"],
         "token_budget": budget, "losses": raw["losses"], "step_seconds": raw["step_seconds"],
         "phases": raw.get("phases"), "rank_phases": raw.get("rank_phases"),
+        "kernel_profile": raw.get("kernel_profile"),  # the -profile systems: steps 4-6 under torch.profiler
         "varlen_shim": raw.get("varlen_shim"), "padding_pct": raw.get("padding_pct", 0.0), "wall_s": wall_s,
         "longest_sample_tokens": raw.get("longest_sample_tokens"),
         # launch (this parent starting the system's process) to the end of its first optimizer step

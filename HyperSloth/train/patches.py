@@ -9,6 +9,15 @@ replaces and the versions it was checked against, and returns whether it applied
     attention turns a packed step into hundreds of small launches. torch 2.11's `varlen_attn` has the
     same kernel, just no GQA flag: we give Unsloth a wrapper that expands the key/value heads (what
     `enable_gqa` does inside the kernel) and otherwise calls torch's function unchanged.
+    Also replaces: `attention_dispatch._LEAN_VARLEN` (and `_varlen_can_use_cudnn` when missing). Unsloth
+    decides at its import, from `_TORCH_VARLEN_ATTN`, whether eager packed calls that torch would send to
+    flash anyway skip `varlen_attn`'s custom-op dispatch and go straight to aten's flash kernels through a
+    plain autograd.Function (`_LeanFlashVarlen`); on torch 2.11 that global was None then, so the lean
+    path stayed off. The aten flash kernel takes fewer key/value heads than query heads (what torch
+    2.12's `enable_gqa` passes it), so on the lean path the key/value heads are not expanded either: no
+    per-layer copy of K and V forward, no reduction of their gradients backward. We turn it on exactly as
+    Unsloth does on torch >= 2.12 (its `UNSLOTH_LEAN_VARLEN=0` still turns it off), with torch's own
+    cuDNN check where the lean path lacks one.
     Checked with: unsloth 2026.10.9, torch 2.11.0+cu130 (H200). A no-op when torch already has
     `enable_gqa`, when flash attention is unavailable, or when Unsloth's global is missing or already set.
 
@@ -62,6 +71,31 @@ def enable_unsloth_torch_varlen() -> bool:
     if getattr(attention_dispatch, "_TORCH_VARLEN_ATTN", "missing") is not None:
         return False
     attention_dispatch._TORCH_VARLEN_ATTN = _gqa_wrapper(varlen_attn)
+    enable_unsloth_lean_varlen(attention_dispatch)
+    return True
+
+
+def enable_unsloth_lean_varlen(attention_dispatch) -> bool:
+    """Turn on Unsloth's lean flash path for packed rows as its import does on torch >= 2.12 (see the
+    module docstring); False when this Unsloth has no such path or `UNSLOTH_LEAN_VARLEN` turns it off."""
+    import os
+
+    if os.environ.get("UNSLOTH_LEAN_VARLEN", "1").lower() in ("0", "false", "no", "off"):
+        return False
+    if not hasattr(attention_dispatch, "_LeanFlashVarlen") or not hasattr(attention_dispatch, "_LEAN_VARLEN"):
+        return False
+    if not hasattr(attention_dispatch, "_varlen_can_use_cudnn"):
+        from torch.nn.attention import varlen
+
+        use_cudnn = getattr(varlen, "_should_use_cudnn", None)
+
+        def _varlen_can_use_cudnn(query, key, value, max_q, window_size, enable_gqa=False):
+            # What varlen_attn itself would pick: cuDNN where torch's per-device check says so (never on
+            # torch 2.11 builds whose check returns False), flash otherwise.
+            return bool(query.is_cuda and use_cudnn is not None and use_cudnn(query.device.index))
+
+        attention_dispatch._varlen_can_use_cudnn = _varlen_can_use_cudnn
+    attention_dispatch._LEAN_VARLEN = True
     return True
 
 

@@ -4,7 +4,10 @@
 anyway), giving wall seconds per step for the run summary and the benchmark. It also closes the
 start-up timeline (HyperSloth.outputs.startup): graph capture, the Trainer's set-up and step 1. `PhaseTimer` runs only
 with `training.profile=True`: it synchronises between phases, which costs a little speed, so it is
-meant for finding the next bottleneck, not for the headline numbers.
+meant for finding the next bottleneck, not for the headline numbers. With it, `KernelProfile` runs
+torch.profiler over a few steps after the warm-up (phase syncs paused there, so the trace shows the real
+overlap of host and GPU): how long the GPU was busy against the wall, kernels per step, the top operators,
+and a Chrome trace.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import json
 import time
 from collections import defaultdict
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 import torch
 from loguru import logger
@@ -33,17 +38,18 @@ class PhaseTimer:
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
+        self.paused = False  # steps under KernelProfile: no phase syncs (they would hide the host/GPU overlap)
         self.per_step: list[dict[str, float]] = []
         self.steps = 0
         self._last = time.perf_counter()
 
     def restart(self) -> None:
-        if self.enabled:
+        if self.enabled and not self.paused:
             _sync()
             self._last = time.perf_counter()
 
     def mark(self, phase: str) -> None:
-        if not self.enabled:
+        if not self.enabled or self.paused:
             return
         _sync()
         now = time.perf_counter()
@@ -51,6 +57,11 @@ class PhaseTimer:
             self.per_step.append(defaultdict(float))
         self.per_step[self.steps][phase] += now - self._last
         self._last = now
+
+    def skip_step(self) -> None:
+        """This step had no phase marks (paused): keep the per-step list aligned with the step count."""
+        if self.enabled and len(self.per_step) <= self.steps:
+            self.per_step.append(defaultdict(float))
 
     @contextmanager
     def phase(self, name: str):
@@ -61,7 +72,7 @@ class PhaseTimer:
     def mean_per_step(self, skip: int = 2) -> dict[str, float]:
         """Mean seconds per optimizer step for each phase, leaving out the first `skip` steps (compilation
         and warm-up) when there are more; empty when disabled."""
-        steps = self.per_step[skip:] if len(self.per_step) > skip else self.per_step
+        steps = [s for s in (self.per_step[skip:] if len(self.per_step) > skip else self.per_step) if s]
         if not self.enabled or not steps:
             return {}
         return {p: sum(s.get(p, 0.0) for s in steps) / len(steps) for p in PHASES}
@@ -96,6 +107,8 @@ class StepClock(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         _sync()
         self.stamps.append(time.perf_counter())
+        if self.timer.paused:
+            self.timer.skip_step()
         if self.first_step_end_unix is None:
             self.mark_startup("first_step")
             self.first_step_end_unix = time.time()
@@ -111,3 +124,75 @@ class StepClock(TrainerCallback):
 
     def step_seconds(self) -> list[float]:
         return [b - a for a, b in zip(self.stamps, self.stamps[1:])]
+
+
+def busy_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals (the time at least one of them was running)."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total
+
+
+class KernelProfile(TrainerCallback):
+    """torch.profiler over optimizer steps `first` .. `first + count - 1` (1-based; after graph capture and the
+    warm-up of new row lengths), with the phase syncs paused. Writes `profile_kernels.txt` (the operators and
+    kernels by device time, then by host time) and `profile_trace.json.gz` (a Chrome trace, for
+    chrome://tracing or Perfetto) into the output directory, and keeps a summary for train_summary.json:
+    wall seconds per step, the seconds the GPU was busy (union of kernels, copies and sets), kernels per step."""
+
+    def __init__(self, timer: PhaseTimer, clock: StepClock, out_dir: str | Path, first: int = 4, count: int = 3):
+        self.timer, self.clock = timer, clock
+        self.out_dir = Path(out_dir)
+        self.first, self.count = first, count
+        self.summary: dict[str, Any] | None = None
+        self._profiler = None
+        self._first_stamp = 0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self._profiler is None and self.summary is None and state.global_step + 1 == self.first:
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            _sync()
+            self.timer.paused = True
+            self._first_stamp = len(self.clock.stamps) - 1
+            self._profiler = profile(activities=activities, record_shapes=False)
+            self._profiler.__enter__()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._profiler is not None and state.global_step >= self.first + self.count - 1:
+            self._finish()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._profiler is not None:  # the run ended inside the profiled steps
+            self._finish()
+
+    def _finish(self) -> None:
+        _sync()
+        prof, self._profiler = self._profiler, None
+        prof.__exit__(None, None, None)
+        self.timer.paused = False
+        # The clock's stamp for the step just ended comes after this callback (callbacks run in order, the clock
+        # first): the profiled steps are those whose end stamps exist now, from the first profiled one on.
+        stamps = self.clock.stamps[self._first_stamp:]
+        steps = max(len(stamps) - 1, 1)
+        wall = (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
+        from torch.autograd import DeviceType
+
+        device = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+        busy = busy_seconds([(e.time_range.start / 1e6, e.time_range.end / 1e6) for e in device])
+        self.summary = {"steps": steps, "wall_s_per_step": round(wall / steps, 5),
+                        "gpu_busy_s_per_step": round(busy / steps, 5) if device else None,
+                        "gpu_events_per_step": round(len(device) / steps, 1)}
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        averages = prof.key_averages()
+        by_device = averages.table(sort_by="self_device_time_total", row_limit=40) if device else ""
+        by_host = averages.table(sort_by="self_cpu_time_total", row_limit=40)
+        (self.out_dir / "profile_kernels.txt").write_text(
+            f"{json.dumps(self.summary)}\n\nby device time\n{by_device}\n\nby host time\n{by_host}\n")
+        prof.export_chrome_trace(str(self.out_dir / "profile_trace.json.gz"))
+        logger.info("KERNEL_PROFILE " + json.dumps(self.summary))

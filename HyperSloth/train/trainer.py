@@ -50,7 +50,7 @@ from HyperSloth.train.collate import to_device
 from HyperSloth.train.dist import DistInfo, GradientSync, all_ranks_ok
 from HyperSloth.train.evaluation import Evaluator, build_evaluator, evaluate_in_trainer
 from HyperSloth.train.plan_loader import PlanDataLoader, PlanSteps, StepSampler
-from HyperSloth.train.profiling import PhaseTimer, StepClock
+from HyperSloth.train.profiling import KernelProfile, PhaseTimer, StepClock
 from HyperSloth.train.step_graph import DecoderGraphs, synthetic_row
 from HyperSloth.train.trainer_args import decoder_graphs, trainer_arguments
 
@@ -138,11 +138,13 @@ class HyperSlothTrainer(SFTTrainer):
         self.grad_sync = grad_sync
         self.timer = PhaseTimer(profile)
         self.clock = StepClock(self.timer)
+        # With profile: torch.profiler over steps 4-6 (after the warm-up), after the clock among the callbacks.
+        self.kernel_profile = KernelProfile(self.timer, self.clock, kwargs["args"].output_dir) if profile else None
         self.tokens_this_run = 0  # for throughput; the cumulative count lives in the checkpointed state
         self._step_losses: list[torch.Tensor] = []
         self.step_history = StepHistory(self)
         kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self.clock, StepGarbageCollection(),
-                               self.step_history]
+                               self.step_history, *([self.kernel_profile] if self.kernel_profile else [])]
         self._flop_parameters: int | None = None  # 6 x non-embedding parameters (floating_point_ops)
         super().__init__(*args, **kwargs)
 

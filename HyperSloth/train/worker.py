@@ -277,6 +277,7 @@ def _summary(trainer, setup, result, wall_s: float, info: dist.DistInfo) -> dict
         "step_seconds": trainer.clock.step_seconds(),
         "first_step_end_unix": trainer.clock.first_step_end_unix,  # start-up = this - the launch time
         "phase_seconds_per_step": trainer.timer.mean_per_step(),
+        "kernel_profile": trainer.kernel_profile.summary if trainer.kernel_profile else None,
         "peak_gpu_gb": _peak_gpu_gb(),
     }
 

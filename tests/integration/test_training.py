@@ -8,6 +8,7 @@ add the same numbers in a different order, nothing more.
 from __future__ import annotations
 
 import contextlib
+import gzip
 import hashlib
 import json
 import shutil
@@ -38,7 +39,8 @@ RTOL = 1e-5
 HAVE_TMUX = shutil.which("tmux") is not None
 SPECS = [
     RunSpec("packed-2w"),
-    RunSpec("packed-1w", gpus=1, per_device=8),
+    # Profiled too (no change to the numbers: it only times and traces).
+    RunSpec("packed-1w", gpus=1, per_device=8, profile=True),
     # The sorted-pad pair also covers loss_type="all" (test_response_only_... compares the two types).
     RunSpec("sorted-2w", batching="sorted-pad", loss_type="all"),
     RunSpec("sorted-1w", gpus=1, per_device=8, batching="sorted-pad", loss_type="all"),
@@ -462,3 +464,20 @@ def test_the_start_up_timeline_runs_from_the_launch_to_the_end_of_step_1(runs):
     if HAVE_TMUX:  # the stamps reach the rank windows inline; rank 0's console is its window, not the CLI
         startup = runs.get("tmux").check_ok().summary["startup"]
         assert list(startup["end_s"]) == LAUNCHED and list(startup["end_s"].values()) == sorted(startup["end_s"].values())
+
+
+@needs("packed-1w")
+def test_profile_times_the_phases_and_traces_three_steps_after_the_warm_up(runs):
+    run = runs.get("packed-1w").check_ok()
+    summary = run.summary
+    profile = summary["kernel_profile"]
+    assert profile["steps"] == 3 and profile["wall_s_per_step"] > 0
+    assert profile["gpu_busy_s_per_step"] is None and profile["gpu_events_per_step"] == 0  # CPU: no device events
+    # Steps 4-6 ran under the profiler without phase syncs; step 3 (after the 2 warm-up steps) has phases.
+    phases = summary["phase_seconds_per_step"]
+    assert set(phases) >= {"data", "forward", "backward", "optimizer"} and phases["forward"] > 0
+    table = (run.out / "profile_kernels.txt").read_text()
+    assert table.startswith(json.dumps(profile)) and "aten::" in table
+    with gzip.open(run.out / "profile_trace.json.gz", "rt") as trace:
+        events = json.load(trace)["traceEvents"]
+    assert any(e.get("name", "").startswith("aten::") for e in events)

@@ -86,6 +86,7 @@ class RunSpec:
     inject_failure: bool = False
     kill_in_save: bool = False  # rank 1 is killed while saving the checkpoint of the last step
     lora_dropout: float = 0.0
+    profile: bool = False  # training.profile: phase timing and the kernel profile of steps 4-6
 
     def hyper_config(self, model_dir: Path) -> dict[str, Any]:
         return {
@@ -96,6 +97,7 @@ class RunSpec:
                 "batching": self.batching,
                 # Smaller than a step's tokens, so every rank accumulates several packed micro-batches.
                 "tokens_per_micro_batch": 512,
+                "profile": self.profile,
             },
             "fast_model_args": {"model_name": str(model_dir), "max_seq_length": MAX_SEQ_LENGTH,
                                 "dtype": "float32", "backend": "transformers"},

@@ -46,3 +46,20 @@ def test_gqa_wrapper_passes_equal_heads_through_unchanged():
 
 def test_patch_is_a_no_op_without_cuda_or_unsloth():
     assert patches.enable_unsloth_torch_varlen() is False
+
+
+def test_lean_flash_path_is_switched_on_as_unsloth_does_on_newer_torch(monkeypatch):
+    import types
+
+    dispatch = types.SimpleNamespace(_LeanFlashVarlen=object, _LEAN_VARLEN=False)
+    assert patches.enable_unsloth_lean_varlen(dispatch) is True
+    assert dispatch._LEAN_VARLEN is True
+    q = torch.zeros(4, 2, 8)  # CPU tensors: never cuDNN
+    assert dispatch._varlen_can_use_cudnn(q, q, q, 4, [-1, 0], True) is False
+    # Unsloth's own switch still turns it off, and an Unsloth without the lean path is left alone.
+    monkeypatch.setenv("UNSLOTH_LEAN_VARLEN", "0")
+    off = types.SimpleNamespace(_LeanFlashVarlen=object, _LEAN_VARLEN=False)
+    assert patches.enable_unsloth_lean_varlen(off) is False and off._LEAN_VARLEN is False
+    monkeypatch.delenv("UNSLOTH_LEAN_VARLEN")
+    older = types.SimpleNamespace(_LEAN_VARLEN=False)
+    assert patches.enable_unsloth_lean_varlen(older) is False and older._LEAN_VARLEN is False

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Third session of 2026-12-01, one H200 (kind nvidia-h200, carry .whl); run from the repository root as
+# `bash docs/benchmarks/2026-12-01c-device-calls.sh callN`. Each call stays under 9.5 minutes (the benchmark
+# stops starting systems at --budget-s and kills one still running at it). Records and logs land in $OUT.
+set -u
+source scripts/gpu_env.sh
+W=/tmp/hs_bench; L=$OUT/logs; mkdir -p "$L" "$OUT/profiles"
+T0=$(date +%s); el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
+left() { echo $(( $1 - ($(date +%s) - T0) )); }
+bench() { python3 scripts/benchmark.py --work $W --out $OUT --num-gpus 1 "$@"; }
+show() { grep -h "^\[\|FAILED\|out of time\|Error\|error\|budget probe\|tokens_per_micro_batch=auto" "$@" | cut -c1-600; }
+keep_profiles() {  # $1: workload; the -profile systems' kernel tables and traces
+  for d in $W/$1/out_*-profile; do
+    [ -d "$d" ] || continue
+    n=$(basename "$d"); cp "$d/profile_kernels.txt" "$OUT/profiles/$1-$n.txt" 2>/dev/null
+    cp "$d/profile_trace.json.gz" "$OUT/profiles/$1-$n.trace.json.gz" 2>/dev/null
+    head -c 400 "$OUT/profiles/$1-$n.txt" 2>/dev/null; echo
+  done
+}
+
+callH() {  # issue 18: (1) short-0.6b, every row in one run: HyperSloth-1 and unsloth-best at defaults (both with the
+  # shim, now also switching on Unsloth's lean flash path: GQA without expanding K/V), and both under torch.profiler
+  # (steps 4-6); (2) HyperSloth-1 with the lean path off (UNSLOTH_LEAN_VARLEN=0): what it is worth;
+  # (3) short-8b HyperSloth-1 under the profiler (where 8B's 1.4 s go)
+  bench --workloads short-0.6b --slots "hypersloth-1,unsloth-best,hypersloth-1-profile,unsloth-best-profile" \
+    --warmup 3 --steps 20 --tag 2026-12-01c-0.6b --budget-s $(left 300) > $L/bench06.log 2>&1
+  el "0.6b done"; show $L/bench06.log; keep_profiles short-0.6b
+  grep -h "lean\|varlen\|CUDA graphs for\|eager decoder\|KERNEL_PROFILE" $W/short-0.6b/out_*/logs/rank0.log 2>/dev/null | cut -c1-300
+  UNSLOTH_LEAN_VARLEN=0 bench --workloads short-0.6b --slots "hypersloth-1" --warmup 3 --steps 20 \
+    --tag 2026-12-01c-0.6b-nolean --budget-s $(left 380) > $L/bench06-nolean.log 2>&1
+  el "0.6b no-lean done"; show $L/bench06-nolean.log
+  bench --workloads short-8b --slots "hypersloth-1-profile" --warmup 3 --steps 6 --tag 2026-12-01c-8b-profile \
+    --budget-s $(left 560) > $L/bench8b.log 2>&1
+  el "8b profile done"; show $L/bench8b.log; keep_profiles short-8b
+}
+
+"$@"
