@@ -16,8 +16,8 @@ replaces and the versions it was checked against, and returns whether it applied
     path stayed off. The aten flash kernel takes fewer key/value heads than query heads (what torch
     2.12's `enable_gqa` passes it), so on the lean path the key/value heads are not expanded either: no
     per-layer copy of K and V forward, no reduction of their gradients backward. We turn it on exactly as
-    Unsloth does on torch >= 2.12 (its `UNSLOTH_LEAN_VARLEN=0` still turns it off), with torch's own
-    cuDNN check where the lean path lacks one.
+    Unsloth does on torch >= 2.12 (its `UNSLOTH_LEAN_VARLEN=0` still turns it off), flash only (what
+    torch 2.11's `varlen_attn` ran for these rows).
     Checked with: unsloth 2026.10.9, torch 2.11.0+cu130 (H200). A no-op when torch already has
     `enable_gqa`, when flash attention is unavailable, or when Unsloth's global is missing or already set.
 
@@ -75,6 +75,11 @@ def enable_unsloth_torch_varlen() -> bool:
     return True
 
 
+def _flash_only(query, key, value, max_q, window_size, enable_gqa=False) -> bool:
+    """Unsloth's `_varlen_can_use_cudnn` for torch 2.11: varlen_attn never took cuDNN for packed rows."""
+    return False
+
+
 def enable_unsloth_lean_varlen(attention_dispatch) -> bool:
     """Turn on Unsloth's lean flash path for packed rows as its import does on torch >= 2.12 (see the
     module docstring); False when this Unsloth has no such path or `UNSLOTH_LEAN_VARLEN` turns it off."""
@@ -85,16 +90,11 @@ def enable_unsloth_lean_varlen(attention_dispatch) -> bool:
     if not hasattr(attention_dispatch, "_LeanFlashVarlen") or not hasattr(attention_dispatch, "_LEAN_VARLEN"):
         return False
     if not hasattr(attention_dispatch, "_varlen_can_use_cudnn"):
-        from torch.nn.attention import varlen
-
-        use_cudnn = getattr(varlen, "_should_use_cudnn", None)
-
-        def _varlen_can_use_cudnn(query, key, value, max_q, window_size, enable_gqa=False):
-            # What varlen_attn itself would pick: cuDNN where torch's per-device check says so (never on
-            # torch 2.11 builds whose check returns False), flash otherwise.
-            return bool(query.is_cuda and use_cudnn is not None and use_cudnn(query.device.index))
-
-        attention_dispatch._varlen_can_use_cudnn = _varlen_can_use_cudnn
+        # The lean path runs torch's flash kernel; Unsloth skips it where varlen_attn would pick cuDNN. torch
+        # 2.11's varlen_attn always ran flash for these rows (an H200 trace shows only flash kernels), but its
+        # per-device cuDNN check does not say so: asking it (as Unsloth does on 2.12/2.13) kept the lean path
+        # off on the H200. So: never cuDNN, which is the kernel the shim's own varlen_attn calls ran.
+        attention_dispatch._varlen_can_use_cudnn = _flash_only
     attention_dispatch._LEAN_VARLEN = True
     return True
 

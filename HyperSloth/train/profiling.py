@@ -160,7 +160,8 @@ class KernelProfile(TrainerCallback):
             _sync()
             self.timer.paused = True
             self._first_stamp = len(self.clock.stamps) - 1
-            self._profiler = profile(activities=activities, record_shapes=False)
+            # with_stack: the Python functions too, so host time between kernels has names in the trace.
+            self._profiler = profile(activities=activities, record_shapes=False, with_stack=True)
             self._profiler.__enter__()
 
     def on_step_end(self, args, state, control, **kwargs):

@@ -34,4 +34,16 @@ callH() {  # issue 18: (1) short-0.6b, every row in one run: HyperSloth-1 and un
   el "8b profile done"; show $L/bench8b.log; keep_profiles short-8b
 }
 
+callI() {  # issue 18: (1) attention kernels alone for packed short chats (scripts/attn_bench.py: flash with GQA,
+  # flash with expanded K/V, cuDNN ragged); (2) short-0.6b under torch.profiler (now with Python stacks):
+  # HyperSloth-1 with the lean path fixed (call H's trace still showed the K/V expansion: torch 2.11's per-device
+  # cuDNN check kept Unsloth's lean path off) and unsloth-best (call H ran out of its time budget before it);
+  # (3) HyperSloth-1 at defaults, 20 timed steps
+  timeout 120 python3 scripts/attn_bench.py --tokens 22528 --out $OUT/attn_bench.json > $L/attn.log 2>&1
+  el "attn done"; cat $L/attn.log | cut -c1-400
+  bench --workloads short-0.6b --slots "hypersloth-1-profile,unsloth-best-profile,hypersloth-1" --warmup 3 --steps 20 \
+    --tag 2026-12-01c-0.6b-prof --budget-s $(left 330) > $L/bench06.log 2>&1
+  el "0.6b done"; show $L/bench06.log; keep_profiles short-0.6b
+}
+
 "$@"
