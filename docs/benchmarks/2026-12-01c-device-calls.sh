@@ -44,6 +44,11 @@ callI() {  # issue 18: (1) attention kernels alone for packed short chats (scrip
   bench --workloads short-0.6b --slots "hypersloth-1-profile,unsloth-best-profile,hypersloth-1" --warmup 3 --steps 20 \
     --tag 2026-12-01c-0.6b-prof --budget-s $(left 330) > $L/bench06.log 2>&1
   el "0.6b done"; show $L/bench06.log; keep_profiles short-0.6b
+  pack
+}
+
+pack() {  # at most 8 files come back: the profiles and logs travel as one archive
+  tar czf $OUT/profiles-logs.tgz -C $OUT profiles logs && rm -rf $OUT/profiles $OUT/logs
 }
 
 "$@"
