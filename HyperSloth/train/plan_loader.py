@@ -5,6 +5,14 @@ of the plan (`adaptive_partition_batches`) plus the step's global counts; `StepS
 once per optimizer step; `PlanDataLoader` passes HF's `set_epoch` on to the sampler. The trainer
 (`HyperSlothTrainer.get_train_dataloader`) builds the loader from these; the DPO trainer subclasses
 `PlanSteps` for its pairs.
+
+Transport: the loader's worker process (one on GPUs, `trainer_args.sft_config_for`) sends each step as a
+`HostStep`: its tensors as numpy arrays, pickled by value through the worker's pipe. A tensor would
+cross as a shared-memory file descriptor, one socket handshake (with its authentication) per tensor: on
+the H200 trace of a Qwen3-0.6B step that was ~9 ms of the ~13 ms the GPU sat idle between steps. In the
+training process the loader's pin-memory thread turns them back into pinned tensors (`HostStep.pin_memory`),
+and without pinning `PlanDataLoader` does (same arrays, no copy), or the trainer's `get_batch_samples` for
+the loader HF wraps around it when a resume skips batches.
 """
 
 from __future__ import annotations
@@ -12,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
+import torch
 from torch.utils.data import DataLoader, Dataset
 
 from HyperSloth.plan.batching import EpochPlan
@@ -75,6 +85,80 @@ class PlanSteps(Dataset):
                             bucket_limit=self._plan.spec.token_budget)
 
 
+class _Array:
+    """A tensor's data in transit (`HostStep`): marks which arrays go back to tensors."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+
+    def __getstate__(self):
+        return self.array
+
+    def __setstate__(self, array):
+        self.array = array
+
+
+def _to_host(item: Any) -> Any:
+    if isinstance(item, torch.Tensor):
+        if item.dtype not in _NUMPY_DTYPES:
+            raise TypeError(f"a collated {item.dtype} tensor cannot travel as numpy (integers and bool only)")
+        return _Array(item.numpy())
+    if isinstance(item, dict):
+        return {k: _to_host(v) for k, v in item.items()}
+    if isinstance(item, (list, tuple)):
+        return type(item)(_to_host(v) for v in item)
+    return item
+
+
+def _to_tensors(item: Any, pin: bool) -> Any:
+    if isinstance(item, _Array):
+        tensor = torch.from_numpy(item.array)
+        return tensor.pin_memory() if pin else tensor
+    if isinstance(item, dict):
+        return {k: _to_tensors(v, pin) for k, v in item.items()}
+    if isinstance(item, (list, tuple)):
+        return type(item)(_to_tensors(v, pin) for v in item)
+    return item
+
+
+# What collation produces (token ids, labels, positions, lengths, indices, masks), each with a numpy twin.
+_NUMPY_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+
+
+class HostStep:
+    """One step's item on its way out of the loader (see the module docstring): built in the worker by the
+    collate function (`host_step`), back to tensors in the training process."""
+
+    __slots__ = ("item",)
+
+    def __init__(self, item: dict[str, Any]):
+        self.item = _to_host(item)
+
+    def __getstate__(self):
+        return self.item
+
+    def __setstate__(self, item):
+        self.item = item
+
+    def tensors(self) -> dict[str, Any]:
+        return _to_tensors(self.item, pin=False)
+
+    def pin_memory(self, device=None) -> dict[str, Any]:  # the loader's pin-memory thread calls this
+        return _to_tensors(self.item, pin=True)
+
+
+def as_tensors(item: Any) -> Any:
+    """A loader's item as tensors: a `HostStep` that no pin-memory thread turned back yet, or anything else as is."""
+    return item.tensors() if isinstance(item, HostStep) else item
+
+
+def host_step(batch: list[dict[str, Any]]) -> HostStep:
+    """The loader's collate function: the batch sampler yields one (epoch, step) per batch."""
+    return HostStep(batch[0])
+
+
 class StepSampler:
     """Batch sampler yielding `[(epoch, step)]` once per optimizer step of the epoch."""
 
@@ -94,7 +178,11 @@ class StepSampler:
 
 
 class PlanDataLoader(DataLoader):
-    """A DataLoader whose `set_epoch` reaches the step sampler (HF calls it at each epoch)."""
+    """A DataLoader of `PlanSteps` (collate_fn `host_step`) whose `set_epoch` reaches the step sampler (HF
+    calls it at each epoch) and whose items arrive as dicts of tensors."""
 
     def set_epoch(self, epoch: int) -> None:
         self.batch_sampler.set_epoch(epoch)
+
+    def __iter__(self):
+        return map(as_tensors, super().__iter__())

@@ -47,6 +47,27 @@ callI() {  # issue 18: (1) attention kernels alone for packed short chats (scrip
   pack
 }
 
+callJ() {  # issue 18, the session's comparison rows, each pair in one benchmark run: short-0.6b and long-0.6b
+  # (HyperSloth-1 at defaults against unsloth-best, 32 x 1), short-8b (against unsloth-best-16x2: 32 x 1 ran out of
+  # memory on 8B), 3 warm-up + 20 timed steps; HyperSloth now skips the per-step model.train() walk and gets its
+  # steps from the loader's worker as arrays (call I's trace: ~13 ms of GPU idle between steps went there);
+  # last, if time is left, HyperSloth-1 under the profiler (GPU busy against wall)
+  bench --workloads short-0.6b --slots "hypersloth-1,unsloth-best" --warmup 3 --steps 20 --tag 2026-12-01c-final \
+    --budget-s $(left 175) > $L/bench-short06.log 2>&1
+  el "short-0.6b done"; show $L/bench-short06.log
+  bench --workloads long-0.6b --slots "hypersloth-1,unsloth-best" --warmup 3 --steps 20 --tag 2026-12-01c-final \
+    --budget-s $(left 320) > $L/bench-long06.log 2>&1
+  el "long-0.6b done"; show $L/bench-long06.log
+  bench --workloads short-8b --slots "hypersloth-1,unsloth-best-16x2" --warmup 3 --steps 20 --tag 2026-12-01c-final \
+    --budget-s $(left 555) > $L/bench-8b.log 2>&1
+  el "short-8b done"; show $L/bench-8b.log
+  bench --workloads short-0.6b --slots "hypersloth-1-profile" --warmup 3 --steps 6 --tag 2026-12-01c-final-prof \
+    --budget-s $(left 590) > $L/bench-prof.log 2>&1
+  el "profile done"; show $L/bench-prof.log; keep_profiles short-0.6b
+  grep -h "CUDA graphs for\|eager decoder\|KERNEL_PROFILE\|start-up" $W/*/out_hypersloth-1*/logs/rank0.log 2>/dev/null | cut -c1-300
+  pack
+}
+
 pack() {  # at most 8 files come back: the profiles and logs travel as one archive
   tar czf $OUT/profiles-logs.tgz -C $OUT profiles logs && rm -rf $OUT/profiles $OUT/logs
 }
