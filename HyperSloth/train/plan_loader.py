@@ -102,9 +102,8 @@ class _Array:
 
 def _to_host(item: Any) -> Any:
     if isinstance(item, torch.Tensor):
-        if item.dtype not in _NUMPY_DTYPES:
-            raise TypeError(f"a collated {item.dtype} tensor cannot travel as numpy (integers and bool only)")
-        return _Array(item.numpy())
+        # Integers and bool (all that collation makes) travel as arrays; any other tensor as itself.
+        return _Array(item.numpy()) if item.dtype in _NUMPY_DTYPES else item
     if isinstance(item, dict):
         return {k: _to_host(v) for k, v in item.items()}
     if isinstance(item, (list, tuple)):
@@ -113,8 +112,8 @@ def _to_host(item: Any) -> Any:
 
 
 def _to_tensors(item: Any, pin: bool) -> Any:
-    if isinstance(item, _Array):
-        tensor = torch.from_numpy(item.array)
+    if isinstance(item, (_Array, torch.Tensor)):
+        tensor = torch.from_numpy(item.array) if isinstance(item, _Array) else item
         return tensor.pin_memory() if pin else tensor
     if isinstance(item, dict):
         return {k: _to_tensors(v, pin) for k, v in item.items()}
