@@ -228,7 +228,9 @@ class TrainingConfig(BaseModel):
     profile: bool = Field(
         False,
         description="Time data, forward, backward, all-reduce, clip and optimizer per step (adds a CUDA sync "
-        "between phases; for finding bottlenecks). The breakdown lands in train_summary.json.",
+        "between phases; for finding bottlenecks), and run torch.profiler over steps 4-6 (no phase syncs there): "
+        "the breakdown and the GPU's busy time against the wall land in train_summary.json, the operator tables "
+        "in profile_kernels.txt and a Chrome/Perfetto trace with Python stacks in profile_trace.json.gz.",
     )
     cuda_graphs: bool = Field(
         True,
