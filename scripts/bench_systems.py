@@ -79,7 +79,8 @@ def run_stock_unsloth(a) -> dict | None:
     if a.profile:  # steps 4-6 under torch.profiler, as HyperSloth's training.profile does
         from HyperSloth.train.profiling import KernelProfile
 
-        callbacks.append(KernelProfile(clock.timer, clock, out))
+        callbacks.append(KernelProfile(clock.timer, clock, out / "logs" / "rank0.profile_kernels.txt",
+                                       out / "logs" / "rank0.profile_trace.json.gz"))
     extra = {"ddp_find_unused_parameters": False} if world > 1 else {}
     args = SFTConfig(output_dir=str(out), per_device_train_batch_size=a.micro,
                      gradient_accumulation_steps=a.accum, max_steps=a.steps, learning_rate=LR,

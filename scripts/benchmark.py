@@ -26,8 +26,8 @@ Systems (every one sees the same global batches, in the same order, so per-step 
   `cuda_graphs=False` (what the graphs are worth); `hypersloth-1-unsloth-lora`: HyperSloth-1 with Unsloth's own
   LoRA projections (`lora_passes=False`, what HyperSloth's passes are worth); `hypersloth-N-profile` and
   `unsloth-best-profile`: the per-phase timer on (synchronises between phases: for the breakdown, not the
-  headline) and torch.profiler over steps 4-6 (`profile_kernels.txt`, `profile_trace.json.gz` in the system's
-  output folder).
+  headline) and torch.profiler over steps 4-6 (`logs/rank0.profile_kernels.txt` and `.profile_trace.json.gz` in the
+  system's output folder).
 
 Workloads: random-weight Qwen3-shaped checkpoints (built here, in a child process, so this process never
 holds GPU memory); synthetic samples with lognormal token lengths, loss on all tokens, global batch 32,

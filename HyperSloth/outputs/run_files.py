@@ -103,7 +103,8 @@ def rank_name(rank: int) -> str:
 
 
 def rank_file_in(logs: str | os.PathLike, rank: int, kind: str) -> Path:
-    """`{logs}/rank{rank}.{kind}`, kind one of log, stderr, stdout, failure.json, final.json, pid, exitcode."""
+    """`{logs}/rank{rank}.{kind}`, kind one of log, stderr, stdout, failure.json, final.json, pid, exitcode,
+    and with `training.profile` profile_kernels.txt, profile_trace.json.gz."""
     return Path(logs) / f"{rank_name(rank)}.{kind}"
 
 

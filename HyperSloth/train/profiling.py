@@ -26,6 +26,7 @@ from transformers import TrainerCallback
 from HyperSloth.outputs.startup import StartupTimeline
 
 PHASES = ("data", "forward", "backward", "allreduce", "clip", "optimizer")
+PROFILE_TABLE, PROFILE_TRACE = "profile_kernels.txt", "profile_trace.json.gz"  # rank file kinds (KernelProfile)
 
 
 def _sync() -> None:
@@ -139,14 +140,16 @@ def busy_seconds(intervals: list[tuple[float, float]]) -> float:
 
 class KernelProfile(TrainerCallback):
     """torch.profiler over optimizer steps `first` .. `first + count - 1` (1-based; after graph capture and the
-    warm-up of new row lengths), with the phase syncs paused. Writes `profile_kernels.txt` (the operators and
-    kernels by device time, then by host time) and `profile_trace.json.gz` (a Chrome trace, for
-    chrome://tracing or Perfetto) into the output directory, and keeps a summary for train_summary.json:
-    wall seconds per step, the seconds the GPU was busy (union of kernels, copies and sets), kernels per step."""
+    warm-up of new row lengths), with the phase syncs paused. Writes `table` (the operators and kernels by
+    device time, then by host time) and `trace` (a gzipped Chrome trace with Python stacks, for Perfetto or
+    chrome://tracing; each rank its own, `logs/rank{r}.profile_kernels.txt` and `.profile_trace.json.gz` in a
+    run), and keeps a summary for train_summary.json: wall seconds per step, the seconds the GPU was busy
+    (union of kernels, copies and sets), kernels per step."""
 
-    def __init__(self, timer: PhaseTimer, clock: StepClock, out_dir: str | Path, first: int = 4, count: int = 3):
+    def __init__(self, timer: PhaseTimer, clock: StepClock, table: str | Path, trace: str | Path, first: int = 4,
+                 count: int = 3):
         self.timer, self.clock = timer, clock
-        self.out_dir = Path(out_dir)
+        self.table, self.trace = Path(table), Path(trace)
         self.first, self.count = first, count
         self.summary: dict[str, Any] | None = None
         self._profiler = None
@@ -177,8 +180,9 @@ class KernelProfile(TrainerCallback):
         prof, self._profiler = self._profiler, None
         prof.__exit__(None, None, None)
         self.timer.paused = False
-        # The clock's stamp for the step just ended comes after this callback (callbacks run in order, the clock
-        # first): the profiled steps are those whose end stamps exist now, from the first profiled one on.
+        self.timer.restart()  # the next step's phases start now, not when the clock's restart was skipped
+        # The clock comes before this callback, so the stamp of the step just ended exists: the profiled steps
+        # span the clock's stamps from the one taken when the profiler started.
         stamps = self.clock.stamps[self._first_stamp:]
         steps = max(len(stamps) - 1, 1)
         wall = (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
@@ -189,11 +193,11 @@ class KernelProfile(TrainerCallback):
         self.summary = {"steps": steps, "wall_s_per_step": round(wall / steps, 5),
                         "gpu_busy_s_per_step": round(busy / steps, 5) if device else None,
                         "gpu_events_per_step": round(len(device) / steps, 1)}
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.table.parent.mkdir(parents=True, exist_ok=True)
         averages = prof.key_averages()
         by_device = averages.table(sort_by="self_device_time_total", row_limit=40) if device else ""
         by_host = averages.table(sort_by="self_cpu_time_total", row_limit=40)
-        (self.out_dir / "profile_kernels.txt").write_text(
+        self.table.write_text(
             f"{json.dumps(self.summary)}\n\nby device time\n{by_device}\n\nby host time\n{by_host}\n")
-        prof.export_chrome_trace(str(self.out_dir / "profile_trace.json.gz"))
+        prof.export_chrome_trace(str(self.trace))
         logger.info("KERNEL_PROFILE " + json.dumps(self.summary))

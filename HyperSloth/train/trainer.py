@@ -50,7 +50,7 @@ from HyperSloth.train.collate import to_device
 from HyperSloth.train.dist import DistInfo, GradientSync, all_ranks_ok
 from HyperSloth.train.evaluation import Evaluator, build_evaluator, evaluate_in_trainer
 from HyperSloth.train.plan_loader import PlanDataLoader, PlanSteps, StepSampler, as_tensors, host_step
-from HyperSloth.train.profiling import KernelProfile, PhaseTimer, StepClock
+from HyperSloth.train.profiling import PROFILE_TABLE, PROFILE_TRACE, KernelProfile, PhaseTimer, StepClock
 from HyperSloth.train.step_graph import DecoderGraphs, synthetic_row
 from HyperSloth.train.trainer_args import decoder_graphs, trainer_arguments
 
@@ -135,7 +135,11 @@ class HyperSlothTrainer(SFTTrainer):
         self.timer = PhaseTimer(profile)
         self.clock = StepClock(self.timer)
         # With profile: torch.profiler over steps 4-6 (after the warm-up), after the clock among the callbacks.
-        self.kernel_profile = KernelProfile(self.timer, self.clock, kwargs["args"].output_dir) if profile else None
+        self.kernel_profile = None
+        if profile:
+            out = kwargs["args"].output_dir
+            self.kernel_profile = KernelProfile(self.timer, self.clock, run_files.rank_file(out, rank, PROFILE_TABLE),
+                                                run_files.rank_file(out, rank, PROFILE_TRACE))
         self.tokens_this_run = 0  # for throughput; the cumulative count lives in the checkpointed state
         self._step_losses: list[torch.Tensor] = []
         self.step_history = StepHistory(self)

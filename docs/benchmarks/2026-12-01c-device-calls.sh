@@ -12,8 +12,9 @@ show() { grep -h "^\[\|FAILED\|out of time\|Error\|error\|budget probe\|tokens_p
 keep_profiles() {  # $1: workload; the -profile systems' kernel tables and traces
   for d in $W/$1/out_*-profile; do
     [ -d "$d" ] || continue
-    n=$(basename "$d"); cp "$d/profile_kernels.txt" "$OUT/profiles/$1-$n.txt" 2>/dev/null
-    cp "$d/profile_trace.json.gz" "$OUT/profiles/$1-$n.trace.json.gz" 2>/dev/null
+    n=$(basename "$d")  # (until this session's last change the two files lay in $d itself)
+    cp "$d/logs/rank0.profile_kernels.txt" "$OUT/profiles/$1-$n.txt" 2>/dev/null || cp "$d/profile_kernels.txt" "$OUT/profiles/$1-$n.txt" 2>/dev/null
+    cp "$d/logs/rank0.profile_trace.json.gz" "$OUT/profiles/$1-$n.trace.json.gz" 2>/dev/null || cp "$d/profile_trace.json.gz" "$OUT/profiles/$1-$n.trace.json.gz" 2>/dev/null
     head -c 400 "$OUT/profiles/$1-$n.txt" 2>/dev/null; echo
   done
 }

@@ -476,8 +476,8 @@ def test_profile_times_the_phases_and_traces_three_steps_after_the_warm_up(runs)
     # Steps 4-6 ran under the profiler without phase syncs; step 3 (after the 2 warm-up steps) has phases.
     phases = summary["phase_seconds_per_step"]
     assert set(phases) >= {"data", "forward", "backward", "optimizer"} and phases["forward"] > 0
-    table = (run.out / "profile_kernels.txt").read_text()
+    table = (run.out / "logs" / "rank0.profile_kernels.txt").read_text()
     assert table.startswith(json.dumps(profile)) and "aten::" in table
-    with gzip.open(run.out / "profile_trace.json.gz", "rt") as trace:
+    with gzip.open(run.out / "logs" / "rank0.profile_trace.json.gz", "rt") as trace:
         events = json.load(trace)["traceEvents"]
     assert any(e.get("name", "").startswith("aten::") for e in events)
