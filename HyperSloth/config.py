@@ -230,8 +230,8 @@ class TrainingConfig(BaseModel):
         description="Time data, forward, backward, all-reduce, clip and optimizer per step (adds a CUDA sync "
         "between phases; for finding bottlenecks), and run torch.profiler over steps 4-6 (no phase syncs there): "
         "the breakdown and the GPU's busy time against the wall land in train_summary.json, the operator tables "
-        "in logs/rank{r}.profile_kernels.txt and a Chrome/Perfetto trace with Python stacks in "
-        "logs/rank{r}.profile_trace.json.gz.",
+        "and a Chrome/Perfetto trace with Python stacks in each rank's files in the run's logs folder "
+        "(profile_kernels.txt, profile_trace.json.gz).",
     )
     cuda_graphs: bool = Field(
         True,

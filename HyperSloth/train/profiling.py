@@ -142,8 +142,8 @@ class KernelProfile(TrainerCallback):
     """torch.profiler over optimizer steps `first` .. `first + count - 1` (1-based; after graph capture and the
     warm-up of new row lengths), with the phase syncs paused. Writes `table` (the operators and kernels by
     device time, then by host time) and `trace` (a gzipped Chrome trace with Python stacks, for Perfetto or
-    chrome://tracing; each rank its own, `logs/rank{r}.profile_kernels.txt` and `.profile_trace.json.gz` in a
-    run), and keeps a summary for train_summary.json: wall seconds per step, the seconds the GPU was busy
+    chrome://tracing; in a run each rank writes its own, as the rank files PROFILE_TABLE and PROFILE_TRACE in
+    the logs folder), and keeps a summary for train_summary.json: wall seconds per step, the seconds the GPU was busy
     (union of kernels, copies and sets), kernels per step."""
 
     def __init__(self, timer: PhaseTimer, clock: StepClock, table: str | Path, trace: str | Path, first: int = 4,
