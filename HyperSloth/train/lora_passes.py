@@ -11,7 +11,7 @@ K=r addmm_ passes were ~18% of a CUDA-graphed step's GPU time. Two ways around t
   the backward likewise writes dX = U A (K = m*r, one GEMM for all projections) and adds every dY_i W_i.
 - concat (projections sharing X: q/k/v, gate/up): X_aug = [X | s X A_1^T | ... | s X A_m^T] once, and
   one GEMM per projection with [W_i | 0 | B_i] (K = d + i*r): no output pass at all, at the price of
-  copying X and building the augmented weight. `concat_pays` counts the bytes of both and picks.
+  copying X and building the augmented weight. `concat_pays` weighs both (copies at their measured cost) and picks.
 
 The backward of both saves what Unsloth saves (X, or X_aug which contains it; e and g for the MLP) plus
 the T x m*r `tail` (which also removes the recomputed X A^T of Unsloth's backward). The base weight comes
@@ -39,18 +39,27 @@ def dense_weight(W: Tensor, quant_state: Any) -> Tensor:
     return W
 
 
+# What the concat path's copies (X into X_aug, the augmented weight) cost per byte against the GEMMs' own
+# streams: they run as strided, unvectorised copy kernels. Fitted to the blocks alone on an H200
+# (scripts/lora_bench.py, docs/benchmarks/2026-12-01c-lora-bench.json, 100 reps): with 4 the rule below picks
+# the faster path in all 8 measured cases (Qwen3-0.6B and 8B, q/k/v and gate/up, 8,192 and 22,528 tokens);
+# counting bytes alone (1) picked concat in 7 of them and was slower in 6 (by up to 27%).
+COPY_COST = 4
+
+
 def concat_pays(tokens: int, d_in: int, n_out: int) -> bool:
-    """True when the concat path moves fewer bytes than the epilogue path for m projections sharing X.
+    """True when the concat path costs less than the epilogue path for m projections sharing X.
 
     Per call, in elements (the m-dependent terms are equal on both sides and cancel):
     epilogue: X A^T reads X (T d); per projection the K=r GEMM writes T n_i and the base GEMM reads X,
     reads and writes its T n_i output and reads W: T d (1+m) + 3 T N + N d, N = sum n_i.
     concat: X A^T reads X, X is copied into X_aug (2 T d), each GEMM reads X_aug (T d) and writes T n_i,
     the augmented weight costs a read, a write and the GEMM's read of W: T d (3+m) + T N + 3 N d.
-    concat wins iff T d + N d < T N, i.e. d/N + d/T < 1 (q/k/v and gate/up of Qwen3 at T in the
-    thousands; never for O or down, where N < d).
+    With the copies (2 T d + 2 N d) weighted by COPY_COST, concat wins iff COPY_COST (T d + N d) < T N,
+    i.e. COPY_COST (d/N + d/T) < 1: gate/up from ~12k tokens on Qwen3-0.6B and ~49k on Qwen3-8B; q/k/v
+    (d/N >= 1/4 on both) and O or down (N < d) never.
     """
-    return d_in * tokens + d_in * n_out < tokens * n_out
+    return COPY_COST * (d_in * tokens + d_in * n_out) < tokens * n_out
 
 
 def _use_concat(mode: str, tokens: int, d_in: int, n_out: int) -> bool:
