@@ -69,6 +69,22 @@ callJ() {  # issue 18, the session's comparison rows, each pair in one benchmark
   pack
 }
 
+# ---- prepared for the next session (not run in this one: the device time ran out) ----
+
+callK() {  # issue 18: the LoRA path rule end to end (concat_pays with the copies at 4x, committed after call J:
+  # compare with call J's hypersloth-1 rows, 0.209 / 0.417 / 1.371 s), every row again in one run each
+  bench --workloads short-0.6b --slots "hypersloth-1,unsloth-best" --warmup 3 --steps 20 --tag next-rule \
+    --budget-s $(left 175) > $L/bench-short06.log 2>&1
+  el "short-0.6b done"; show $L/bench-short06.log
+  bench --workloads short-8b --slots "hypersloth-1,unsloth-best-16x2" --warmup 3 --steps 20 --tag next-rule \
+    --budget-s $(left 420) > $L/bench-8b.log 2>&1
+  el "short-8b done"; show $L/bench-8b.log
+  bench --workloads long-0.6b --slots "hypersloth-1,unsloth-best" --warmup 3 --steps 20 --tag next-rule \
+    --budget-s $(left 570) > $L/bench-long06.log 2>&1
+  el "long-0.6b done"; show $L/bench-long06.log
+  pack
+}
+
 pack() {  # at most 8 files come back: the profiles and logs travel as one archive
   tar czf $OUT/profiles-logs.tgz -C $OUT profiles logs && rm -rf $OUT/profiles $OUT/logs
 }
