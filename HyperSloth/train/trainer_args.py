@@ -108,8 +108,20 @@ def planned_rows(steps: PlanSteps, lengths: np.ndarray, rank: int, total_steps: 
     so the maximum of 20,000 steps is the run's, up to what the budget's 8% safety share absorbs."""
     counts: dict[int, int] = {}
     longest = 0
+    later: dict[int, Any] = {}  # the one later epoch being scanned, planned outside the loader's cache
+
+    def plan(epoch: int):
+        # Epoch 0 through the loader's one-plan cache, where step 1 reads it; later epochs beside it, so a
+        # small dataset whose scan spans several epochs does not plan epoch 0 again for step 1.
+        if epoch == 0:
+            return steps.plan(0)
+        if epoch not in later:
+            later.clear()
+            later[epoch] = steps.plan_for_epoch(epoch)
+        return later[epoch]
+
     for index in range(min(total_steps, ROW_SCAN_STEPS)):
-        step = steps.plan(index // steps.steps_per_epoch).steps[index % steps.steps_per_epoch]
+        step = plan(index // steps.steps_per_epoch).steps[index % steps.steps_per_epoch]
         for micro in step.ranks[rank]:
             if len(micro) > 0:
                 rows = packed_row_tokens(int(lengths[list(micro)].sum()), token_budget)

@@ -65,14 +65,21 @@ def test_planned_rows_count_the_first_steps_and_find_the_longest_row_of_the_run(
 
     class Steps:
         steps_per_epoch = 2
+        cached = None  # the epoch in the loader's one-plan cache (PlanSteps.plan)
 
-        def plan(self, epoch):
+        def plan_for_epoch(self, epoch):
             return SimpleNamespace(steps=[SimpleNamespace(ranks=[[np.array(m, dtype=int) for m in step], []])
                                           for step in epochs[epoch]])
 
+        def plan(self, epoch):
+            self.cached = epoch
+            return self.plan_for_epoch(epoch)
+
     row = lambda tokens: packed_row_tokens(tokens, 8192)
-    counts, longest = trainer_args.planned_rows(Steps(), lengths, rank=0, total_steps=4, token_budget=8192)
+    steps = Steps()
+    counts, longest = trainer_args.planned_rows(steps, lengths, rank=0, total_steps=4, token_budget=8192)
     assert longest == row(5500)  # epoch 1, step 1: samples 1, 2 and 3
+    assert steps.cached == 0  # epoch 1 was scanned beside the cache: step 1 finds epoch 0 planned
     assert sum(counts.values()) == 6 and counts[row(300)] == 2  # the empty micro-batch is not a row
     monkeypatch.setattr(trainer_args, "GRAPH_PLAN_STEPS", 1)  # count the first step only
     counts, longest = trainer_args.planned_rows(Steps(), lengths, rank=0, total_steps=4, token_budget=8192)
