@@ -142,6 +142,9 @@ def record_for(name: str, workload: str, raw: dict, data: dict, a, launched: flo
                  for k in steps]
     flops = sum(flops_per_step(w.model, lengths, dpo=w.pairs) for lengths in sequences)
     seconds = sum(timed)
+    # Steadiness per token: the steps carry 0.8-1.6x the median step's tokens, so a GPU-bound step's seconds
+    # follow its tokens; its microseconds per token show spikes that the data does not explain.
+    per_token = np.asarray(timed) / np.asarray([data["step_tokens"][k] for k in steps]) * 1e6
     budget = raw.get("token_budget")
     return {
         "workload": workload, "system": name, "model": w.model_label, "gpus": system["gpus"],
@@ -150,6 +153,9 @@ def record_for(name: str, workload: str, raw: dict, data: dict, a, launched: flo
         **stats,
         "tokens_per_s": tokens / seconds, "tokens_per_s_per_gpu": tokens / seconds / system["gpus"],
         "mean_tokens_per_step": tokens / len(timed),
+        "step_tokens": [data["step_tokens"][k] for k in range(len(raw["step_seconds"]))],
+        "us_per_token_median": float(np.median(per_token)),
+        "us_per_token_max_over_median": float(per_token.max() / np.median(per_token)),
         "mfu_pct": 100 * flops / seconds / (PEAK_FLOPS * system["gpus"]),
         "peak_gb": max(raw["peak_gb"]), "peak_gb_per_rank": raw["peak_gb"],
         "token_budget": budget, "losses": raw["losses"], "step_seconds": raw["step_seconds"],
@@ -202,6 +208,7 @@ def run_slot(slot: list[str], workload: str, a, data: dict) -> list[dict]:
         record = record_for(name, workload, raw, data, a, started, wall)
         print(f"[{workload} {name}] mean {record['s_per_step']:.3f} median {record['s_median']:.3f} "
               f"p90 {record['s_p90']:.3f} first {record['first_step_s']:.2f} s/step, {record['tokens_per_s']:,.0f} tok/s, "
+              f"slowest step per token {record['us_per_token_max_over_median']:.2f}x the median, "
               f"MFU {record['mfu_pct']:.1f}%, peak {record['peak_gb']:.1f} GB, budget {record['token_budget']}, "
               f"wall {wall:.0f}s, losses {[round(x, 4) for x in record['losses'][:6]]}", flush=True)
         records.append(record)
