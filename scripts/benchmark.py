@@ -13,7 +13,7 @@ Systems (every one sees the same global batches, in the same order, so per-step 
 - `unsloth-best`: stock FastLanguageModel + TRL SFTTrainer on 1 GPU, 32 x 1 (its best split of the global
   batch, measured 2026-11-30: 32 x 1 beat 16 x 2 and 8 x 4), gradient checkpointing off, with
   `HyperSloth.train.patches.enable_unsloth_torch_varlen()` applied in its process (torch >= 2.12 gives Unsloth
-  this varlen path natively). `unsloth-best-gc`: the same with Unsloth's gradient checkpointing.
+  this varlen path natively; with it Unsloth's lean flash path, GQA without K/V copies, as in HyperSloth). `unsloth-best-gc`: the same with Unsloth's gradient checkpointing.
   `unsloth-best-16x2`: 16 x 2 without checkpointing, for models where 32 x 1 does not fit (8B).
 - `unsloth-stock`: Unsloth's defaults (8 x 4, its checkpointing, no varlen shim): a secondary row.
 - `unsloth-ddp`: Unsloth's own multi-GPU path: torchrun, one process per GPU, each
