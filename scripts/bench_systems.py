@@ -77,10 +77,11 @@ def run_stock_unsloth(a) -> dict | None:
     out = Path(a.work) / f"out_{a.system}"
     callbacks = [clock]
     if a.profile:  # steps 4-6 under torch.profiler, as HyperSloth's training.profile does
-        from HyperSloth.train.profiling import KernelProfile
+        from HyperSloth.outputs.run_files import rank_file
+        from HyperSloth.train.profiling import PROFILE_TABLE, PROFILE_TRACE, KernelProfile
 
-        callbacks.append(KernelProfile(clock.timer, clock, out / "logs" / "rank0.profile_kernels.txt",
-                                       out / "logs" / "rank0.profile_trace.json.gz"))
+        callbacks.append(KernelProfile(clock.timer, clock, rank_file(out, 0, PROFILE_TABLE),
+                                       rank_file(out, 0, PROFILE_TRACE)))
     extra = {"ddp_find_unused_parameters": False} if world > 1 else {}
     args = SFTConfig(output_dir=str(out), per_device_train_batch_size=a.micro,
                      gradient_accumulation_steps=a.accum, max_steps=a.steps, learning_rate=LR,

@@ -153,7 +153,7 @@ def record_for(name: str, workload: str, raw: dict, data: dict, a, launched: flo
         **stats,
         "tokens_per_s": tokens / seconds, "tokens_per_s_per_gpu": tokens / seconds / system["gpus"],
         "mean_tokens_per_step": tokens / len(timed),
-        "step_tokens": [data["step_tokens"][k] for k in range(len(raw["step_seconds"]))],
+        "step_tokens": data["step_tokens"][: len(raw["step_seconds"])],
         "us_per_token_median": float(np.median(per_token)),
         "us_per_token_max_over_median": float(per_token.max() / np.median(per_token)),
         "mfu_pct": 100 * flops / seconds / (PEAK_FLOPS * system["gpus"]),

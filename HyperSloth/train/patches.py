@@ -39,6 +39,7 @@ replaces and the versions it was checked against, and returns whether it applied
 from __future__ import annotations
 
 import inspect
+import os
 from contextlib import contextmanager
 
 
@@ -83,8 +84,6 @@ def _flash_only(query, key, value, max_q, window_size, enable_gqa=False) -> bool
 def enable_unsloth_lean_varlen(attention_dispatch) -> bool:
     """Turn on Unsloth's lean flash path for packed rows as its import does on torch >= 2.12 (see the
     module docstring); False when this Unsloth has no such path or `UNSLOTH_LEAN_VARLEN` turns it off."""
-    import os
-
     if os.environ.get("UNSLOTH_LEAN_VARLEN", "1").lower() in ("0", "false", "no", "off"):
         return False
     if not hasattr(attention_dispatch, "_LeanFlashVarlen") or not hasattr(attention_dispatch, "_LEAN_VARLEN"):

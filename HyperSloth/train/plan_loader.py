@@ -85,6 +85,10 @@ class PlanSteps(Dataset):
                             bucket_limit=self._plan.spec.token_budget)
 
 
+# What collation produces (token ids, labels, positions, lengths, indices, masks), each with a numpy twin.
+_NUMPY_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+
+
 class _Array:
     """A tensor's data in transit (`HostStep`): marks which arrays go back to tensors."""
 
@@ -120,10 +124,6 @@ def _to_tensors(item: Any, pin: bool) -> Any:
     if isinstance(item, (list, tuple)):
         return type(item)(_to_tensors(v, pin) for v in item)
     return item
-
-
-# What collation produces (token ids, labels, positions, lengths, indices, masks), each with a numpy twin.
-_NUMPY_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 
 
 class HostStep:
