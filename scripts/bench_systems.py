@@ -62,9 +62,11 @@ def run_stock_unsloth(a) -> dict | None:
     from trl import SFTConfig, SFTTrainer
     from unsloth import FastLanguageModel
 
-    from HyperSloth.train.patches import enable_unsloth_torch_varlen
+    from HyperSloth.train.patches import enable_unsloth_torch_varlen, pad_unsloth_loss_rows
 
     shim = enable_unsloth_torch_varlen() if a.shim else False
+    if a.shim:
+        pad_unsloth_loss_rows()  # the same fused-loss patch HyperSloth's workers apply
     local = int(os.environ.get("LOCAL_RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     w = workload_of(a.workload, a.long_tokens)

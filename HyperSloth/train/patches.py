@@ -21,6 +21,22 @@ replaces and the versions it was checked against, and returns whether it applied
     Checked with: unsloth 2026.10.9, torch 2.11.0+cu130 (H200). A no-op when torch already has
     `enable_gqa`, when flash attention is unavailable, or when Unsloth's global is missing or already set.
 
+`pad_unsloth_loss_rows`
+    Replaces: `unsloth_zoo.fused_losses.fused_linear`'s `_tiled_forward`, `_tiled_layout`, `_logits_into` and
+    `_dz_w_acc` (module globals), each with a wrapper that calls the original.
+    Why: Unsloth's fused loss for a frozen LM head (`_tiled_forward`) cuts the kept rows into chunks of up to
+    4,096 and runs two GEMMs per vocabulary tile on each. The last chunk's row count is whatever is left, new
+    almost every step, and cuBLAS spends ~2.7 ms of host time choosing an algorithm for a row count it has not
+    seen (0.08 ms for a repeat; `scripts/gemm_shapes.py` on an H200): two tile widths times two GEMMs, four
+    stalls per step, the GPU idle through them (a profile of steps 4-6 on Qwen3-0.6B: ~13 ms per step). Inside
+    `_tiled_forward` only, the wrappers round the chunk's row count up to a multiple of 256 for those GEMMs:
+    zero rows in, rows past the chunk's own written into the chunk buffer's unused tail and never read. So
+    cuBLAS meets at most 16 row counts per tile width, once each. The rows that count are computed as before
+    (each output row depends only on its own input row); the layout asks for buffers of the rounded size.
+    Checked with: unsloth_zoo 2026.10.9 (`_tiled_forward` allocates its logits buffer and accumulator with
+    `_tiled_layout`'s rows and reads only the chunk's rows of them). `HYPERSLOTH_PAD_LOSS_ROWS=0` turns it off;
+    a no-op when any of the four functions is missing.
+
 `unsloth_static_packed_rows` (a context manager, used only while a CUDA graph is captured)
     Replaces: the entries of `unsloth.utils.packing._PACKED_INFO_CACHE` and `_PACKED_HOST_LENGTHS_CACHE`
     for the row's device (module-level dicts Unsloth fills on every packed forward), for the duration of
@@ -95,6 +111,82 @@ def enable_unsloth_lean_varlen(attention_dispatch) -> bool:
         # off on the H200. So: never cuDNN, which is the kernel the shim's own varlen_attn calls ran.
         attention_dispatch._varlen_can_use_cudnn = _flash_only
     attention_dispatch._LEAN_VARLEN = True
+    return True
+
+
+_LOSS_ROW_QUANTUM = 256  # cuBLAS then meets at most 4096 / 256 = 16 row counts per vocabulary tile width
+
+
+def _rows_up(n: int) -> int:
+    return -(-n // _LOSS_ROW_QUANTUM) * _LOSS_ROW_QUANTUM
+
+
+def _grown(view, rows: int):
+    """`view` (a row-major [n, c] window on a larger buffer) widened to `rows` rows, or None where the
+    buffer's storage ends before that."""
+    if view.dim() != 2 or view.stride(1) != 1:
+        return None
+    end = view.storage_offset() + (rows - 1) * view.stride(0) + view.shape[1]
+    if end * view.element_size() > view.untyped_storage().nbytes():
+        return None
+    return view.as_strided((rows, view.shape[1]), view.stride(), view.storage_offset())
+
+
+def pad_unsloth_loss_rows(fused_linear=None) -> bool:
+    """Round the fused loss's last row chunk up to a multiple of 256 rows for its GEMMs (see the module
+    docstring); False when it is turned off, already applied, or this unsloth_zoo lacks the functions."""
+    if os.environ.get("HYPERSLOTH_PAD_LOSS_ROWS", "1").lower() in ("0", "false", "no", "off"):
+        return False
+    if fused_linear is None:
+        try:
+            from unsloth_zoo.fused_losses import fused_linear
+        except ImportError:
+            return False
+    names = ("_tiled_forward", "_tiled_layout", "_logits_into", "_dz_w_acc")
+    if not all(hasattr(fused_linear, name) for name in names):
+        return False
+    if getattr(fused_linear._tiled_forward, "hypersloth_padded", False):
+        return False
+    tiled_forward, tiled_layout, logits_into, dz_w_acc = (getattr(fused_linear, name) for name in names)
+    scope = {"inside": False, "padded_h": None}  # the wrappers pad only inside _tiled_forward
+
+    def padded_tiled_forward(*args, **kwargs):
+        outer = scope["inside"]
+        scope["inside"] = True
+        try:
+            return tiled_forward(*args, **kwargs)
+        finally:
+            scope["inside"], scope["padded_h"] = outer, None
+
+    def padded_tiled_layout(n_keep, *args, **kwargs):
+        return tiled_layout(_rows_up(n_keep) if scope["inside"] else n_keep, *args, **kwargs)
+
+    def padded_logits_into(h, w, out, *args, **kwargs):
+        n = h.shape[0]
+        grown = _grown(out, _rows_up(n)) if scope["inside"] and n % _LOSS_ROW_QUANTUM else None
+        if grown is None:
+            return logits_into(h, w, out, *args, **kwargs)
+        cached = scope["padded_h"]  # one chunk's rows meet every vocabulary tile: pad them once
+        if cached is None or cached[0] is not h or cached[1] != h._version:
+            padded = h.new_zeros((grown.shape[0], h.shape[1]))
+            padded[:n] = h
+            cached = scope["padded_h"] = (h, h._version, padded)  # holding h: its address is not reused
+        logits_into(cached[2], w, grown, *args, **kwargs)
+        return out
+
+    def padded_dz_w_acc(acc, dz, w):
+        rows = _rows_up(dz.shape[0])
+        if scope["inside"] and rows != dz.shape[0]:
+            acc_grown, dz_grown = _grown(acc, rows), _grown(dz, rows)
+            if acc_grown is not None and dz_grown is not None:
+                return dz_w_acc(acc_grown, dz_grown, w)
+        return dz_w_acc(acc, dz, w)
+
+    padded_tiled_forward.hypersloth_padded = True
+    fused_linear._tiled_forward = padded_tiled_forward
+    fused_linear._tiled_layout = padded_tiled_layout
+    fused_linear._logits_into = padded_logits_into
+    fused_linear._dz_w_acc = padded_dz_w_acc
     return True
 
 

@@ -96,7 +96,7 @@ def run(description: RunDescription, info: dist.DistInfo, timeline: StartupTimel
 def _prepare_unsloth(rank: int) -> None:
     """Import Unsloth first (it patches transformers/trl), with a compile cache of this rank's own."""
     from HyperSloth.train import model as model_lib
-    from HyperSloth.train.patches import enable_unsloth_torch_varlen
+    from HyperSloth.train.patches import enable_unsloth_torch_varlen, pad_unsloth_loss_rows
 
     # One compile cache per rank: ranks compiling into one folder race (unsloth-zoo #379).
     os.environ.setdefault("UNSLOTH_COMPILE_LOCATION", run_files.compile_cache_dir(rank))
@@ -104,6 +104,8 @@ def _prepare_unsloth(rank: int) -> None:
     model_lib.import_backend("unsloth")
     if enable_unsloth_torch_varlen():
         logger.info("packed rows use torch's varlen flash kernel (GQA shim for torch 2.11, see patches.py)")
+    if pad_unsloth_loss_rows():
+        logger.info("the fused loss's last row chunk is rounded to 256 rows for cuBLAS (see patches.py)")
 
 
 def _record_failure(out_dir: Path, rank: int, err: BaseException) -> None:

@@ -63,3 +63,87 @@ def test_lean_flash_path_is_switched_on_as_unsloth_does_on_newer_torch(monkeypat
     monkeypatch.delenv("UNSLOTH_LEAN_VARLEN")
     older = types.SimpleNamespace(_LEAN_VARLEN=False)
     assert patches.enable_unsloth_lean_varlen(older) is False and older._LEAN_VARLEN is False
+
+
+def _fake_fused_linear(gemm_rows):
+    """unsloth_zoo's fused_linear in miniature, with the real one's structure: `_tiled_forward` takes its rows
+    and vocabulary tile from `_tiled_layout`, reuses one logits buffer and one accumulator (NaN-filled here:
+    torch.empty) for every row chunk, and calls the two GEMM helpers through module globals."""
+    import types
+
+    mod = types.SimpleNamespace()
+
+    def _tiled_layout(n_keep, V):
+        return min(512, n_keep), 16
+
+    def _logits_into(h, w, out, fp32_logits):
+        gemm_rows.append(h.shape[0])
+        return torch.mm(h, w.t(), out=out)
+
+    def _dz_w_acc(acc, dz, w):
+        gemm_rows.append(dz.shape[0])
+        acc.addmm_(dz, w)
+
+    def _tiled_forward(hidden, w):
+        (n_keep, H), V = hidden.shape, w.shape[0]
+        R, tile = mod._tiled_layout(n_keep, V)
+        buf, acc = torch.full((R, tile), float("nan")), torch.full((R, H), float("nan"))
+        grad = torch.empty(n_keep, H)
+        for a in range(0, n_keep, R):
+            b = min(a + R, n_keep)
+            n, h = b - a, hidden[a:b]
+            acc[:n].zero_()
+            for first in range(0, V, tile):
+                last = min(first + tile, V)
+                x = mod._logits_into(h, w[first:last], buf[:n, : last - first], True)
+                x.sigmoid_()  # the kernel that turns the chunk's logits into p in place
+                mod._dz_w_acc(acc[:n], buf[:n, : last - first], w[first:last])
+            grad[a:b] = acc[:n]
+        return grad
+
+    mod._tiled_layout, mod._logits_into, mod._dz_w_acc, mod._tiled_forward = (
+        _tiled_layout, _logits_into, _dz_w_acc, _tiled_forward)
+    return mod
+
+
+def test_loss_row_padding_rounds_every_gemm_and_keeps_the_result(monkeypatch):
+    monkeypatch.delenv("HYPERSLOTH_PAD_LOSS_ROWS", raising=False)
+    torch.manual_seed(0)
+    w = torch.randn(40, 8, dtype=torch.float64)
+    for n_keep in (700, 300, 1024):  # a 188-row tail; one chunk smaller than the layout's rows; no tail
+        hidden = torch.randn(n_keep, 8, dtype=torch.float64)
+        want = sum(torch.sigmoid(hidden @ w[i : i + 16].t()) @ w[i : i + 16] for i in range(0, 40, 16))
+        plain_rows, padded_rows = [], []
+        plain = _fake_fused_linear(plain_rows)
+        padded = _fake_fused_linear(padded_rows)
+        assert patches.pad_unsloth_loss_rows(padded) is True
+        torch.testing.assert_close(plain._tiled_forward(hidden.float(), w.float()), want.float())
+        torch.testing.assert_close(padded._tiled_forward(hidden.float(), w.float()), want.float())
+        assert all(rows % 256 == 0 for rows in padded_rows), padded_rows
+        assert len(padded_rows) == len(plain_rows)
+        assert any(rows % 256 for rows in plain_rows) == (n_keep % 256 != 0)
+
+
+def test_loss_row_padding_stays_inside_the_tiled_forward(monkeypatch):
+    monkeypatch.delenv("HYPERSLOTH_PAD_LOSS_ROWS", raising=False)
+    rows = []
+    mod = _fake_fused_linear(rows)
+    assert patches.pad_unsloth_loss_rows(mod) is True
+    assert patches.pad_unsloth_loss_rows(mod) is False  # applied once
+    live = torch.ones(20, 4)  # a caller's tensor whose rows past the slice hold data
+    mod._logits_into(torch.ones(5, 3), torch.ones(4, 3), live[:5], True)
+    mod._dz_w_acc(live[10:15], torch.zeros(5, 2), torch.ones(2, 4))
+    assert rows == [5, 5] and live[5:10].eq(1).all() and live[15:].eq(1).all()
+    assert mod._tiled_layout(300, 40) == (300, 16)
+    # A window that ends its storage cannot grow; one with room can.
+    assert patches._grown(live[15:], 256) is None
+    assert patches._grown(torch.empty(512, 4)[:5], 256).shape == (256, 4)
+
+
+def test_loss_row_padding_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("HYPERSLOTH_PAD_LOSS_ROWS", "0")
+    mod = _fake_fused_linear([])
+    assert patches.pad_unsloth_loss_rows(mod) is False
+    monkeypatch.delenv("HYPERSLOTH_PAD_LOSS_ROWS")
+    assert patches.pad_unsloth_loss_rows(object()) is False  # an unsloth_zoo without these functions
+    assert patches.pad_unsloth_loss_rows() is False  # no unsloth_zoo installed here

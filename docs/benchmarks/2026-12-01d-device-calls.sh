@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Fourth session of 2026-12-01, one H200 (kind nvidia-h200, carry .whl); run from the repository root as
+# `bash docs/benchmarks/2026-12-01d-device-calls.sh callN`. Each call stays under 9.5 minutes (the benchmark
+# stops starting systems at --budget-s and kills one still running at it). Records and logs land in $OUT.
+set -u
+source scripts/gpu_env.sh
+W=/tmp/hs_bench; L=$OUT/logs; mkdir -p "$L" "$OUT/profiles"
+T0=$(date +%s); el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
+left() { echo $(( $1 - ($(date +%s) - T0) )); }
+bench() { python3 scripts/benchmark.py --work $W --out $OUT --num-gpus 1 "$@"; }
+show() { grep -h "^\[\|FAILED\|out of time\|Error\|error\|budget probe\|tokens_per_micro_batch=auto" "$@" | cut -c1-600; }
+keep_profiles() {  # $1: workload; the -profile systems' kernel tables and traces
+  for d in $W/$1/out_*-profile; do
+    [ -d "$d" ] || continue
+    n=$(basename "$d")  # (until this session's last change the two files lay in $d itself)
+    cp "$d/logs/rank0.profile_kernels.txt" "$OUT/profiles/$1-$n.txt" 2>/dev/null || cp "$d/profile_kernels.txt" "$OUT/profiles/$1-$n.txt" 2>/dev/null
+    cp "$d/logs/rank0.profile_trace.json.gz" "$OUT/profiles/$1-$n.trace.json.gz" 2>/dev/null || cp "$d/profile_trace.json.gz" "$OUT/profiles/$1-$n.trace.json.gz" 2>/dev/null
+    head -c 400 "$OUT/profiles/$1-$n.txt" 2>/dev/null; echo
+  done
+}
+
+callL() {  # issue 18: the fused loss's last row chunk rounded to 256 rows (patches.pad_unsloth_loss_rows, in both
+  # systems' shim) and the LoRA path rule refitted last session (callK, never run), end to end: (1) short-0.6b,
+  # HyperSloth-1 against unsloth-best in one run; (2) the same two with the rounding off (HYPERSLOTH_PAD_LOSS_ROWS=0):
+  # what it is worth to each; (3) long-0.6b, the pair; (4) HyperSloth-1 under the profiler: GPU busy against wall
+  bench --workloads short-0.6b --slots "hypersloth-1,unsloth-best" --warmup 3 --steps 20 --tag 2026-12-01d-pad \
+    --budget-s $(left 170) > $L/bench-short06.log 2>&1
+  el "short-0.6b done"; show $L/bench-short06.log
+  grep -h "row chunk\|varlen flash" $W/short-0.6b/out_hypersloth-1/logs/rank0.log 2>/dev/null | head -3 | cut -c1-200
+  HYPERSLOTH_PAD_LOSS_ROWS=0 bench --workloads short-0.6b --slots "hypersloth-1,unsloth-best" --warmup 3 --steps 20 \
+    --tag 2026-12-01d-nopad --budget-s $(left 300) > $L/bench-short06-nopad.log 2>&1
+  el "short-0.6b no-pad done"; show $L/bench-short06-nopad.log
+  bench --workloads long-0.6b --slots "hypersloth-1,unsloth-best" --warmup 3 --steps 20 --tag 2026-12-01d-pad \
+    --budget-s $(left 450) > $L/bench-long06.log 2>&1
+  el "long-0.6b done"; show $L/bench-long06.log
+  bench --workloads short-0.6b --slots "hypersloth-1-profile" --warmup 3 --steps 6 --tag 2026-12-01d-prof \
+    --budget-s $(left 560) > $L/bench-prof.log 2>&1
+  el "profile done"; show $L/bench-prof.log; keep_profiles short-0.6b
+  pack
+}
+
+pack() {  # at most 8 files come back: the profiles and logs travel as one archive
+  tar czf $OUT/profiles-logs.tgz -C $OUT profiles logs && rm -rf $OUT/profiles $OUT/logs
+}
+
+"$@"
