@@ -39,6 +39,32 @@ callL() {  # issue 18: the fused loss's last row chunk rounded to 256 rows (patc
   pack
 }
 
+callM() {  # issue 18: (1) short-8b, the pair with unsloth-best-16x2 first on the fresh machine (call J ran HyperSloth
+  # first: the first system pays the cold Unsloth import and Triton compiles, so its start-up said little);
+  # (2) short-0.6b, the pair again, stock first: a second measurement of call L's ratio on another machine
+  bench --workloads short-8b --slots "unsloth-best-16x2,hypersloth-1" --warmup 3 --steps 20 --tag 2026-12-01d-pad \
+    --budget-s $(left 330) > $L/bench-8b.log 2>&1
+  el "short-8b done"; show $L/bench-8b.log
+  bench --workloads short-0.6b --slots "unsloth-best,hypersloth-1" --warmup 3 --steps 20 --tag 2026-12-01d-pad2 \
+    --budget-s $(left 470) > $L/bench-short06.log 2>&1
+  el "short-0.6b done"; show $L/bench-short06.log
+  pack
+}
+
+callN() {  # issue 22: 262,144 tokens on Qwen3-8B 4-bit (call C's worker died in step 1 without a Python error),
+  # host memory sampled every 10 s and the kernel's log; the attention floor alone is 218 s for this sample
+  ( while true; do echo "$(date +%T) $(free -g | awk '/Mem:/ {print "used", $3, "avail", $7}')"; sleep 10; done ) \
+    > $L/host-memory.log 2>&1 &
+  MON=$!
+  bench --workloads longctx-8b --long-tokens 262144 --warmup 0 --steps 1 --tag 2026-12-01d-lc262k \
+    --slots "hypersloth-1" --budget-s $(left 570) > $L/bench.log 2>&1
+  kill $MON; el "bench done"; show $L/bench.log; tail -8 $L/host-memory.log
+  grep -h "host memory\|model's shape\|budget probe\|turning on gradient\|RoPE\|SIGKILL\|killed" $W/*/out_*/logs/rank0.log \
+    $L/bench.log 2>/dev/null | cut -c1-300 | tail -20
+  dmesg 2>/dev/null | grep -i "out of memory\|killed process" | tail -3
+  pack
+}
+
 pack() {  # at most 8 files come back: the profiles and logs travel as one archive
   tar czf $OUT/profiles-logs.tgz -C $OUT profiles logs && rm -rf $OUT/profiles $OUT/logs
 }
