@@ -56,14 +56,15 @@ arithmetic and the probe-fit-choose-verify sequence (steps 2, 3; no torch).
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from HyperSloth.train import probe_cache
-from HyperSloth.train.budget_choice import BudgetDecision, needs_checkpointing, offload_host_bytes
-from HyperSloth.train.budget_probe import cached_needs_checkpointing, measure_auto, shape_says_checkpointing
+from HyperSloth.train.budget_choice import BudgetDecision, host_token_cap, needs_checkpointing, offload_host_bytes
+from HyperSloth.train.budget_probe import agree_min, cached_needs_checkpointing, measure_auto, shape_says_checkpointing
 
 
 def settle(description, load: Callable[[Any], Any], lengths: Sequence[int] | np.ndarray,
@@ -106,12 +107,12 @@ def settle(description, load: Callable[[Any], Any], lengths: Sequence[int] | np.
                        f"checkpointing ({gc_mode!r}) for this run")
         loaded = None  # drop the first model before loading the second
         loaded, decision = _reload_and_measure(load, gc_mode, measure_model, decision)
+    if gc_mode == "unsloth":
+        _fit_host_memory(decision, getattr(loaded.model, "config", None), longest)
     logger.info(decision.summary())
     logger.info(decision.probe_line())
     if loaded.backend == "unsloth":  # Unsloth's pre-train detector sees the probe's backward, resets its compile cache
         logger.info("Unsloth will warn that a forward/backward ran before trainer.train(): that was this probe")
-    if gc_mode == "unsloth":
-        _warn_if_host_memory_short(loaded.model, longest)
     settled = description.model_copy(update={"token_budget": decision.tokens, "gradient_checkpointing": gc_mode})
     return settled, loaded, decision
 
@@ -128,21 +129,34 @@ def host_memory_available() -> int | None:
     return None
 
 
-HOST_MEMORY_HEADROOM = 0.8  # warn when the offloaded checkpoints would take more than this share of what is free
+HOST_MEMORY_HEADROOM = 0.8  # the share of the host memory available now that offloaded checkpoints may take
 
 
-def _warn_if_host_memory_short(model, longest: int) -> None:
-    """One warning when the longest sample's offloaded checkpoints may not fit host memory: the kernel's
-    out-of-memory killer then ends the worker at its first step with SIGKILL and no Python error to show."""
+def _fit_host_memory(decision: BudgetDecision, config: Any, longest: int) -> None:
+    """Lower the budget so that Unsloth's offloaded checkpoints of the biggest micro-batch fit this host's
+    memory (shared by its local ranks; agreed over all ranks), or warn once when even the longest sample alone
+    cannot fit. Without it the kernel's out-of-memory killer ends the worker inside its first step, with
+    SIGKILL and no Python error (Qwen3-8B, 282,000 tokens packed on one H200: 36 pinned 4 GiB blocks against
+    124 GiB of host memory). `decision` is changed in place."""
     from loguru import logger
 
-    need, available = offload_host_bytes(getattr(model, "config", None), longest), host_memory_available()
-    if need is None or available is None or need <= HOST_MEMORY_HEADROOM * available:
+    available = host_memory_available()
+    local_ranks = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+    share = None if available is None else HOST_MEMORY_HEADROOM * available / local_ranks
+    cap = None if share is None or config is None else host_token_cap(config, share)
+    cap = agree_min(decision.tokens if cap is None else cap)  # every rank calls it, so every rank plans alike
+    if cap >= decision.tokens:
         return
-    logger.warning(f"Unsloth's gradient checkpointing keeps every layer's input in host memory: the longest sample "
-                   f"({longest:,} tokens) needs about {need / 2**30:.0f} GiB of it, and {available / 2**30:.0f} GiB "
-                   f"is available now. If the first step is killed (SIGKILL: the out-of-memory killer), free host "
-                   f"memory or train shorter samples (lower max_seq_length)")
+    if cap >= longest:
+        decision.tokens = decision.host_cap_tokens = cap
+        return
+    need = offload_host_bytes(config, longest)
+    logger.warning(f"Unsloth's gradient checkpointing keeps every layer's input in pinned host memory: the longest "
+                   f"sample ({longest:,} tokens) needs about {need / 2**30:.0f} GiB of it (one power-of-two block per "
+                   f"layer), and this rank's share of what is available now is {share / 2**30:.0f} GiB. If the first "
+                   f"step is killed (SIGKILL: the out-of-memory killer), free host memory, train shorter samples "
+                   f"(lower max_seq_length), or cap the pinned part with UNSLOTH_GC_PINNED_MAX_GB (the rest then "
+                   f"stays pageable, at its exact size)")
 
 
 def heaviest_micro_batch(description, lengths: Sequence[int] | np.ndarray) -> int:

@@ -100,15 +100,36 @@ def activation_floor_bytes(config: Any, tokens: int, bytes_per_value: int = 2) -
     return int(tokens) * layers * (hidden + 2 * intermediate) * bytes_per_value
 
 
+def pinned_block_bytes(nbytes: int) -> int:
+    """The bytes torch's caching host allocator pins for a request of `nbytes`: it rounds every pinned block up
+    to a power of two (aten/src/ATen/core/CachingHostAllocator.h, torch 2.6-2.13)."""
+    return 1 << (int(nbytes) - 1).bit_length() if nbytes > 0 else 0
+
+
 def offload_host_bytes(config: Any, tokens: int) -> int | None:
     """Host bytes Unsloth's offloaded checkpointing holds for a micro-batch of `tokens`: every decoder layer's
-    input (hidden_size x 2 bytes per token, bf16/fp16), kept in host memory until the backward reads it.
-    None when the config does not say its shape."""
+    input (hidden_size x 2 bytes per token, bf16/fp16), kept until the backward reads it, each in its own
+    pinned block (a power of two: 282,000 tokens of Qwen3-8B take 4 GiB per layer, not 2.15). None when the
+    config does not say its shape."""
     shape = _text_shape(config, "num_hidden_layers", "hidden_size")
     if shape is None:
         return None
     layers, hidden = shape
-    return layers * hidden * 2 * int(tokens)
+    return layers * pinned_block_bytes(hidden * 2 * int(tokens))
+
+
+def host_token_cap(config: Any, host_bytes: float) -> int | None:
+    """The largest micro-batch (tokens, a multiple of 256) whose offloaded checkpoints (`offload_host_bytes`)
+    fit in `host_bytes`; None when the config does not say its shape."""
+    shape = _text_shape(config, "num_hidden_layers", "hidden_size")
+    if shape is None:
+        return None
+    layers, hidden = shape
+    per_layer = int(host_bytes // layers)
+    if per_layer < hidden * 2 * ROUND_TO:
+        return 0
+    block = 1 << (per_layer.bit_length() - 1)  # the largest power of two a layer's input may take
+    return block // (hidden * 2) // ROUND_TO * ROUND_TO
 
 
 def shape_needs_checkpointing(config: Any, heaviest_tokens: int, total_bytes: int,
@@ -142,6 +163,7 @@ class BudgetDecision:
     probe_passes: int = 0  # forward+backward passes run (cached points are not run again)
     cache: str = "off"  # "measured", "cached" (one pass re-verified), "re-measured" (the cached pass disagreed)
     reload_seconds: float | None = None  # loading the model again with checkpointing
+    host_cap_tokens: int | None = None  # the budget lowered to this so offloaded checkpoints fit host memory
 
     def as_record(self) -> dict[str, Any]:
         return asdict(self)
@@ -171,6 +193,8 @@ class BudgetDecision:
             parts.append(f"verified peak {self.verified_peak_bytes / gib:.1f} GiB {where}")
         elif self.points:
             parts.append("not verified: the line leaves no room for the longest sample")
+        if self.host_cap_tokens is not None:
+            parts.append(f"lowered to {self.host_cap_tokens:,} so that Unsloth's offloaded checkpoints fit host memory")
         parts.append(f"cap {self.cap_tokens}, longest sample {self.longest_sample}, "
                      f"gradient checkpointing {self.gradient_checkpointing!r}"
                      + (" (switched on: the longest sample did not fit without)" if self.checkpointing_switched_on else ""))

@@ -65,6 +65,21 @@ callN() {  # issue 22: 262,144 tokens on Qwen3-8B 4-bit (call C's worker died in
   pack
 }
 
+callO() {  # issue 22: call N again after the fix: HyperSloth now lowers the budget until Unsloth's offloaded
+  # checkpoints fit host memory (call N: 283,136 tokens packed in one micro-batch, 36 pinned blocks of 4 GiB, the
+  # kernel's out-of-memory killer in step 1); 262,144 tokens keep them at 2 GiB and the long chat trains alone
+  ( while true; do echo "$(date +%T) $(free -g | awk '/Mem:/ {print "used", $3, "avail", $7}')"; sleep 10; done ) \
+    > $L/host-memory.log 2>&1 &
+  MON=$!
+  bench --workloads longctx-8b --long-tokens 262144 --warmup 0 --steps 1 --tag 2026-12-01d-lc262k-fit \
+    --slots "hypersloth-1" --budget-s $(left 585) > $L/bench.log 2>&1
+  kill $MON; el "bench done"; show $L/bench.log; tail -8 $L/host-memory.log
+  grep -h "host memory\|budget probe\|tokens_per_micro_batch=auto\|SIGKILL" $W/*/out_*/logs/rank0.log \
+    $L/bench.log 2>/dev/null | cut -c1-400 | tail -8
+  dmesg 2>/dev/null | grep -i "out of memory\|killed process" | tail -3
+  pack
+}
+
 pack() {  # at most 8 files come back: the profiles and logs travel as one archive
   tar czf $OUT/profiles-logs.tgz -C $OUT profiles logs && rm -rf $OUT/profiles $OUT/logs
 }

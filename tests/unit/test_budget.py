@@ -433,11 +433,49 @@ def test_a_long_sample_whose_offloaded_checkpoints_exceed_host_memory_is_warned_
         budget.settle(_Description("auto"), lambda gc: Loaded8B(), [100, 262144])
         said = [line for line in logs if "host memory" in line]
         assert bool(said) == warned
-        if warned:
-            assert "72 GiB" in said[0] and "31 GiB" in said[0] and "262,144 tokens" in said[0]
+        if warned:  # this rank's share: 80% of the 31 GiB available
+            assert "72 GiB" in said[0] and "25 GiB" in said[0] and "262,144 tokens" in said[0]
     # Without checkpointing (the sample fits on the GPU) nothing is offloaded, so nothing is said.
     monkeypatch.setattr(budget, "host_memory_available", lambda: 2**30)
     logs.clear()
     budget.settle(_Description("auto"), lambda gc: Loaded8B(), [100, 4096])
     assert not [line for line in logs if "host memory" in line]
     assert budget.host_memory_available() is None or budget.host_memory_available() > 0
+
+
+def test_the_budget_is_lowered_until_offloaded_checkpoints_fit_host_memory(monkeypatch, logs):
+    """Measured on one H200 (2026-12-01): Qwen3-8B 4-bit, a 262,144-token chat among 31 short ones. The GPU budget
+    (283,136 tokens) packed all 32 into one micro-batch; Unsloth pinned each layer's input in a 4 GiB block
+    (2.15 GiB rounded up to a power of two), 36 of them against 124 GiB of host memory, and the kernel killed the
+    worker in step 1. A budget of 262,144 keeps every block at 2 GiB (72 GiB): the long chat trains alone."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(num_hidden_layers=36, hidden_size=4096)
+
+    class Loaded8B(_Loaded):
+        model = SimpleNamespace(config=config)
+
+    assert budget_choice.pinned_block_bytes(4096 * 2 * 282000) == 4 * 2**30
+    assert budget_choice.offload_host_bytes(config, 282000) == 36 * 4 * 2**30
+    assert budget_choice.host_token_cap(config, 0.8 * 124 * 2**30) == 262144
+    assert budget_choice.host_token_cap(config, 36 * 2**20) == 0  # not even 256 tokens
+    assert budget_choice.host_token_cap(SimpleNamespace(), 2**40) is None
+    monkeypatch.setattr(budget, "measure_auto", _fake_measure({False: 30720, "unsloth": 283136}))
+    monkeypatch.setattr(budget, "host_memory_available", lambda: 124 * 2**30)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    settled, _, decision = budget.settle(_Description("auto"), lambda gc: Loaded8B(), [100, 262144])
+    assert settled.token_budget == decision.tokens == decision.host_cap_tokens == 262144
+    assert "lowered to 262,144 so that Unsloth's offloaded checkpoints fit host memory" in decision.summary()
+    assert not [line for line in logs if "pinned host memory" in line]  # lowered, so no warning
+    # Two ranks on this host share it: 1 GiB blocks hold 131,072 tokens, shorter than the long chat, so the
+    # budget stays and the run is warned (with what to change).
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    logs.clear()
+    settled, _, decision = budget.settle(_Description("auto"), lambda gc: Loaded8B(), [100, 262144])
+    assert decision.tokens == 283136 and decision.host_cap_tokens is None
+    said = [line for line in logs if "pinned host memory" in line]
+    assert len(said) == 1 and "UNSLOTH_GC_PINNED_MAX_GB" in said[0] and "50 GiB" in said[0]
+    # Plenty of host memory: the GPU's budget stands.
+    monkeypatch.setattr(budget, "host_memory_available", lambda: 400 * 2**30)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert budget.settle(_Description("auto"), lambda gc: Loaded8B(), [100, 262144])[2].tokens == 283136
