@@ -8,9 +8,12 @@ process on the same checkpoint loaded the same way (Unsloth, 4-bit for 8B):
 - the exact step-1 loss: every sample of step 1 alone, unpacked, no gradients, logits in chunks
   (`HyperSloth.train.exactness.step_loss_reference`). LoRA's B starts at zero, so step 1's loss is the base
   model's on that batch whatever the adapter seed. A system that cuts the long sample logs another number.
-- the attention floor: torch's flash attention forward+backward of one causal sequence of the long
-  sample's length on the model's heads, timed for one layer and multiplied by the layer count. No step
-  that trains the sample whole can be faster.
+- the attention floor: torch's flash attention forward of one causal sequence of the long sample's length
+  on the model's heads, timed for one layer and multiplied by the layer count. Every step that trains the
+  sample whole runs that forward at least once, so none can be faster. (Forward only: the forward+backward
+  this measured until 2026-12-01 over-stated at 262,144 tokens on Qwen3-8B, 216 s through SDPA with the
+  key/value heads expanded, against 199 s for HyperSloth's whole step with the forward run twice, whose
+  loss equalled the reference's to 2.2e-5.)
 
 With `--exactness` the reference also runs `HyperSloth.train.exactness.packed_vs_alone` on the GPU: the long
 sample's loss and LoRA gradient inside a packed row of step 1's short samples against the sample alone,
@@ -47,7 +50,7 @@ def with_long_sample(lengths: np.ndarray, long_tokens: int, samples_per_step: in
 
 
 def attention_floor_s(tokens: int, heads: int, kv_heads: int, head_dim: int, layers: int) -> float:
-    """Seconds of causal flash attention forward+backward for one sequence of `tokens` on every layer.
+    """Seconds of causal flash attention forward for one sequence of `tokens` on every layer.
 
     One layer is timed (after a short warm-up of the same kernel) and multiplied by `layers`: the layers
     have the same shapes. Key/value heads are expanded to the query heads (what GQA does inside the kernel).
@@ -56,16 +59,15 @@ def attention_floor_s(tokens: int, heads: int, kv_heads: int, head_dim: int, lay
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def once(n: int) -> float:
-        q = torch.randn(1, heads, n, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        k = torch.randn(1, kv_heads, n, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        v = torch.randn_like(k, requires_grad=True)
+        q = torch.randn(1, heads, n, head_dim, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(1, kv_heads, n, head_dim, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
         groups = heads // kv_heads
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)  # outside the timing
         torch.cuda.synchronize()
         started = time.perf_counter()
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), is_causal=True)
-        out.backward(torch.ones_like(out))
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION), torch.no_grad():
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         torch.cuda.synchronize()
         return time.perf_counter() - started
 
