@@ -77,6 +77,7 @@ ENV_MASTER_PORT = "HYPERSLOTH_MASTER_PORT"
 ENV_LAUNCH_STAMPS = "HYPERSLOTH_LAUNCH_STAMPS"
 # Where the budget probe caches its measurements (HyperSloth.train.probe_cache); "off" turns the cache off.
 ENV_CACHE_DIR = "HYPERSLOTH_CACHE_DIR"
+ENV_PAD_LOSS_ROWS = "HYPERSLOTH_PAD_LOSS_ROWS"  # "0": leave Unsloth's fused loss unpatched (train/patches.py)
 
 # Variables torchrun / torch.distributed set. HF/accelerate switch to their own DDP mode when they see
 # them, so they never reach a launcher-started worker, and a torchrun-started worker removes them

@@ -56,7 +56,6 @@ arithmetic and the probe-fit-choose-verify sequence (steps 2, 3; no torch).
 from __future__ import annotations
 
 import gc
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -68,10 +67,10 @@ from HyperSloth.train.budget_probe import agree_min, cached_needs_checkpointing,
 
 
 def settle(description, load: Callable[[Any], Any], lengths: Sequence[int] | np.ndarray,
-           setup: probe_cache.ProbeSetup | None = None):
+           setup: probe_cache.ProbeSetup | None = None, local_ranks: int = 1):
     """Load the model and fix the run's micro-batch budget: (description with the budget, loaded model,
     decision). `load(gradient_checkpointing)` loads the model (None = as configured); `setup` names the
-    model for the probe cache (None: no cache).
+    model for the probe cache (None: no cache); `local_ranks` share this host's memory.
 
     An explicit budget, or "auto" on CPU, was already fixed by `HyperSloth.plan.run`; "auto" on a GPU is
     measured here and agreed over ranks. If the longest sample does not fit one micro-batch without
@@ -90,6 +89,9 @@ def settle(description, load: Callable[[Any], Any], lengths: Sequence[int] | np.
                        f"without gradient checkpointing on this GPU: loading with gradient checkpointing ({gc_mode!r})")
     loaded = load(gc_mode if known else None)
     if not description.token_budget_auto:
+        if gc_mode == "unsloth":
+            _warn_if_budget_exceeds_host(getattr(loaded.model, "config", None), description.token_budget, longest,
+                                         local_ranks)
         return description, loaded, BudgetDecision(tokens=description.token_budget,
                                                    source=description.token_budget_source)
 
@@ -108,7 +110,7 @@ def settle(description, load: Callable[[Any], Any], lengths: Sequence[int] | np.
         loaded = None  # drop the first model before loading the second
         loaded, decision = _reload_and_measure(load, gc_mode, measure_model, decision)
     if gc_mode == "unsloth":
-        _fit_host_memory(decision, getattr(loaded.model, "config", None), longest)
+        _fit_host_memory(decision, getattr(loaded.model, "config", None), longest, local_ranks)
     logger.info(decision.summary())
     logger.info(decision.probe_line())
     if loaded.backend == "unsloth":  # Unsloth's pre-train detector sees the probe's backward, resets its compile cache
@@ -132,17 +134,19 @@ def host_memory_available() -> int | None:
 HOST_MEMORY_HEADROOM = 0.8  # the share of the host memory available now that offloaded checkpoints may take
 
 
-def _fit_host_memory(decision: BudgetDecision, config: Any, longest: int) -> None:
+def _host_share(local_ranks: int) -> float | None:
+    """The bytes of host memory one rank's offloaded checkpoints may take (None where it cannot be read)."""
+    available = host_memory_available()
+    return None if available is None else HOST_MEMORY_HEADROOM * available / max(local_ranks, 1)
+
+
+def _fit_host_memory(decision: BudgetDecision, config: Any, longest: int, local_ranks: int) -> None:
     """Lower the budget so that Unsloth's offloaded checkpoints of the biggest micro-batch fit this host's
     memory (shared by its local ranks; agreed over all ranks), or warn once when even the longest sample alone
     cannot fit. Without it the kernel's out-of-memory killer ends the worker inside its first step, with
     SIGKILL and no Python error (Qwen3-8B, 282,000 tokens packed on one H200: 36 pinned 4 GiB blocks against
     124 GiB of host memory). `decision` is changed in place."""
-    from loguru import logger
-
-    available = host_memory_available()
-    local_ranks = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
-    share = None if available is None else HOST_MEMORY_HEADROOM * available / local_ranks
+    share = _host_share(local_ranks)
     cap = None if share is None or config is None else host_token_cap(config, share)
     cap = agree_min(decision.tokens if cap is None else cap)  # every rank calls it, so every rank plans alike
     if cap >= decision.tokens:
@@ -150,6 +154,31 @@ def _fit_host_memory(decision: BudgetDecision, config: Any, longest: int) -> Non
     if cap >= longest:
         decision.tokens = decision.host_cap_tokens = cap
         return
+    _warn_longest_exceeds_host(config, longest, share)
+
+
+def _warn_if_budget_exceeds_host(config: Any, budget_tokens: int, longest: int, local_ranks: int) -> None:
+    """An explicit budget is kept as set; say so when its offloaded checkpoints would not fit host memory."""
+    from loguru import logger
+
+    share = _host_share(local_ranks)
+    cap = None if share is None or config is None else host_token_cap(config, share)
+    heaviest = max(budget_tokens, longest)  # a row holds up to the budget, or one longer sample alone
+    if cap is None or cap >= heaviest:
+        return
+    if cap < longest:
+        _warn_longest_exceeds_host(config, longest, share)
+        return
+    logger.warning(f"tokens_per_micro_batch={budget_tokens:,}: Unsloth's gradient checkpointing keeps every layer's "
+                   f"input of a micro-batch in pinned host memory, about {offload_host_bytes(config, heaviest) / 2**30:.0f} "
+                   f"GiB at that size (one power-of-two block per layer), more than this rank's share of what is "
+                   f"available now ({share / 2**30:.0f} GiB). Set tokens_per_micro_batch to {cap:,} or less, or to "
+                   f"\"auto\" (it lowers itself to fit); otherwise the kernel's out-of-memory killer may end step 1")
+
+
+def _warn_longest_exceeds_host(config: Any, longest: int, share: float) -> None:
+    from loguru import logger
+
     need = offload_host_bytes(config, longest)
     logger.warning(f"Unsloth's gradient checkpointing keeps every layer's input in pinned host memory: the longest "
                    f"sample ({longest:,} tokens) needs about {need / 2**30:.0f} GiB of it (one power-of-two block per "

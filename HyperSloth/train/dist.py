@@ -48,6 +48,7 @@ class DistInfo:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     launched_by: str = "single"  # "hypersloth", "torchrun" or "single"
+    local_world_size: int = 1  # ranks on this host (they share its memory)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -69,6 +70,7 @@ class DistInfo:
                 master_addr=env.get(ENV_MASTER_ADDR, "127.0.0.1"),
                 master_port=int(env.get(ENV_MASTER_PORT, "29500")),
                 launched_by="hypersloth",
+                local_world_size=int(env[ENV_WORLD_SIZE]),  # HyperSloth's launcher starts every rank here
             )
         if all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
             return cls(
@@ -78,6 +80,7 @@ class DistInfo:
                 master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
                 master_port=int(env.get("MASTER_PORT", "29500")),
                 launched_by="torchrun",
+                local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")),
             )
         return cls()
 

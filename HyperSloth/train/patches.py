@@ -34,7 +34,7 @@ replaces and the versions it was checked against, and returns whether it applied
     cuBLAS meets at most 16 row counts per tile width, once each. The rows that count are computed as before
     (each output row depends only on its own input row); the layout asks for buffers of the rounded size.
     Checked with: unsloth_zoo 2026.10.9 (`_tiled_forward` allocates its logits buffer and accumulator with
-    `_tiled_layout`'s rows and reads only the chunk's rows of them). `HYPERSLOTH_PAD_LOSS_ROWS=0` turns it off;
+    `_tiled_layout`'s rows and reads only the chunk's rows of them). `run_files.ENV_PAD_LOSS_ROWS` = 0 turns it off;
     a no-op when any of the four functions is missing.
 
 `unsloth_static_packed_rows` (a context manager, used only while a CUDA graph is captured)
@@ -135,7 +135,9 @@ def _grown(view, rows: int):
 def pad_unsloth_loss_rows(fused_linear=None) -> bool:
     """Round the fused loss's last row chunk up to a multiple of 256 rows for its GEMMs (see the module
     docstring); False when it is turned off, already applied, or this unsloth_zoo lacks the functions."""
-    if os.environ.get("HYPERSLOTH_PAD_LOSS_ROWS", "1").lower() in ("0", "false", "no", "off"):
+    from HyperSloth.outputs import run_files
+
+    if os.environ.get(run_files.ENV_PAD_LOSS_ROWS, "1").lower() in ("0", "false", "no", "off"):
         return False
     if fused_linear is None:
         try:

@@ -138,7 +138,7 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path, time
                                    backend=description.backend,
                                    cache=probe_cache.ProbeCache(probe_cache.cache_dir()))
     description, loaded_model, budget_decision = budget.settle(description, _loader(description, timeline),
-                                                               lengths, setup)
+                                                               lengths, setup, local_ranks=info.local_world_size)
     timeline.mark("budget_probe")
     logger.info(f"model {description.hyper_config.fast_model_args.model_name} loaded with {loaded_model.backend} ({loaded_model.dtype})")
     if info.is_main:

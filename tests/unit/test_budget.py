@@ -462,20 +462,27 @@ def test_the_budget_is_lowered_until_offloaded_checkpoints_fit_host_memory(monke
     assert budget_choice.host_token_cap(SimpleNamespace(), 2**40) is None
     monkeypatch.setattr(budget, "measure_auto", _fake_measure({False: 30720, "unsloth": 283136}))
     monkeypatch.setattr(budget, "host_memory_available", lambda: 124 * 2**30)
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     settled, _, decision = budget.settle(_Description("auto"), lambda gc: Loaded8B(), [100, 262144])
     assert settled.token_budget == decision.tokens == decision.host_cap_tokens == 262144
     assert "lowered to 262,144 so that Unsloth's offloaded checkpoints fit host memory" in decision.summary()
     assert not [line for line in logs if "pinned host memory" in line]  # lowered, so no warning
     # Two ranks on this host share it: 1 GiB blocks hold 131,072 tokens, shorter than the long chat, so the
     # budget stays and the run is warned (with what to change).
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     logs.clear()
-    settled, _, decision = budget.settle(_Description("auto"), lambda gc: Loaded8B(), [100, 262144])
+    settled, _, decision = budget.settle(_Description("auto"), lambda gc: Loaded8B(), [100, 262144], local_ranks=2)
     assert decision.tokens == 283136 and decision.host_cap_tokens is None
     said = [line for line in logs if "pinned host memory" in line]
     assert len(said) == 1 and "UNSLOTH_GC_PINNED_MAX_GB" in said[0] and "50 GiB" in said[0]
+    # An explicit budget is kept, and the user is told the size that fits.
+    logs.clear()
+    explicit = _Description("explicit", budget=283136, gc="unsloth")
+    settled, _, decision = budget.settle(explicit, lambda gc: Loaded8B(), [100, 262144])
+    assert settled.token_budget == decision.tokens == 283136
+    said = [line for line in logs if "pinned host memory" in line]
+    assert len(said) == 1 and "144 GiB" in said[0] and "Set tokens_per_micro_batch to 262,144 or less" in said[0]
+    logs.clear()
+    budget.settle(_Description("explicit", budget=131072, gc="unsloth"), lambda gc: Loaded8B(), [100, 131072])
+    assert not [line for line in logs if "pinned host memory" in line]
     # Plenty of host memory: the GPU's budget stands.
     monkeypatch.setattr(budget, "host_memory_available", lambda: 400 * 2**30)
-    monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert budget.settle(_Description("auto"), lambda gc: Loaded8B(), [100, 262144])[2].tokens == 283136

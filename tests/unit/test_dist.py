@@ -13,13 +13,15 @@ def test_dist_info_from_launcher_env():
     info = dist.DistInfo.from_env(env)
     assert (info.rank, info.world_size, info.local_rank, info.master_port) == (1, 4, 1, 1234)
     assert info.launched_by == "hypersloth" and not info.is_main
+    assert info.local_world_size == 4  # HyperSloth's launcher starts every rank on this host
 
 
 def test_dist_info_from_torchrun_env_and_default():
     env = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400"}
     info = dist.DistInfo.from_env(env)
     assert (info.rank, info.world_size, info.local_rank, info.master_addr) == (3, 8, 1, "10.0.0.1")
-    assert info.launched_by == "torchrun"
+    assert info.launched_by == "torchrun" and info.local_world_size == 1  # torchrun did not say: alone here
+    assert dist.DistInfo.from_env({**env, "LOCAL_WORLD_SIZE": "4"}).local_world_size == 4  # 2 hosts x 4 GPUs
     assert dist.DistInfo.from_env({}) == dist.DistInfo()
     with pytest.raises(ValueError, match="outside world size"):
         dist.DistInfo(rank=2, world_size=2)

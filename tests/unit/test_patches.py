@@ -3,6 +3,7 @@
 import torch
 import torch.nn.functional as F
 
+from HyperSloth.outputs import run_files
 from HyperSloth.train import patches
 
 
@@ -107,7 +108,7 @@ def _fake_fused_linear(gemm_rows):
 
 
 def test_loss_row_padding_rounds_every_gemm_and_keeps_the_result(monkeypatch):
-    monkeypatch.delenv("HYPERSLOTH_PAD_LOSS_ROWS", raising=False)
+    monkeypatch.delenv(run_files.ENV_PAD_LOSS_ROWS, raising=False)
     torch.manual_seed(0)
     w = torch.randn(40, 8, dtype=torch.float64)
     for n_keep in (700, 300, 1024):  # a 188-row tail; one chunk smaller than the layout's rows; no tail
@@ -125,7 +126,7 @@ def test_loss_row_padding_rounds_every_gemm_and_keeps_the_result(monkeypatch):
 
 
 def test_loss_row_padding_stays_inside_the_tiled_forward(monkeypatch):
-    monkeypatch.delenv("HYPERSLOTH_PAD_LOSS_ROWS", raising=False)
+    monkeypatch.delenv(run_files.ENV_PAD_LOSS_ROWS, raising=False)
     rows = []
     mod = _fake_fused_linear(rows)
     assert patches.pad_unsloth_loss_rows(mod) is True
@@ -141,9 +142,9 @@ def test_loss_row_padding_stays_inside_the_tiled_forward(monkeypatch):
 
 
 def test_loss_row_padding_can_be_turned_off(monkeypatch):
-    monkeypatch.setenv("HYPERSLOTH_PAD_LOSS_ROWS", "0")
+    monkeypatch.setenv(run_files.ENV_PAD_LOSS_ROWS, "0")
     mod = _fake_fused_linear([])
     assert patches.pad_unsloth_loss_rows(mod) is False
-    monkeypatch.delenv("HYPERSLOTH_PAD_LOSS_ROWS")
+    monkeypatch.delenv(run_files.ENV_PAD_LOSS_ROWS)
     assert patches.pad_unsloth_loss_rows(object()) is False  # an unsloth_zoo without these functions
     assert patches.pad_unsloth_loss_rows() is False  # no unsloth_zoo installed here
