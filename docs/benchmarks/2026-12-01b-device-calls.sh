@@ -2,13 +2,7 @@
 # Second session of 2026-12-01, one H200 (kind nvidia-h200, carry .whl); run from the repository root as
 # `bash docs/benchmarks/2026-12-01b-device-calls.sh callN`. Each call stays under 9 minutes (the benchmark stops
 # starting systems at --budget-s and kills one still running at it). Records and logs land in $OUT.
-set -u
-source scripts/gpu_env.sh
-W=/tmp/hs_bench; L=$OUT/logs; mkdir -p "$L"
-T0=$(date +%s); el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
-left() { echo $(( $1 - ($(date +%s) - T0) )); }
-bench() { python3 scripts/benchmark.py --work $W --out $OUT --num-gpus 1 "$@"; }
-show() { grep -h "^\[\|FAILED\|out of time\|Error\|error\|budget probe\|tokens_per_micro_batch=auto" "$@" | cut -c1-600; }
+source scripts/device_calls_lib.sh  # the GPU environment, $W / $L, el, left, bench, show, keep_profiles, pack, ...
 
 callA() {  # issue 21: DPO, HyperSloth-1 at defaults against TRL's DPOTrainer + Unsloth at the splits that fit
   # (32 x 1 ran out of memory in the first session), every row in this one call
@@ -66,12 +60,10 @@ for c in (json.load(open('$OUT/lora_bench.json'))['cases'] if __import__('os').p
 
 callF() {  # issue 22: 262,144 tokens on Qwen3-8B 4-bit again, with host memory sampled every 10 s (call C's worker
   # died in step 1 without a Python error; 72 GiB of offloaded layer inputs is the suspect) and the kernel's log
-  ( while true; do echo "$(date +%T) $(free -g | awk '/Mem:/ {print "used", $3, "avail", $7}')"; sleep 10; done ) \
-    > $L/host-memory.log 2>&1 &
-  MON=$!
+  watch_host_memory
   bench --workloads longctx-8b --long-tokens 262144 --warmup 0 --steps 1 --tag next-lc262k --slots "hypersloth-1" \
     --budget-s $(left 560) > $L/bench.log 2>&1
-  kill $MON; el "bench done"; show $L/bench.log; tail -5 $L/host-memory.log
+  stop_host_memory; el "bench done"; show $L/bench.log; tail -5 $L/host-memory.log
   grep -h "host memory\|model's shape\|budget probe\|turning on gradient" $W/*/out_*/logs/rank0.log 2>/dev/null | cut -c1-300
   dmesg 2>/dev/null | grep -i "out of memory\|killed process" | tail -3
 }

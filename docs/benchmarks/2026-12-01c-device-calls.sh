@@ -2,22 +2,7 @@
 # Third session of 2026-12-01, one H200 (kind nvidia-h200, carry .whl); run from the repository root as
 # `bash docs/benchmarks/2026-12-01c-device-calls.sh callN`. Each call stays under 9.5 minutes (the benchmark
 # stops starting systems at --budget-s and kills one still running at it). Records and logs land in $OUT.
-set -u
-source scripts/gpu_env.sh
-W=/tmp/hs_bench; L=$OUT/logs; mkdir -p "$L" "$OUT/profiles"
-T0=$(date +%s); el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
-left() { echo $(( $1 - ($(date +%s) - T0) )); }
-bench() { python3 scripts/benchmark.py --work $W --out $OUT --num-gpus 1 "$@"; }
-show() { grep -h "^\[\|FAILED\|out of time\|Error\|error\|budget probe\|tokens_per_micro_batch=auto" "$@" | cut -c1-600; }
-keep_profiles() {  # $1: workload; the -profile systems' kernel tables and traces
-  for d in $W/$1/out_*-profile; do
-    [ -d "$d" ] || continue
-    n=$(basename "$d")  # (until this session's last change the two files lay in $d itself)
-    cp "$d/logs/rank0.profile_kernels.txt" "$OUT/profiles/$1-$n.txt" 2>/dev/null || cp "$d/profile_kernels.txt" "$OUT/profiles/$1-$n.txt" 2>/dev/null
-    cp "$d/logs/rank0.profile_trace.json.gz" "$OUT/profiles/$1-$n.trace.json.gz" 2>/dev/null || cp "$d/profile_trace.json.gz" "$OUT/profiles/$1-$n.trace.json.gz" 2>/dev/null
-    head -c 400 "$OUT/profiles/$1-$n.txt" 2>/dev/null; echo
-  done
-}
+source scripts/device_calls_lib.sh  # the GPU environment, $W / $L, el, left, bench, show, keep_profiles, pack, ...
 
 callH() {  # issue 18: (1) short-0.6b, every row in one run: HyperSloth-1 and unsloth-best at defaults (both with the
   # shim, now also switching on Unsloth's lean flash path: GQA without expanding K/V), and both under torch.profiler
@@ -83,10 +68,6 @@ callK() {  # issue 18: the LoRA path rule end to end (concat_pays with the copie
     --budget-s $(left 570) > $L/bench-long06.log 2>&1
   el "long-0.6b done"; show $L/bench-long06.log
   pack
-}
-
-pack() {  # at most 8 files come back: the profiles and logs travel as one archive
-  tar czf $OUT/profiles-logs.tgz -C $OUT profiles logs && rm -rf $OUT/profiles $OUT/logs
 }
 
 "$@"

@@ -2,22 +2,7 @@
 # Fourth session of 2026-12-01, one H200 (kind nvidia-h200, carry .whl); run from the repository root as
 # `bash docs/benchmarks/2026-12-01d-device-calls.sh callN`. Each call stays under 9.5 minutes (the benchmark
 # stops starting systems at --budget-s and kills one still running at it). Records and logs land in $OUT.
-set -u
-source scripts/gpu_env.sh
-W=/tmp/hs_bench; L=$OUT/logs; mkdir -p "$L" "$OUT/profiles"
-T0=$(date +%s); el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
-left() { echo $(( $1 - ($(date +%s) - T0) )); }
-bench() { python3 scripts/benchmark.py --work $W --out $OUT --num-gpus 1 "$@"; }
-show() { grep -h "^\[\|FAILED\|out of time\|Error\|error\|budget probe\|tokens_per_micro_batch=auto" "$@" | cut -c1-600; }
-keep_profiles() {  # $1: workload; the -profile systems' kernel tables and traces
-  for d in $W/$1/out_*-profile; do
-    [ -d "$d" ] || continue
-    n=$(basename "$d")  # (until this session's last change the two files lay in $d itself)
-    cp "$d/logs/rank0.profile_kernels.txt" "$OUT/profiles/$1-$n.txt" 2>/dev/null || cp "$d/profile_kernels.txt" "$OUT/profiles/$1-$n.txt" 2>/dev/null
-    cp "$d/logs/rank0.profile_trace.json.gz" "$OUT/profiles/$1-$n.trace.json.gz" 2>/dev/null || cp "$d/profile_trace.json.gz" "$OUT/profiles/$1-$n.trace.json.gz" 2>/dev/null
-    head -c 400 "$OUT/profiles/$1-$n.txt" 2>/dev/null; echo
-  done
-}
+source scripts/device_calls_lib.sh  # the GPU environment, $W / $L, el, left, bench, show, keep_profiles, pack, ...
 
 callL() {  # issue 18: the fused loss's last row chunk rounded to 256 rows (patches.pad_unsloth_loss_rows, in both
   # systems' shim) and the LoRA path rule refitted last session (callK, never run), end to end: (1) short-0.6b,
@@ -53,12 +38,10 @@ callM() {  # issue 18: (1) short-8b, the pair with unsloth-best-16x2 first on th
 
 callN() {  # issue 22: 262,144 tokens on Qwen3-8B 4-bit (call C's worker died in step 1 without a Python error),
   # host memory sampled every 10 s and the kernel's log; the attention floor alone is 218 s for this sample
-  ( while true; do echo "$(date +%T) $(free -g | awk '/Mem:/ {print "used", $3, "avail", $7}')"; sleep 10; done ) \
-    > $L/host-memory.log 2>&1 &
-  MON=$!
+  watch_host_memory
   bench --workloads longctx-8b --long-tokens 262144 --warmup 0 --steps 1 --tag 2026-12-01d-lc262k \
     --slots "hypersloth-1" --budget-s $(left 570) > $L/bench.log 2>&1
-  kill $MON; el "bench done"; show $L/bench.log; tail -8 $L/host-memory.log
+  stop_host_memory; el "bench done"; show $L/bench.log; tail -8 $L/host-memory.log
   grep -h "host memory\|model's shape\|budget probe\|turning on gradient\|RoPE\|SIGKILL\|killed" $W/*/out_*/logs/rank0.log \
     $L/bench.log 2>/dev/null | cut -c1-300 | tail -20
   dmesg 2>/dev/null | grep -i "out of memory\|killed process" | tail -3
@@ -68,12 +51,10 @@ callN() {  # issue 22: 262,144 tokens on Qwen3-8B 4-bit (call C's worker died in
 callO() {  # issue 22: call N again after the fix: HyperSloth now lowers the budget until Unsloth's offloaded
   # checkpoints fit host memory (call N: 283,136 tokens packed in one micro-batch, 36 pinned blocks of 4 GiB, the
   # kernel's out-of-memory killer in step 1); 262,144 tokens keep them at 2 GiB and the long chat trains alone
-  ( while true; do echo "$(date +%T) $(free -g | awk '/Mem:/ {print "used", $3, "avail", $7}')"; sleep 10; done ) \
-    > $L/host-memory.log 2>&1 &
-  MON=$!
+  watch_host_memory
   bench --workloads longctx-8b --long-tokens 262144 --warmup 0 --steps 1 --tag 2026-12-01d-lc262k-fit \
     --slots "hypersloth-1" --budget-s $(left 585) > $L/bench.log 2>&1
-  kill $MON; el "bench done"; show $L/bench.log; tail -8 $L/host-memory.log
+  stop_host_memory; el "bench done"; show $L/bench.log; tail -8 $L/host-memory.log
   grep -h "host memory\|budget probe\|tokens_per_micro_batch=auto\|SIGKILL" $W/*/out_*/logs/rank0.log \
     $L/bench.log 2>/dev/null | cut -c1-400 | tail -8
   dmesg 2>/dev/null | grep -i "out of memory\|killed process" | tail -3
@@ -93,12 +74,10 @@ callP() {  # issue 22 item 1: the long sample's loss AND LoRA gradient, packed a
 
 callQ() {  # issue 22 item 2: the longest sample for Qwen3-0.6B (RoPE factor 12.8 past its 40,960 positions):
   # 524,288 tokens, HyperSloth-1 judged against the exact reference (host memory: 28 pinned 1 GiB blocks)
-  ( while true; do echo "$(date +%T) $(free -g | awk '/Mem:/ {print "used", $3, "avail", $7}')"; sleep 10; done ) \
-    > $L/host-memory.log 2>&1 &
-  MON=$!
+  watch_host_memory
   bench --workloads longctx-0.6b --long-tokens 524288 --warmup 0 --steps 1 --tag next-lc524k \
     --slots "reference,hypersloth-1" --budget-s $(left 570) > $L/bench.log 2>&1
-  kill $MON; el "bench done"; show $L/bench.log; tail -4 $L/host-memory.log
+  stop_host_memory; el "bench done"; show $L/bench.log; tail -4 $L/host-memory.log
   grep -h "host memory\|budget probe\|tokens_per_micro_batch=auto\|RoPE" $W/*/out_*/logs/rank0.log 2>/dev/null \
     | cut -c1-400 | tail -6
   pack
@@ -111,10 +90,6 @@ callR() {  # issue 22 item 4: where the checkpointed peak goes (Qwen3-8B 4-bit, 
     --out $OUT/memory-gap-8b-gc.json > $L/memory-gap.log 2>&1
   el "memory gap done"; grep -h "MEMORY_GAP\|Error" $L/memory-gap.log | cut -c1-900
   pack
-}
-
-pack() {  # at most 8 files come back: the profiles and logs travel as one archive
-  tar czf $OUT/profiles-logs.tgz -C $OUT profiles logs && rm -rf $OUT/profiles $OUT/logs
 }
 
 "$@"
