@@ -134,10 +134,12 @@ def host_memory_available() -> int | None:
 HOST_MEMORY_HEADROOM = 0.8  # the share of the host memory available now that offloaded checkpoints may take
 
 
-def _host_share(local_ranks: int) -> float | None:
-    """The bytes of host memory one rank's offloaded checkpoints may take (None where it cannot be read)."""
+def _host_cap(config: Any, local_ranks: int) -> tuple[float | None, int | None]:
+    """(the bytes of host memory one rank's offloaded checkpoints may take, the largest micro-batch whose
+    checkpoints fit them: `host_token_cap`); None where the memory or the model's shape cannot be read."""
     available = host_memory_available()
-    return None if available is None else HOST_MEMORY_HEADROOM * available / max(local_ranks, 1)
+    share = None if available is None else HOST_MEMORY_HEADROOM * available / max(local_ranks, 1)
+    return share, None if share is None or config is None else host_token_cap(config, share)
 
 
 def _fit_host_memory(decision: BudgetDecision, config: Any, longest: int, local_ranks: int) -> None:
@@ -146,8 +148,7 @@ def _fit_host_memory(decision: BudgetDecision, config: Any, longest: int, local_
     cannot fit. Without it the kernel's out-of-memory killer ends the worker inside its first step, with
     SIGKILL and no Python error (Qwen3-8B, 282,000 tokens packed on one H200: 36 pinned 4 GiB blocks against
     124 GiB of host memory). `decision` is changed in place."""
-    share = _host_share(local_ranks)
-    cap = None if share is None or config is None else host_token_cap(config, share)
+    share, cap = _host_cap(config, local_ranks)
     cap = agree_min(decision.tokens if cap is None else cap)  # every rank calls it, so every rank plans alike
     if cap >= decision.tokens:
         return
@@ -161,8 +162,7 @@ def _warn_if_budget_exceeds_host(config: Any, budget_tokens: int, longest: int, 
     """An explicit budget is kept as set; say so when its offloaded checkpoints would not fit host memory."""
     from loguru import logger
 
-    share = _host_share(local_ranks)
-    cap = None if share is None or config is None else host_token_cap(config, share)
+    share, cap = _host_cap(config, local_ranks)
     heaviest = max(budget_tokens, longest)  # a row holds up to the budget, or one longer sample alone
     if cap is None or cap >= heaviest:
         return

@@ -121,6 +121,11 @@ def agree_min(tokens: int) -> int:
 # ---------------------------------------------------------------- one rank, then all ranks
 
 
+def _longest(lengths: Sequence[int] | np.ndarray) -> list[int]:
+    """The dataset's 4,096 longest sample lengths, longest first: what probe rows are cut into."""
+    return np.sort(np.asarray(lengths, dtype=np.int64))[::-1][:4096].tolist()
+
+
 def _probe_key(setup, device, gc_mode, with_lengths: bool, longest: Sequence[int], cap: int) -> dict[str, Any]:
     # Every row the probe can run is a prefix of the row at its largest reachable size.
     reach = VERIFY_TOKENS if with_lengths else max(cap, ROUND_TO)
@@ -137,7 +142,7 @@ def measure_on_gpu(model, *, lengths: Sequence[int] | np.ndarray, vocab_size: in
 
     started = time.perf_counter()
     device = next(model.parameters()).device
-    longest = np.sort(np.asarray(lengths, dtype=np.int64))[::-1][:4096].tolist()
+    longest = _longest(lengths)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     optimizer_bytes = 3 * 4 * trainable  # AdamW's two fp32 moments + the fp32 gradient-sync buffer
     release_memory(model)
@@ -191,9 +196,8 @@ def cached_needs_checkpointing(setup: probe_cache.ProbeSetup, lengths: Sequence[
 
     if setup.cache is None or not setup.cache.enabled or not torch.cuda.is_available():
         return False
-    lengths = np.asarray(lengths, dtype=np.int64)
     cap = useful_cap(lengths, samples_per_step)
-    longest = np.sort(lengths)[::-1][:4096].tolist()
+    longest = _longest(lengths)
     device = torch.device("cuda", torch.cuda.current_device())
     cached = setup.cache.get(_probe_key(setup, device, False, setup.backend == "unsloth", longest, cap)) or {}
     sizes = probe_sizes(cap)

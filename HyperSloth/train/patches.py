@@ -92,6 +92,11 @@ def enable_unsloth_torch_varlen() -> bool:
     return True
 
 
+def _switched_off(variable: str) -> bool:
+    """True when the environment variable turns a patch off ("0", "false", "no", "off"; on when unset)."""
+    return os.environ.get(variable, "1").lower() in ("0", "false", "no", "off")
+
+
 def _flash_only(query, key, value, max_q, window_size, enable_gqa=False) -> bool:
     """Unsloth's `_varlen_can_use_cudnn` for torch 2.11: varlen_attn never took cuDNN for packed rows."""
     return False
@@ -100,7 +105,7 @@ def _flash_only(query, key, value, max_q, window_size, enable_gqa=False) -> bool
 def enable_unsloth_lean_varlen(attention_dispatch) -> bool:
     """Turn on Unsloth's lean flash path for packed rows as its import does on torch >= 2.12 (see the
     module docstring); False when this Unsloth has no such path or `UNSLOTH_LEAN_VARLEN` turns it off."""
-    if os.environ.get("UNSLOTH_LEAN_VARLEN", "1").lower() in ("0", "false", "no", "off"):
+    if _switched_off("UNSLOTH_LEAN_VARLEN"):
         return False
     if not hasattr(attention_dispatch, "_LeanFlashVarlen") or not hasattr(attention_dispatch, "_LEAN_VARLEN"):
         return False
@@ -137,7 +142,7 @@ def pad_unsloth_loss_rows(fused_linear=None) -> bool:
     docstring); False when it is turned off, already applied, or this unsloth_zoo lacks the functions."""
     from HyperSloth.outputs import run_files
 
-    if os.environ.get(run_files.ENV_PAD_LOSS_ROWS, "1").lower() in ("0", "false", "no", "off"):
+    if _switched_off(run_files.ENV_PAD_LOSS_ROWS):
         return False
     if fused_linear is None:
         try:

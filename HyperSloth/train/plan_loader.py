@@ -104,26 +104,31 @@ class _Array:
         self.array = array
 
 
-def _to_host(item: Any) -> Any:
-    if isinstance(item, torch.Tensor):
-        # Integers and bool (all that collation makes) travel as arrays; any other tensor as itself.
-        return _Array(item.numpy()) if item.dtype in _NUMPY_DTYPES else item
+def _map_leaves(item: Any, leaf: Callable[[Any], Any]) -> Any:
+    """`item` (dicts, lists and tuples of leaves) with `leaf` applied to every leaf."""
     if isinstance(item, dict):
-        return {k: _to_host(v) for k, v in item.items()}
+        return {k: _map_leaves(v, leaf) for k, v in item.items()}
     if isinstance(item, (list, tuple)):
-        return type(item)(_to_host(v) for v in item)
-    return item
+        return type(item)(_map_leaves(v, leaf) for v in item)
+    return leaf(item)
+
+
+def _to_host(item: Any) -> Any:
+    def array(x: Any) -> Any:
+        # Integers and bool (all that collation makes) travel as arrays; any other tensor as itself.
+        return _Array(x.numpy()) if isinstance(x, torch.Tensor) and x.dtype in _NUMPY_DTYPES else x
+
+    return _map_leaves(item, array)
 
 
 def _to_tensors(item: Any, pin: bool) -> Any:
-    if isinstance(item, (_Array, torch.Tensor)):
-        tensor = torch.from_numpy(item.array) if isinstance(item, _Array) else item
-        return tensor.pin_memory() if pin else tensor
-    if isinstance(item, dict):
-        return {k: _to_tensors(v, pin) for k, v in item.items()}
-    if isinstance(item, (list, tuple)):
-        return type(item)(_to_tensors(v, pin) for v in item)
-    return item
+    def tensor(x: Any) -> Any:
+        if not isinstance(x, (_Array, torch.Tensor)):
+            return x
+        t = torch.from_numpy(x.array) if isinstance(x, _Array) else x
+        return t.pin_memory() if pin else t
+
+    return _map_leaves(item, tensor)
 
 
 class HostStep:
