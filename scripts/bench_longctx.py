@@ -17,7 +17,10 @@ process on the same checkpoint loaded the same way (Unsloth, 4-bit for 8B):
 
 With `--exactness` the reference also runs `HyperSloth.train.exactness.packed_vs_alone` on the GPU: the long
 sample's loss and LoRA gradient inside a packed row of step 1's short samples against the sample alone,
-through Unsloth's varlen path (with its gradient checkpointing, so 131k+ fits).
+through Unsloth's varlen path (with its gradient checkpointing, so 131k+ fits). In bf16 that difference is
+not zero; `--exactness controls` instead runs `packing_controls`, the two rows it is judged between: the
+sample first in the row (only rounding can separate it from alone) and the row fed as one causal sequence
+(a real leak), recorded as `packing_controls`.
 
 Every record of the workload then gets `ref_loss_diff` (|step-1 loss - reference|), `attention_floor_s`,
 `truncated` (its longest sample is shorter than the long sample) and `trained_whole`.
@@ -82,7 +85,7 @@ def run_reference(a, workload, shape: dict, head_dim: int, seed: int, projection
     from datasets import load_from_disk
 
     from HyperSloth.config import FastModelArgs, LoraArgs
-    from HyperSloth.train.exactness import packed_vs_alone, sample_losses, step_loss_reference
+    from HyperSloth.train.exactness import packed_vs_alone, packing_controls, sample_losses, step_loss_reference
     from HyperSloth.train.model import load_model
     from HyperSloth.train.patches import enable_unsloth_torch_varlen
 
@@ -117,8 +120,12 @@ def run_reference(a, workload, shape: dict, head_dim: int, seed: int, projection
     if a.exactness:
         model.train()
         started = time.perf_counter()
-        result = packed_vs_alone(model, step[longest], shorts, with_lengths=True)
-        record["exactness"] = {**result.as_record(), "seconds": time.perf_counter() - started}
+        if a.exactness == "controls":
+            result = packing_controls(model, step[longest], shorts, with_lengths=True)
+            record["packing_controls"] = {**result.as_record(), "seconds": time.perf_counter() - started}
+        else:
+            result = packed_vs_alone(model, step[longest], shorts, with_lengths=True)
+            record["exactness"] = {**result.as_record(), "seconds": time.perf_counter() - started}
     record["peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
     return record
 

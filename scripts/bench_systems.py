@@ -31,6 +31,7 @@ SYSTEMS = {
     "hypersloth-1-eager": dict(runner="hypersloth", gpus=1, gc=False, graphs=False),
     "hypersloth-1-unsloth-lora": dict(runner="hypersloth", gpus=1, gc=False, lora_passes=False),
     "hypersloth-1-profile": dict(runner="hypersloth", gpus=1, gc=False, profile=True),
+    "hypersloth-1-gc": dict(runner="hypersloth", gpus=1, gc="unsloth"),
     "hypersloth-2": dict(runner="hypersloth", gpus=2, gc=False),
     "hypersloth-2-gc": dict(runner="hypersloth", gpus=2, gc="unsloth"),
     "hypersloth-2-profile": dict(runner="hypersloth", gpus=2, gc=False, profile=True),

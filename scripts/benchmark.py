@@ -22,7 +22,7 @@ Systems (every one sees the same global batches, in the same order, so per-step 
 - `reference` (long-context workloads only): the exact step-1 loss and the attention floor, against which
   every system's step 1 is judged (scripts/bench_longctx.py).
 - `hypersloth-N`: HyperSloth on N GPUs at product defaults (tokens_per_micro_batch="auto", no
-  checkpointing); `hypersloth-2-gc`: with Unsloth's checkpointing; `hypersloth-1-eager`: HyperSloth-1 with
+  checkpointing); `hypersloth-1-gc`, `hypersloth-2-gc`: with Unsloth's checkpointing; `hypersloth-1-eager`: HyperSloth-1 with
   `cuda_graphs=False` (what the graphs are worth); `hypersloth-1-unsloth-lora`: HyperSloth-1 with Unsloth's own
   LoRA projections (`lora_passes=False`, what HyperSloth's passes are worth); `hypersloth-N-profile` and
   `unsloth-best-profile`: the per-phase timer on (synchronises between phases: for the breakdown, not the
@@ -302,8 +302,11 @@ def main() -> None:
                    help="HyperSloth's tokens_per_micro_batch (the product default is auto)")
     p.add_argument("--long-tokens", type=int, default=LONG_TOKENS,
                    help="the long sample of the longctx-* workloads (e.g. 32768, 131072, 262144)")
-    p.add_argument("--exactness", type=lambda s: s == "True", default=False,
-                   help="longctx-*: the reference system also checks the long sample packed vs alone with gradients")
+    p.add_argument("--exactness", type=lambda s: {"True": True, "False": False}.get(s, s), default=False,
+                   choices=[False, True, "controls"],
+                   help="longctx-*: True: the reference system also checks the long sample packed vs alone with "
+                   "gradients; controls: instead the two rows that difference is judged between (the sample first "
+                   "in the row: rounding only; the row as one causal sequence: a leak)")
     p.add_argument("--reference-from", help="longctx-*: take the reference record from this records file (a "
                    "reference system run earlier on the same workload and --long-tokens) instead of running it")
     p.add_argument("--render", help="print the markdown table and write benchmarks.png for a records JSON file")

@@ -78,6 +78,9 @@ ENV_LAUNCH_STAMPS = "HYPERSLOTH_LAUNCH_STAMPS"
 # Where the budget probe caches its measurements (HyperSloth.train.probe_cache); "off" turns the cache off.
 ENV_CACHE_DIR = "HYPERSLOTH_CACHE_DIR"
 ENV_PAD_LOSS_ROWS = "HYPERSLOTH_PAD_LOSS_ROWS"  # "0": leave Unsloth's fused loss unpatched (train/patches.py)
+# N: record the CUDA allocator's history over optimizer steps 1..N, into logs/rank{r}.memory_snapshot.pickle
+# (train/profiling.MemorySnapshot).
+ENV_MEMORY_SNAPSHOT = "HYPERSLOTH_MEMORY_SNAPSHOT"
 
 # Variables torchrun / torch.distributed set. HF/accelerate switch to their own DDP mode when they see
 # them, so they never reach a launcher-started worker, and a torchrun-started worker removes them
@@ -105,7 +108,8 @@ def rank_name(rank: int) -> str:
 
 def rank_file_in(logs: str | os.PathLike, rank: int, kind: str) -> Path:
     """`{logs}/rank{rank}.{kind}`, kind one of log, stderr, stdout, failure.json, final.json, pid, exitcode,
-    and with `training.profile` profile_kernels.txt, profile_trace.json.gz."""
+    with `training.profile` profile_kernels.txt, profile_trace.json.gz, and with ENV_MEMORY_SNAPSHOT
+    memory_snapshot.pickle."""
     return Path(logs) / f"{rank_name(rank)}.{kind}"
 
 

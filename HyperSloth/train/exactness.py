@@ -6,6 +6,9 @@ keeps every sample to itself. If either leaked, or positions did not restart, or
 boundary token, the long sample's loss and gradient inside the row would differ from the same sample
 fed alone as an ordinary unpacked [1, L] sequence. `packed_vs_alone` measures that difference on any
 model (the CPU test at the tiny model's longest length in fp32; the benchmark on the GPU at 32k-262k).
+In bf16 that difference is never zero; `packing_controls` measures the two numbers it is judged between: the
+same row's rounding with nothing to leak (the sample first in the row) and a real leak (the sample in the
+middle of the row fed as one causal sequence).
 
 `sample_losses` gives the other half of the benchmark's check: the summed token loss of each sample
 alone, unpacked, without gradients, from which the exact loss of a whole step follows (the reference a
@@ -106,6 +109,66 @@ def packed_vs_alone(model, sample: np.ndarray, others: Sequence[np.ndarray], *, 
     return PackedVsAlone(sample_tokens=int(sample.size), row_tokens=int(packed["input_ids"].shape[1]),
                          position=position, loss_packed=loss_packed, loss_alone=loss_alone,
                          grad_max_abs_diff=diff, grad_max_abs=scale)
+
+
+@dataclass(frozen=True)
+class PackingControls:
+    """The long sample's loss and gradient against it alone, in two packed rows whose outcome is known:
+
+    - `front`: the sample first in the row, the others after it. Causal attention never looks forward and
+      its positions start at 0 as alone, so even a row with no segment boundaries could not change it: what
+      separates it from alone is only the rounding of the longer row's kernels (other GEMM shapes, other
+      attention tiling). That is the noise a correct packed row shows, in the same precision.
+    - `leaked`: the sample in the middle, the row fed as one causal sequence (no segment lengths, positions
+      running on): every earlier sample is visible. That is the size of the error a leak makes.
+    """
+
+    sample_tokens: int
+    row_tokens: int
+    loss_alone: float
+    front_loss_diff: float
+    front_grad_rel_diff: float
+    leaked_loss_diff: float
+    leaked_grad_rel_diff: float
+
+    def as_record(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def packing_controls(model, sample: np.ndarray, others: Sequence[np.ndarray], *,
+                     with_lengths: bool = False) -> PackingControls:
+    """`PackingControls` of `sample` among `others` (three forward+backward passes: alone, front, leaked).
+    `with_lengths` gives the front row `packed_seq_lengths` (Unsloth's varlen path), as `packed_vs_alone`."""
+    sample = np.asarray(sample, dtype=np.int64)
+    others = [np.asarray(o, dtype=np.int64) for o in others]
+    if not others:
+        raise ValueError("the controls need other samples to pack the long one with")
+    ignored = [(o, np.full_like(o, IGNORE_INDEX)) for o in others]
+    device = next(model.parameters()).device
+    front = _on_device(collate_packed([(sample, sample.copy()), *ignored], with_lengths=with_lengths), device)
+    middle = len(others) // 2
+    leaked = collate_packed([*ignored[:middle], (sample, sample.copy()), *ignored[middle:]])
+    del leaked["position_ids"]  # positions run on and nothing marks the boundaries: one causal sequence
+    leaked = _on_device(leaked, device)
+    row = torch.from_numpy(sample)[None].to(device)
+    targets = int(sample.size - 1)
+    was_training = model.training
+    model.train()
+    try:
+        loss_alone, grads_alone = _loss_and_grad(model, {"input_ids": row, "labels": row.clone()}, targets)
+        loss_front, grads_front = _loss_and_grad(model, front, targets)
+        loss_leaked, grads_leaked = _loss_and_grad(model, leaked, targets)
+    finally:
+        model.train(was_training)
+    scale = max(max((float(g.abs().max()) for g in grads_alone), default=0.0), 1e-30)
+
+    def rel(grads: list[torch.Tensor]) -> float:
+        return max((float((a - b).abs().max()) for a, b in zip(grads, grads_alone)), default=0.0) / scale
+
+    return PackingControls(sample_tokens=int(sample.size), row_tokens=int(front["input_ids"].shape[1]),
+                           loss_alone=loss_alone, front_loss_diff=abs(loss_front - loss_alone),
+                           front_grad_rel_diff=rel(grads_front), leaked_loss_diff=abs(loss_leaked - loss_alone),
+                           leaked_grad_rel_diff=rel(grads_leaked))
 
 
 def _decoder_and_head(model):

@@ -7,7 +7,9 @@ with `training.profile=True`: it synchronises between phases, which costs a litt
 meant for finding the next bottleneck, not for the headline numbers. With it, `KernelProfile` runs
 torch.profiler over a few steps after the warm-up (phase syncs paused there, so the trace shows the real
 overlap of host and GPU): how long the GPU was busy against the wall, kernels per step, the top operators,
-and a Chrome trace.
+and a Chrome trace. `MemorySnapshot` (run_files.ENV_MEMORY_SNAPSHOT=N) records the CUDA caching allocator's
+history over steps 1..N and writes it for https://pytorch.org/memory_viz: which tensors, allocated where,
+make each step's peak.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from HyperSloth.outputs.startup import StartupTimeline
 
 PHASES = ("data", "forward", "backward", "allreduce", "clip", "optimizer")
 PROFILE_TABLE, PROFILE_TRACE = "profile_kernels.txt", "profile_trace.json.gz"  # rank file kinds (KernelProfile)
+MEMORY_SNAPSHOT = "memory_snapshot.pickle"  # rank file kind (MemorySnapshot)
 
 
 def _sync() -> None:
@@ -201,3 +204,59 @@ class KernelProfile(TrainerCallback):
             f"{json.dumps(self.summary)}\n\nby device time\n{by_device}\n\nby host time\n{by_host}\n")
         prof.export_chrome_trace(str(self.trace))
         logger.info("KERNEL_PROFILE " + json.dumps(self.summary))
+
+
+def memory_snapshot_steps(env: dict[str, str]) -> int:
+    """The optimizer steps `run_files.ENV_MEMORY_SNAPSHOT` asks to record (0 when unset); ValueError, saying
+    what to write, for anything but a whole number >= 0."""
+    from HyperSloth.outputs.run_files import ENV_MEMORY_SNAPSHOT
+
+    value = env.get(ENV_MEMORY_SNAPSHOT, "").strip()
+    if not value:
+        return 0
+    if not value.isdigit():
+        raise ValueError(f"{ENV_MEMORY_SNAPSHOT}={value!r}: give the number of optimizer steps to record from step "
+                         f"1 (e.g. {ENV_MEMORY_SNAPSHOT}=3), or unset it")
+    return int(value)
+
+
+class MemorySnapshot(TrainerCallback):
+    """The CUDA caching allocator's history (every allocation and free, with its Python and C++ stack) over
+    optimizer steps 1..`steps`, dumped to `path` at the end of step `steps`, or at the end of training if it
+    ends first. Open the file at https://pytorch.org/memory_viz, or summarise it with scripts/memory_peak.py.
+    Recording costs host time on every allocation: for finding where memory goes, not for timed runs.
+    Without CUDA there is no allocator to record: one warning, and nothing is written."""
+
+    def __init__(self, path: str | Path, steps: int, max_entries: int = 1_000_000):
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1; got {steps}")
+        self.path, self.steps, self.max_entries = Path(path), steps, max_entries
+        self.recording = False
+        self.written: Path | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not torch.cuda.is_available():
+            logger.warning("memory snapshot: no CUDA device, so no allocator history to record; nothing written")
+            return
+        torch.cuda.memory._record_memory_history(max_entries=self.max_entries)
+        self.recording = True
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.recording and state.global_step >= self.steps:
+            self._finish(state.global_step)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.recording:
+            self._finish(state.global_step)
+
+    def _finish(self, step: int) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            torch.cuda.memory._dump_snapshot(str(self.path))
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self.recording = False
+        self.written = self.path
+        logger.info(f"memory snapshot of steps 1-{step} (peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB "
+                    f"allocated): {self.path}; open it at https://pytorch.org/memory_viz or summarise it with "
+                    f"scripts/memory_peak.py")

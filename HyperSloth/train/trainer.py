@@ -27,6 +27,7 @@ arguments, the shared constructor arguments, the CUDA graphs) in trainer_args.py
 from __future__ import annotations
 
 import gc
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -50,7 +51,16 @@ from HyperSloth.train.collate import to_device
 from HyperSloth.train.dist import DistInfo, GradientSync, all_ranks_ok
 from HyperSloth.train.evaluation import Evaluator, build_evaluator, evaluate_in_trainer
 from HyperSloth.train.plan_loader import PlanDataLoader, PlanSteps, StepSampler, as_tensors, host_step
-from HyperSloth.train.profiling import PROFILE_TABLE, PROFILE_TRACE, KernelProfile, PhaseTimer, StepClock
+from HyperSloth.train.profiling import (
+    MEMORY_SNAPSHOT,
+    PROFILE_TABLE,
+    PROFILE_TRACE,
+    KernelProfile,
+    MemorySnapshot,
+    PhaseTimer,
+    StepClock,
+    memory_snapshot_steps,
+)
 from HyperSloth.train.step_graph import DecoderGraphs, synthetic_row
 from HyperSloth.train.trainer_args import decoder_graphs, trainer_arguments
 
@@ -140,11 +150,17 @@ class HyperSlothTrainer(SFTTrainer):
             out = kwargs["args"].output_dir
             self.kernel_profile = KernelProfile(self.timer, self.clock, run_files.rank_file(out, rank, PROFILE_TABLE),
                                                 run_files.rank_file(out, rank, PROFILE_TRACE))
+        # With run_files.ENV_MEMORY_SNAPSHOT=N: the allocator's history over steps 1..N, for memory_viz.
+        snapshot_steps = memory_snapshot_steps(os.environ)
+        self.memory_snapshot = MemorySnapshot(
+            run_files.rank_file(kwargs["args"].output_dir, rank, MEMORY_SNAPSHOT), snapshot_steps,
+        ) if snapshot_steps else None
         self.tokens_this_run = 0  # for throughput; the cumulative count lives in the checkpointed state
         self._step_losses: list[torch.Tensor] = []
         self.step_history = StepHistory(self)
         kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self.clock, StepGarbageCollection(),
-                               self.step_history, *([self.kernel_profile] if self.kernel_profile else [])]
+                               self.step_history, *([self.kernel_profile] if self.kernel_profile else []),
+                               *([self.memory_snapshot] if self.memory_snapshot else [])]
         self._flop_parameters: int | None = None  # 6 x non-embedding parameters (floating_point_ops)
         super().__init__(*args, **kwargs)
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from HyperSloth.train.collate import IGNORE_INDEX, collate_packed
-from HyperSloth.train.exactness import packed_vs_alone, sample_losses, step_loss_reference
+from HyperSloth.train.exactness import packed_vs_alone, packing_controls, sample_losses, step_loss_reference
 
 MAX_POSITIONS = 4096  # the tiny model's context (tiny_model.build_tiny_model's default): its longest sample
 VOCAB = 512
@@ -60,6 +60,25 @@ def test_the_check_sees_a_leak(lora_model):
         leaked = float(lora_model(**batch, num_items_in_batch=sample.size - 1, use_cache=False).loss)
     alone = packed_vs_alone(lora_model, sample, [other], position=1).loss_alone
     assert abs(leaked - alone) > 1e-3
+
+
+def test_controls_separate_rounding_from_a_leak(lora_model):
+    """The front row differs from alone by rounding only (here fp32: next to nothing); the row fed as one causal
+    sequence differs by a leak, orders of magnitude more, in the loss and in the gradient."""
+    others = [_ids(n, 30 + s) for s, n in enumerate([300, 41, 900, 12])]
+    controls = packing_controls(lora_model, _ids(1500, 8), others)
+    assert controls.sample_tokens == 1500 and controls.row_tokens == 1500 + 1253
+    assert controls.front_loss_diff < 1e-5 and controls.front_grad_rel_diff < 1e-4, controls.as_record()
+    assert controls.leaked_loss_diff > 1e-3, controls.as_record()
+    assert controls.leaked_grad_rel_diff > 100 * max(controls.front_grad_rel_diff, 1e-6), controls.as_record()
+    # The same alone pass as packed_vs_alone's: the two functions judge against one reference.
+    assert controls.loss_alone == pytest.approx(packed_vs_alone(lora_model, _ids(1500, 8), others).loss_alone,
+                                                rel=1e-6)
+
+
+def test_controls_need_other_samples(lora_model):
+    with pytest.raises(ValueError, match="need other samples"):
+        packing_controls(lora_model, _ids(10, 0), [])
 
 
 def test_position_must_lie_among_the_segments(lora_model):

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Fifth session of 2026-12-01, one H200 (kind nvidia-h200, carry .whl); run from the repository root as
+# `bash docs/benchmarks/2026-12-01e-device-calls.sh callS`. This session also ran callP, callR and callQ of
+# docs/benchmarks/2026-12-01d-device-calls.sh (prepared last session). Records and logs land in $OUT.
+source scripts/device_calls_lib.sh  # the GPU environment, $W / $L, el, left, bench, show, keep_profiles, pack, ...
+
+callS() {  # issue 22 item 4: where training's checkpointed peak goes. callR found none of memory_gap.py's candidates
+  # above the probe's line by more than 0.33 GiB, so this records the training run itself: HyperSloth-1 with
+  # Unsloth's checkpointing at the row of the 2-GPU gap (18,432 tokens), the allocator's history over steps 1-4
+  # (HYPERSLOTH_MEMORY_SNAPSHOT), summarised by scripts/memory_peak.py; the probe's own peak is callR's
+  HYPERSLOTH_MEMORY_SNAPSHOT=4 bench --workloads short-8b --slots "hypersloth-1-gc" --token-budget 18432 \
+    --warmup 1 --steps 3 --tag 2026-12-01e-memory --budget-s $(left 420) > $L/bench.log 2>&1
+  el "training done"; show $L/bench.log
+  snap=$W/short-8b/out_hypersloth-1-gc/logs/rank0.memory_snapshot.pickle
+  grep -h "memory snapshot\|budget\|PEAK\|peak" $W/short-8b/out_hypersloth-1-gc/logs/rank0.log | cut -c1-400 | tail -6
+  python3 scripts/memory_peak.py $snap --top 25 --json $OUT/memory-peak-8b-gc-train.json
+  gzip -c $snap > $OUT/memory-snapshot-8b-gc-train.pickle.gz; ls -la $OUT
+  pack
+}
+
+callT() {  # issue 22 item 1: callP's packed-vs-alone difference at 131,072 tokens on Qwen3-8B 4-bit (loss 2.0e-4,
+  # gradient 7.4% of its largest entry) judged against its two controls on the same sample and short samples: the
+  # sample first in the row (rounding only) and the row as one causal sequence (a leak)
+  bench --workloads longctx-8b --long-tokens 131072 --warmup 0 --steps 1 --exactness controls \
+    --tag 2026-12-01e-controls131k --slots "reference" --budget-s $(left 570) > $L/bench.log 2>&1
+  el "controls 131k done"; grep -h "^\[longctx-8b reference\]\|Error" $L/bench.log | cut -c1-1500
+  pack
+}
+
+"$@"
