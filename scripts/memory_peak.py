@@ -52,7 +52,7 @@ def site_of(frames: list[dict]) -> tuple[str, str]:
         return "unknown", ""
 
     def name(f: dict) -> str:
-        tail = "/".join(str(f["filename"]).split("/")[-3:])
+        tail = "/".join(str(f["filename"]).split("/")[-3:]).lstrip("/")
         return f"{tail}:{f.get('line', 0)} {f.get('name', '?')}"
 
     ours = [f for f in python if not any(m in str(f["filename"]) for m in _MACHINERY)] or python
