@@ -9,13 +9,12 @@ callS() {  # issue 22 item 4: where training's checkpointed peak goes. callR fou
   # Unsloth's checkpointing at the row of the 2-GPU gap (18,432 tokens), the allocator's history over steps 1-4
   # (HYPERSLOTH_MEMORY_SNAPSHOT), summarised by scripts/memory_peak.py; the probe's own peak is callR's
   HYPERSLOTH_MEMORY_SNAPSHOT=4 bench --workloads short-8b --slots "hypersloth-1-gc" --token-budget 18432 \
-    --warmup 1 --steps 3 --tag 2026-12-01e-memory --budget-s $(left 420) > $L/bench.log 2>&1
-  el "training done"; show $L/bench.log
+    --warmup 1 --steps 3 --tag 2026-12-01e-memory --budget-s $(left 200) > $L/bench-memory.log 2>&1
+  el "training done"; show $L/bench-memory.log
   snap=$W/short-8b/out_hypersloth-1-gc/logs/rank0.memory_snapshot.pickle
   grep -h "memory snapshot\|budget\|PEAK\|peak" $W/short-8b/out_hypersloth-1-gc/logs/rank0.log | cut -c1-400 | tail -6
   python3 scripts/memory_peak.py $snap --top 25 --json $OUT/memory-peak-8b-gc-train.json
   gzip -c $snap > $OUT/memory-snapshot-8b-gc-train.pickle.gz; ls -la $OUT
-  pack
 }
 
 callT() {  # issue 22 item 1: callP's packed-vs-alone difference at 131,072 tokens on Qwen3-8B 4-bit (loss 2.0e-4,
@@ -24,7 +23,10 @@ callT() {  # issue 22 item 1: callP's packed-vs-alone difference at 131,072 toke
   bench --workloads longctx-8b --long-tokens 131072 --warmup 0 --steps 1 --exactness controls \
     --tag 2026-12-01e-controls131k --slots "reference" --budget-s $(left 570) > $L/bench.log 2>&1
   el "controls 131k done"; grep -h "^\[longctx-8b reference\]\|Error" $L/bench.log | cut -c1-1500
-  pack
+}
+
+callST() {  # callS then callT in one call (one machine start, the 8B checkpoint built once); ~8 minutes
+  callS; callT; pack
 }
 
 "$@"
