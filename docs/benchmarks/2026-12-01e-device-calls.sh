@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Fifth session of 2026-12-01, one H200 (kind nvidia-h200, carry .whl); run from the repository root as
 # `bash docs/benchmarks/2026-12-01e-device-calls.sh callS`. This session also ran callP, callR and callQ of
-# docs/benchmarks/2026-12-01d-device-calls.sh (prepared last session). Records and logs land in $OUT.
+# docs/benchmarks/2026-12-01d-device-calls.sh (prepared last session): their records, tagged next-*, are kept as
+# records-2026-12-01e-exact131k-longctx-8b.json (callP), records-2026-12-01e-lc524k-longctx-0.6b.json (callQ) and
+# memory-gap-2026-12-01e-8b-gc.json (callR). Records and logs land in $OUT.
 source scripts/device_calls_lib.sh  # the GPU environment, $W / $L, el, left, bench, show, keep_profiles, pack, ...
 
 callS() {  # issue 22 item 4: where training's checkpointed peak goes. callR found none of memory_gap.py's candidates
