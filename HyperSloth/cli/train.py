@@ -148,7 +148,7 @@ def check_run(config_path: str | os.PathLike, *, overwrite: bool = False) -> Che
     checkpoint = targs.resume_from_checkpoint
     if checkpoint not in (None, checkpoints.LATEST):
         checkpoint = str(Path(checkpoint).resolve())
-    launcher_problems = [*model_problems(loaded),
+    launcher_problems = [*model_problems(loaded), _environment_problem(),
                          output_dir_problem(Path(targs.output_dir).resolve(), checkpoint, overwrite=overwrite,
                                             save_steps=targs.save_steps)]
     description = resolve_run(loaded, world_size=len(loaded.hyper.training.gpus), machine=machine,
@@ -160,6 +160,15 @@ def check_run(config_path: str | os.PathLike, *, overwrite: bool = False) -> Che
         print(f"hypersloth-train: {note}", file=sys.stderr, flush=True)
     print(f"hypersloth-train: {description.batch_line()}", file=sys.stderr, flush=True)
     return CheckedRun(write_run(description), list(description.gpus), output_dir, description.device == "cuda")
+
+
+def _environment_problem() -> str | None:
+    """A HyperSloth variable the workers would refuse, found before anything starts."""
+    try:
+        run_files.memory_snapshot_steps(os.environ)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def _fail(message: str, code: int = 2) -> None:

@@ -34,6 +34,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -308,3 +309,15 @@ def replace_dir(staging: str | os.PathLike, dest: str | os.PathLike) -> None:
         raise
     finally:
         shutil.rmtree(trash, ignore_errors=True)
+
+
+def memory_snapshot_steps(env: Mapping[str, str]) -> int:
+    """The optimizer steps `ENV_MEMORY_SNAPSHOT` asks to record (0 when unset); ValueError, saying
+    what to write, for anything but a whole number >= 0."""
+    value = env.get(ENV_MEMORY_SNAPSHOT, "").strip()
+    if not value:
+        return 0
+    if not value.isdigit():
+        raise ValueError(f"{ENV_MEMORY_SNAPSHOT}={value!r}: give the number of optimizer steps to record from step "
+                         f"1 (e.g. {ENV_MEMORY_SNAPSHOT}=3), or unset it")
+    return int(value)

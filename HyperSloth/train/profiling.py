@@ -206,20 +206,6 @@ class KernelProfile(TrainerCallback):
         logger.info("KERNEL_PROFILE " + json.dumps(self.summary))
 
 
-def memory_snapshot_steps(env: dict[str, str]) -> int:
-    """The optimizer steps `run_files.ENV_MEMORY_SNAPSHOT` asks to record (0 when unset); ValueError, saying
-    what to write, for anything but a whole number >= 0."""
-    from HyperSloth.outputs.run_files import ENV_MEMORY_SNAPSHOT
-
-    value = env.get(ENV_MEMORY_SNAPSHOT, "").strip()
-    if not value:
-        return 0
-    if not value.isdigit():
-        raise ValueError(f"{ENV_MEMORY_SNAPSHOT}={value!r}: give the number of optimizer steps to record from step "
-                         f"1 (e.g. {ENV_MEMORY_SNAPSHOT}=3), or unset it")
-    return int(value)
-
-
 class MemorySnapshot(TrainerCallback):
     """The CUDA caching allocator's history (every allocation and free, with its Python and C++ stack) over
     optimizer steps 1..`steps`, dumped to `path` at the end of step `steps`, or at the end of training if it

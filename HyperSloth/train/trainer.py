@@ -59,7 +59,6 @@ from HyperSloth.train.profiling import (
     MemorySnapshot,
     PhaseTimer,
     StepClock,
-    memory_snapshot_steps,
 )
 from HyperSloth.train.step_graph import DecoderGraphs, synthetic_row
 from HyperSloth.train.trainer_args import decoder_graphs, trainer_arguments
@@ -151,7 +150,7 @@ class HyperSlothTrainer(SFTTrainer):
             self.kernel_profile = KernelProfile(self.timer, self.clock, run_files.rank_file(out, rank, PROFILE_TABLE),
                                                 run_files.rank_file(out, rank, PROFILE_TRACE))
         # With run_files.ENV_MEMORY_SNAPSHOT=N: the allocator's history over steps 1..N, for memory_viz.
-        snapshot_steps = memory_snapshot_steps(os.environ)
+        snapshot_steps = run_files.memory_snapshot_steps(os.environ)
         self.memory_snapshot = MemorySnapshot(
             run_files.rank_file(kwargs["args"].output_dir, rank, MEMORY_SNAPSHOT), snapshot_steps,
         ) if snapshot_steps else None

@@ -31,4 +31,31 @@ callST() {  # callS then callT in one call (one machine start, the 8B checkpoint
   callS; callT; pack
 }
 
+# Prepared for the next session, not run in this one (no device time left):
+
+callU() {  # issue 22 item 4, the next cut: Unsloth's tiled MLP inside the checkpointed recompute, with HyperSloth's
+  # LoRA passes, never run together. HyperSloth-1 at 131,072 tokens on Qwen3-8B 4-bit without and with
+  # UNSLOTH_TILED_MLP=arctic: GPU peak, first step, and the step-1 loss against this session's reference (callP's
+  # record, same checkpoint seed). Expected: ~35% off the long row's peak (the MLP's ~74 of ~200 KB per token)
+  bench --workloads longctx-8b --long-tokens 131072 --warmup 0 --steps 1 --slots hypersloth-1 --tag next-tiled-off \
+    --reference-from docs/benchmarks/records-2026-12-01e-exact131k-longctx-8b.json --budget-s $(left 280) \
+    > $L/bench-off.log 2>&1
+  el "untiled done"; show $L/bench-off.log
+  UNSLOTH_TILED_MLP=arctic bench --workloads longctx-8b --long-tokens 131072 --warmup 0 --steps 1 \
+    --slots hypersloth-1 --tag next-tiled-on --budget-s $(left 570) \
+    --reference-from docs/benchmarks/records-2026-12-01e-exact131k-longctx-8b.json > $L/bench-on.log 2>&1
+  el "tiled done"; show $L/bench-on.log
+  grep -h "tiled\|Tiled\|budget probe\|tokens_per_micro_batch=auto" $W/longctx-8b/out_hypersloth-1/logs/rank0.log \
+    2>/dev/null | cut -c1-300 | tail -5
+  pack
+}
+
+callV() {  # issue 22 item 2: Qwen3-0.6B trained whole at 262,144 tokens (524,288 fit memory but outlasted a call:
+  # callQ); the reference and HyperSloth-1, ~4 minutes
+  bench --workloads longctx-0.6b --long-tokens 262144 --warmup 0 --steps 1 --tag next-lc262k \
+    --slots "reference,hypersloth-1" --budget-s $(left 570) > $L/bench.log 2>&1
+  el "bench done"; show $L/bench.log
+  pack
+}
+
 "$@"

@@ -426,6 +426,14 @@ def test_config_errors_exit_2_before_any_worker(cli, tmp_path, capsys, overrides
     assert "Traceback" not in err and cli.calls == []
 
 
+def test_a_bad_memory_snapshot_variable_exits_2_before_any_worker(cli, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HYPERSLOTH_MEMORY_SNAPSHOT", "yes")
+    assert cli.run([str(write_config(tmp_path))]) == 2
+    err = capsys.readouterr().err
+    assert "HYPERSLOTH_MEMORY_SNAPSHOT='yes': give the number of optimizer steps" in err
+    assert cli.calls == [] and not (tmp_path / "out").exists()
+
+
 def test_every_problem_the_launcher_checks_is_reported_at_once(cli, tmp_path, capsys):
     # An unregistered dataset and a missing model folder: both in one refusal, not on two successive runs.
     assert cli.run([str(write_config(tmp_path, dataset_name="'missing'", model_name="'./no/such/model'"))]) == 2

@@ -40,7 +40,7 @@ def _state(step: int):
 
 def test_memory_snapshot_steps_come_from_the_environment():
     from HyperSloth.outputs.run_files import ENV_MEMORY_SNAPSHOT
-    from HyperSloth.train.profiling import memory_snapshot_steps
+    from HyperSloth.outputs.run_files import memory_snapshot_steps
 
     assert memory_snapshot_steps({}) == 0
     assert memory_snapshot_steps({ENV_MEMORY_SNAPSHOT: " 3 "}) == 3
