@@ -33,10 +33,13 @@ callST() {  # callS then callT in one call (one machine start, the 8B checkpoint
 
 # Prepared for the next session, not run in this one (no device time left):
 
-callU() {  # issue 22 item 4, the next cut: Unsloth's tiled MLP inside the checkpointed recompute, with HyperSloth's
-  # LoRA passes, never run together. HyperSloth-1 at 131,072 tokens on Qwen3-8B 4-bit without and with
-  # UNSLOTH_TILED_MLP=arctic: GPU peak, first step, and the step-1 loss against this session's reference (callP's
-  # record, same checkpoint seed). Expected: ~35% off the long row's peak (the MLP's ~74 of ~200 KB per token)
+callU() {  # issue 22 item 4, the next cut: Unsloth's tiled MLP (unsloth_zoo/tiled_mlp.py: the MLP run in row tiles
+  # of hidden_size rows under no_grad, each tile recomputed in the backward). HyperSloth-1 at 131,072 tokens on
+  # Qwen3-8B 4-bit without and with UNSLOTH_TILED_MLP=arctic: GPU peak, first step, and the step-1 loss against
+  # this session's reference (callP's record; the checkpoints are seeded, and two machines gave the same alone
+  # loss to every digit). With tiling, lora_install refuses the layers ("tiled MLP (_unsloth_forward)") and the
+  # run stays on Unsloth's LoRA kernels, so the time compares two LoRA paths; the peak is what this measures.
+  # Expected: ~35% off the long row's peak (the MLP's ~74 of ~200 KB per token)
   bench --workloads longctx-8b --long-tokens 131072 --warmup 0 --steps 1 --slots hypersloth-1 --tag next-tiled-off \
     --reference-from docs/benchmarks/records-2026-12-01e-exact131k-longctx-8b.json --budget-s $(left 280) \
     > $L/bench-off.log 2>&1
