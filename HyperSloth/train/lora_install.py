@@ -3,12 +3,14 @@
 Unsloth's FastLanguageModel.patch_peft_model (unsloth/models/llama.py, checked against 2026.10.9) sets,
 per decoder layer, `self_attn.apply_qkv = apply_lora_qkv`, `self_attn.apply_o = apply_lora_o` (plain
 functions called as `self.apply_qkv(self, X)` by its attention forward) and
-`mlp.forward = MethodType(apply_lora_mlp_swiglu, mlp)`. `install_lora_passes` replaces exactly those three
+`mlp.forward = MethodType(apply_lora_mlp_swiglu, mlp)` (under its tiled MLP, `UNSLOTH_TILED_MLP` /
+`unsloth_tiled_mlp=True`, `mlp._unsloth_forward` instead: the tiled `forward` calls it on each row tile, and
+again on each tile in its backward). `install_lora_passes` replaces exactly those three
 attributes, keeps Unsloth's function beside ours (`_hypersloth_previous`), and calls it back whenever the
 adapter is disabled or merged at call time (DPO's reference forward) or autocast would change the dtype,
 which Unsloth's own functions hand to PEFT. It refuses, with a one-line reason and nothing changed, a model
 whose LoRA is not plain (dropout > 0, a bias, DoRA or another variant, several adapters, a trainable
-or fp8 / packed base weight, QAT, a tiled MLP): the caller logs the line and stays on Unsloth's path.
+or fp8 / packed base weight, QAT): the caller logs the line and stays on Unsloth's path.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import nn
 from HyperSloth.train.lora_passes import WeightFn, dense_weight, lora_linear, lora_qkv, lora_swiglu_mlp
 
 UNSLOTH_QKV, UNSLOTH_O, UNSLOTH_MLP = "apply_lora_qkv", "apply_lora_o", "apply_lora_mlp_swiglu"
+TILED_SLOT = "_unsloth_forward"  # the MLP hook's place under Unsloth's tiled MLP
 PREVIOUS = "_hypersloth_previous"
 _FLOAT_WEIGHTS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -116,11 +119,29 @@ def _o_hook(self: nn.Module, X: torch.Tensor, weight_fn: WeightFn, mode: str):
     return lora_linear(X, lora_parameters(self.o_proj), weight_fn=weight_fn)
 
 
+def _mlp_slot(mlp: nn.Module) -> str:
+    """Where Unsloth put its MLP hook: `forward`, or `_unsloth_forward` under its tiled MLP
+    (unsloth_zoo.tiled_mlp: `forward` runs the MLP in row tiles, each through `_unsloth_forward`)."""
+    return TILED_SLOT if TILED_SLOT in mlp.__dict__ else "forward"
+
+
 def _mlp_hook(self: nn.Module, X: torch.Tensor, weight_fn: WeightFn, mode: str):
     projs = (self.gate_proj, self.up_proj, self.down_proj)
     if not _runs_plain(projs, X):
-        return getattr(self, PREVIOUS)["forward"](X)
+        return getattr(self, PREVIOUS)[_mlp_slot(self)](X)
     return lora_swiglu_mlp(X, *(lora_parameters(p) for p in projs), weight_fn=weight_fn, mode=mode)
+
+
+def _mlp_method(weight_fn: WeightFn, mode: str) -> Callable:
+    """`_mlp_hook` with its settings, as a plain function (bound with MethodType). Not a functools.partial:
+    Unsloth's tiled MLP re-binds the hook per call (`self._unsloth_forward.__get__(self, cls)`), which a bound
+    method forwards to its function, and a partial has no `__get__`. `.func` names the hook, as a partial's."""
+
+    def hypersloth_lora_mlp(self: nn.Module, X: torch.Tensor):
+        return _mlp_hook(self, X, weight_fn=weight_fn, mode=mode)
+
+    hypersloth_lora_mlp.func = _mlp_hook  # type: ignore[attr-defined]
+    return hypersloth_lora_mlp
 
 
 def _hook_name(fn: Any) -> str | None:
@@ -135,10 +156,9 @@ def _layer_refusal(layer: nn.Module) -> str | None:
     hooks = (_hook_name(attn.__dict__.get("apply_qkv")), _hook_name(attn.__dict__.get("apply_o")))
     if hooks != (UNSLOTH_QKV, UNSLOTH_O):
         return f"attention has no Unsloth {UNSLOTH_QKV} / {UNSLOTH_O} hook"
-    if "_unsloth_forward" in mlp.__dict__:
-        return "tiled MLP (_unsloth_forward)"
-    if _hook_name(mlp.__dict__.get("forward")) != UNSLOTH_MLP:
-        return f"mlp has no Unsloth {UNSLOTH_MLP} forward"
+    slot = _mlp_slot(mlp)
+    if _hook_name(mlp.__dict__.get(slot)) != UNSLOTH_MLP:
+        return f"mlp has no Unsloth {UNSLOTH_MLP} {slot}"
     projections = ((attn, ("q_proj", "k_proj", "v_proj", "o_proj")), (mlp, ("gate_proj", "up_proj", "down_proj")))
     for owner, names in projections:
         for name in names:
@@ -172,10 +192,11 @@ def install_lora_passes(model: nn.Module, weight_fn: WeightFn | None = None, mod
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         attn.__dict__[PREVIOUS] = {"apply_qkv": attn.apply_qkv, "apply_o": attn.apply_o}
-        mlp.__dict__[PREVIOUS] = {"forward": mlp.forward}
+        slot = _mlp_slot(mlp)
+        mlp.__dict__[PREVIOUS] = {slot: mlp.__dict__[slot]}
         attn.apply_qkv = functools.partial(_qkv_hook, weight_fn=weight_fn, mode=mode)
         attn.apply_o = functools.partial(_o_hook, weight_fn=weight_fn, mode=mode)
-        mlp.forward = types.MethodType(functools.partial(_mlp_hook, weight_fn=weight_fn, mode=mode), mlp)
+        setattr(mlp, slot, types.MethodType(_mlp_method(weight_fn, mode), mlp))
     return None
 
 

@@ -153,7 +153,11 @@ def _input_grad(U: Tensor, dYs, Ws, quants, As, weight_fn: WeightFn, out: Tensor
 
 
 def _may_overwrite(X: Tensor) -> bool:
-    """Unsloth's rule (fast_lora._may_overwrite_input): dX may go into X unless an RMSNorm saved it."""
+    """Unsloth's rule (fast_lora._may_overwrite_input): dX may go into X unless an RMSNorm saved it. And never
+    into a leaf that requires grad: Unsloth's tiled MLP hands each row tile in as one (a view of its saved
+    input with `.grad` preset), and autograd refuses a view made under no_grad whose base changed in place."""
+    if X.is_leaf and X.requires_grad:
+        return False
     base = X._base
     return not (
         getattr(X, "_unsloth_rmsnorm_saved", False)

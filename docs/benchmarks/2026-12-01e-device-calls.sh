@@ -37,19 +37,20 @@ callU() {  # issue 22 item 4, the next cut: Unsloth's tiled MLP (unsloth_zoo/til
   # of hidden_size rows under no_grad, each tile recomputed in the backward). HyperSloth-1 at 131,072 tokens on
   # Qwen3-8B 4-bit without and with UNSLOTH_TILED_MLP=arctic: GPU peak, first step, and the step-1 loss against
   # this session's reference (callP's record; the checkpoints are seeded, and two machines gave the same alone
-  # loss to every digit). With tiling, lora_install refuses the layers ("tiled MLP (_unsloth_forward)") and the
-  # run stays on Unsloth's LoRA kernels, so the time compares two LoRA paths; the peak is what this measures.
+  # loss to every digit). Under tiling, lora_install now puts HyperSloth's MLP pass into the tile hook
+  # (`_unsloth_forward`; CPU-tested against a miniature of TiledMLP), so the first two runs compare like for like;
+  # the third is the tiled run on Unsloth's LoRA kernels (`hypersloth-1-unsloth-lora`), the path until this session.
   # Expected: ~35% off the long row's peak (the MLP's ~74 of ~200 KB per token)
   bench --workloads longctx-8b --long-tokens 131072 --warmup 0 --steps 1 --slots hypersloth-1 --tag next-tiled-off \
     --reference-from docs/benchmarks/records-2026-12-01e-exact131k-longctx-8b.json --budget-s $(left 280) \
     > $L/bench-off.log 2>&1
   el "untiled done"; show $L/bench-off.log
   UNSLOTH_TILED_MLP=arctic bench --workloads longctx-8b --long-tokens 131072 --warmup 0 --steps 1 \
-    --slots hypersloth-1 --tag next-tiled-on --budget-s $(left 570) \
+    --slots hypersloth-1,hypersloth-1-unsloth-lora --tag next-tiled-on --budget-s $(left 570) \
     --reference-from docs/benchmarks/records-2026-12-01e-exact131k-longctx-8b.json > $L/bench-on.log 2>&1
   el "tiled done"; show $L/bench-on.log
-  grep -h "tiled\|Tiled\|budget probe\|tokens_per_micro_batch=auto" $W/longctx-8b/out_hypersloth-1/logs/rank0.log \
-    2>/dev/null | cut -c1-300 | tail -5
+  grep -h "LoRA projections\|tiled\|Tiled\|budget probe\|tokens_per_micro_batch=auto" \
+    $W/longctx-8b/out_hypersloth-1*/logs/rank0.log 2>/dev/null | cut -c1-300 | tail -8
   pack
 }
 

@@ -100,14 +100,89 @@ def test_refuses_what_is_not_plain_lora_and_changes_nothing(lora, hooks, reason)
         assert li.PREVIOUS not in layer.self_attn.__dict__ and li.PREVIOUS not in layer.mlp.__dict__
 
 
-def test_refuses_a_trainable_base_weight_and_a_tiled_mlp():
+def test_refuses_a_trainable_base_weight_and_a_tiled_mlp_without_unsloths_hook():
     model = tiny_peft_model()
     layers = li.decoder_layers(model)
     layers[1].mlp.down_proj.get_base_layer().weight.requires_grad_(True)
     assert li.install_lora_passes(model) == "layer 1 down_proj: the base weight is trainable"
-    layers[0].mlp._unsloth_forward = layers[0].mlp.forward
-    assert li.install_lora_passes(model) == "layer 0 tiled MLP (_unsloth_forward)"
+    layers[0].mlp._unsloth_forward = types.MethodType(type(layers[0].mlp).forward, layers[0].mlp)  # PEFT's own
+    assert li.install_lora_passes(model) == "layer 0 mlp has no Unsloth apply_lora_mlp_swiglu _unsloth_forward"
     assert li.install_lora_passes(torch.nn.Linear(2, 2)).startswith("no decoder layers found")
+
+
+class TiledMLP(torch.autograd.Function):
+    """unsloth_zoo.tiled_mlp.TiledMLP (2026.10.9) in miniature, same structure: the forward runs the MLP on
+    row tiles under no_grad and saves only the input; the backward reruns each tile with grad, on a view of
+    the saved input whose .grad is the tile's slice of dX, and back-propagates the tile's output gradient."""
+
+    @staticmethod
+    def forward(ctx, mlp_forward, x, rows):
+        ctx.mlp_forward, ctx.rows = mlp_forward, rows
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return torch.cat([mlp_forward(t.unsqueeze(0))[0] for t in torch.split(x.view(-1, x.shape[-1]), rows)])[None]
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (x,) = ctx.saved_tensors
+        x_gradients = torch.zeros_like(x)
+        H, start = x.shape[-1], 0
+        for x_split in torch.split(x.view(-1, H), ctx.rows):
+            x_split = x_split.unsqueeze(0)
+            n = x_split.numel()
+            x_split.requires_grad_(True)
+            x_split.grad = x_gradients.view(-1).narrow(0, start, n).view_as(x_split)
+            with torch.enable_grad():
+                out = ctx.mlp_forward(x_split)
+            torch.autograd.backward(out, grad_output.reshape(-1).narrow(0, start, n).view_as(x_split))
+            start += n
+        return None, x_gradients, None
+
+
+def tile_mlps(model, rows: int) -> None:
+    """What Unsloth's loader and patch_peft_model leave under UNSLOTH_TILED_MLP: the tiled `forward`, and its
+    LoRA hook in `_unsloth_forward` (patch_peft_model sees the attribute and puts the hook there)."""
+    def tiled_forward(self, x):
+        return TiledMLP.apply(self._unsloth_forward.__get__(self, self.__class__), x, rows)
+
+    for layer in li.decoder_layers(model):
+        mlp = layer.mlp
+        mlp._unsloth_forward = mlp.__dict__.pop("forward")  # MethodType(apply_lora_mlp_swiglu, mlp)
+        mlp.forward = types.MethodType(tiled_forward, mlp)
+
+
+@pytest.mark.parametrize("mode", ["concat", "epilogue"])
+def test_under_unsloths_tiled_mlp_the_passes_go_in_its_tile_hook_with_the_same_grads(mode):
+    """The tiled MLP calls the hook per row tile, in the forward and again in the backward, where dX may be
+    written into the saved input's storage (Unsloth's own in-place rule): our hook in `_unsloth_forward` must
+    give the untiled numbers, fall back to Unsloth's hook with the adapter off, and uninstall cleanly."""
+    plain, tiled = tiny_peft_model(), tiny_peft_model()
+    tile_mlps(tiled, rows=7)  # 23 rows: tiles of 7, 7, 7, 2
+    assert li.install_lora_passes(tiled, mode=mode) is None
+    mlp = li.decoder_layers(tiled)[0].mlp
+    assert mlp._unsloth_forward.__func__.func is li._mlp_hook and mlp.forward.__func__.__name__ == "tiled_forward"
+
+    def grads(model):
+        mlp = li.decoder_layers(model)[0].mlp
+        X = torch.randn(1, 23, 32, generator=torch.Generator().manual_seed(3), requires_grad=True)
+        out = mlp(X * 1.0)  # a fresh activation, as the RMSNorm output
+        params = [p for n, p in mlp.named_parameters() if "lora_" in n]
+        for p in params:
+            p.grad = None
+        # .backward(), as training runs it: the tiled backward accumulates the LoRA grads itself, outside the
+        # graph torch.autograd.grad would walk.
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        return [out.detach(), X.grad, *(p.grad for p in params)]
+
+    reference = grads(plain)
+    assert all(g.abs().max() > 0 for g in reference)
+    for a, b in zip(grads(tiled), reference):
+        assert rel_err(a, b) < TOL
+    with tiled.disable_adapter():
+        X = torch.randn(1, 9, 32)
+        assert torch.equal(mlp(X), TiledMLP.apply(lambda t: apply_lora_mlp_swiglu(mlp, t), X, 7))
+    assert li.uninstall_lora_passes(tiled) == 4
+    assert mlp._unsloth_forward.__func__ is apply_lora_mlp_swiglu and "forward" in mlp.__dict__
 
 
 @pytest.mark.parametrize("mode", ["concat", "epilogue"])  # epilogue writes dX into the saved input's storage
