@@ -125,4 +125,8 @@ def test_unsloth_varlen_rows_are_exact_at_the_longest_length(tmp_path):
         leaked = float(model(**{k: v.cuda() for k, v in batch.items()}, num_items_in_batch=sample.size - 1,
                              use_cache=False).loss)
     assert result.loss_diff < max(1e-3, abs(leaked - result.loss_alone) / 10), result.as_record()
-    assert result.grad_rel_diff < 2e-2, result.as_record()
+    # The gradient, between its controls (as the benchmark judges 131k on 8B): within bf16's rounding of a row
+    # that cannot leak (or 2e-2), and far below the gradient error of a real leak.
+    controls = packing_controls(model, sample, others, with_lengths=True)
+    assert result.grad_rel_diff < max(2 * controls.front_grad_rel_diff, 2e-2), (result.as_record(), controls)
+    assert controls.leaked_grad_rel_diff > 5 * result.grad_rel_diff, (result.as_record(), controls)
