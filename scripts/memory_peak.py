@@ -68,33 +68,29 @@ def alive_at_dump(snapshot: dict, device: int) -> int:
 def find_peak(snapshot: dict, device: int = 0) -> Peak:
     """The highest point of allocated bytes in the snapshot's trace of `device`, and what is alive there."""
     trace = snapshot["device_traces"][device]
-    net = 0
-    for event in trace:
-        if event["action"] == "alloc":
-            net += event["size"]
-        elif event["action"] == "free_completed":
-            net -= event["size"]
-    baseline = alive_at_dump(snapshot, device) - net
-    live: dict[int, dict] = {}
+    signed = {"alloc": 1, "free_completed": -1}  # free_requested: the block is still allocated until completed
     current = best = 0
-    best_at, best_live = 0, {}
-    for event in trace:
+    best_index = -1
+    for index, event in enumerate(trace):
+        current += signed.get(event["action"], 0) * event["size"]
+        if current > best:
+            best, best_index = current, index
+    baseline = alive_at_dump(snapshot, device) - current  # current: the trace's net allocations by the dump
+    live: dict[int, dict] = {}
+    for event in trace[:best_index + 1]:  # replayed up to the peak: the trace's allocations alive there
         if event["action"] == "alloc":
             live[event["addr"]] = event
-            current += event["size"]
-            if current > best:
-                best, best_at, best_live = current, event["time_us"], dict(live)
         elif event["action"] == "free_completed":
             live.pop(event["addr"], None)
-            current -= event["size"]
     sites: dict[str, dict] = defaultdict(lambda: {"bytes": 0, "count": 0, "context": ""})
-    for event in best_live.values():
+    for event in live.values():
         site, context = site_of(event.get("frames", []))
         entry = sites[site]
         entry["bytes"] += event["size"]
         entry["count"] += 1
         entry["context"] = entry["context"] or context
-    return Peak(peak_bytes=baseline + best, baseline_bytes=baseline, at_us=best_at, sites=dict(sites))
+    at_us = trace[best_index]["time_us"] if best_index >= 0 else 0
+    return Peak(peak_bytes=baseline + best, baseline_bytes=baseline, at_us=at_us, sites=dict(sites))
 
 
 def main() -> None:
@@ -112,7 +108,8 @@ def main() -> None:
     print(f"peak {record['peak_gib']:.2f} GiB allocated: {record['baseline_gib']:.2f} GiB alive before recording "
           f"began (weights, optimizer state), {record['in_trace_gib']:.2f} GiB allocated in the trace")
     for s in record["sites"]:
-        print(f"  {s['gib']:8.3f} GiB  {s['count']:6d}x  {s['site']}" + (f"   [{s['context']}]" if s["context"] else ""))
+        context = f"   [{s['context']}]" if s["context"] else ""
+        print(f"  {s['gib']:8.3f} GiB  {s['count']:6d}x  {s['site']}{context}")
     if a.json:
         Path(a.json).write_text(json.dumps(record, indent=2))
 

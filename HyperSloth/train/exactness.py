@@ -74,6 +74,39 @@ def _loss_and_grad(model, batch: dict[str, torch.Tensor], targets: int) -> tuple
     return float(loss.detach().float()), grads
 
 
+def _sample_and_others(sample: np.ndarray, others: Sequence[np.ndarray]) -> tuple[np.ndarray, list]:
+    """The sample as int64, and the others as (ids, all -100 labels) segments: only the sample is scored."""
+    sample = np.asarray(sample, dtype=np.int64)
+    if sample.size < 2:
+        raise ValueError(f"the sample needs two tokens or more to have a target; got {sample.size}")
+    return sample, [(o, np.full_like(o, IGNORE_INDEX)) for o in (np.asarray(o, dtype=np.int64) for o in others)]
+
+
+def _alone_and_rows(model, sample: np.ndarray, rows: Sequence[dict[str, torch.Tensor]]
+                    ) -> tuple[tuple[float, list[torch.Tensor]], list[tuple[float, list[torch.Tensor]]]]:
+    """(loss, grads) of `sample` alone, unpacked, and of each packed row (host tensors), in training mode;
+    every pass scores the sample's len - 1 tokens."""
+    device = next(model.parameters()).device
+    row = torch.from_numpy(sample)[None]
+    alone = {"input_ids": row, "labels": row.clone()}  # a loss that shifts labels in place must not touch inputs
+    targets = int(sample.size - 1)
+    was_training = model.training
+    model.train()
+    try:
+        results = [_loss_and_grad(model, _on_device(batch, device), targets) for batch in (alone, *rows)]
+    finally:
+        model.train(was_training)
+    return results[0], results[1:]
+
+
+def _max_abs(grads: Sequence[torch.Tensor]) -> float:
+    return max((float(g.abs().max()) for g in grads), default=0.0)
+
+
+def _max_abs_diff(grads: Sequence[torch.Tensor], reference: Sequence[torch.Tensor]) -> float:
+    return max((float((a - b).abs().max()) for a, b in zip(grads, reference)), default=0.0)
+
+
 def packed_vs_alone(model, sample: np.ndarray, others: Sequence[np.ndarray], *, position: int | None = None,
                     with_lengths: bool = False) -> PackedVsAlone:
     """Loss and gradient of `sample` inside a packed row with `others` (at segment `position`, default the
@@ -83,32 +116,16 @@ def packed_vs_alone(model, sample: np.ndarray, others: Sequence[np.ndarray], *, 
     score the same len(sample) - 1 tokens; the others still flow through every layer, which is what could
     leak. `with_lengths` adds `packed_seq_lengths` (Unsloth's varlen path). Leaves no gradient behind.
     """
-    sample = np.asarray(sample, dtype=np.int64)
-    others = [np.asarray(o, dtype=np.int64) for o in others]
     position = len(others) // 2 if position is None else position
     if not 0 <= position <= len(others):
         raise ValueError(f"position must be in [0, {len(others)}] (segments around the sample); got {position}")
-    if sample.size < 2:
-        raise ValueError(f"the sample needs two tokens or more to have a target; got {sample.size}")
-    ignored = [(o, np.full_like(o, IGNORE_INDEX)) for o in others]
-    segments = [*ignored[:position], (sample, sample.copy()), *ignored[position:]]
-    device = next(model.parameters()).device
-    packed = _on_device(collate_packed(segments, with_lengths=with_lengths), device)
-    row = torch.from_numpy(sample)[None].to(device)
-    alone = {"input_ids": row, "labels": row.clone()}  # a loss that shifts labels in place must not touch inputs
-    targets = int(sample.size - 1)
-    was_training = model.training
-    model.train()
-    try:
-        loss_packed, grads_packed = _loss_and_grad(model, packed, targets)
-        loss_alone, grads_alone = _loss_and_grad(model, alone, targets)
-    finally:
-        model.train(was_training)
-    diff = max((float((a - b).abs().max()) for a, b in zip(grads_packed, grads_alone)), default=0.0)
-    scale = max((float(g.abs().max()) for g in grads_alone), default=0.0)
+    sample, ignored = _sample_and_others(sample, others)
+    packed = collate_packed([*ignored[:position], (sample, sample.copy()), *ignored[position:]],
+                            with_lengths=with_lengths)
+    (loss_alone, grads_alone), [(loss_packed, grads_packed)] = _alone_and_rows(model, sample, [packed])
     return PackedVsAlone(sample_tokens=int(sample.size), row_tokens=int(packed["input_ids"].shape[1]),
                          position=position, loss_packed=loss_packed, loss_alone=loss_alone,
-                         grad_max_abs_diff=diff, grad_max_abs=scale)
+                         grad_max_abs_diff=_max_abs_diff(grads_packed, grads_alone), grad_max_abs=_max_abs(grads_alone))
 
 
 @dataclass(frozen=True)
@@ -139,36 +156,21 @@ def packing_controls(model, sample: np.ndarray, others: Sequence[np.ndarray], *,
                      with_lengths: bool = False) -> PackingControls:
     """`PackingControls` of `sample` among `others` (three forward+backward passes: alone, front, leaked).
     `with_lengths` gives the front row `packed_seq_lengths` (Unsloth's varlen path), as `packed_vs_alone`."""
-    sample = np.asarray(sample, dtype=np.int64)
-    others = [np.asarray(o, dtype=np.int64) for o in others]
-    if not others:
+    if not len(others):
         raise ValueError("the controls need other samples to pack the long one with")
-    ignored = [(o, np.full_like(o, IGNORE_INDEX)) for o in others]
-    device = next(model.parameters()).device
-    front = _on_device(collate_packed([(sample, sample.copy()), *ignored], with_lengths=with_lengths), device)
-    middle = len(others) // 2
+    sample, ignored = _sample_and_others(sample, others)
+    front = collate_packed([(sample, sample.copy()), *ignored], with_lengths=with_lengths)
+    middle = len(ignored) // 2
     leaked = collate_packed([*ignored[:middle], (sample, sample.copy()), *ignored[middle:]])
     del leaked["position_ids"]  # positions run on and nothing marks the boundaries: one causal sequence
-    leaked = _on_device(leaked, device)
-    row = torch.from_numpy(sample)[None].to(device)
-    targets = int(sample.size - 1)
-    was_training = model.training
-    model.train()
-    try:
-        loss_alone, grads_alone = _loss_and_grad(model, {"input_ids": row, "labels": row.clone()}, targets)
-        loss_front, grads_front = _loss_and_grad(model, front, targets)
-        loss_leaked, grads_leaked = _loss_and_grad(model, leaked, targets)
-    finally:
-        model.train(was_training)
-    scale = max(max((float(g.abs().max()) for g in grads_alone), default=0.0), 1e-30)
-
-    def rel(grads: list[torch.Tensor]) -> float:
-        return max((float((a - b).abs().max()) for a, b in zip(grads, grads_alone)), default=0.0) / scale
-
+    (loss_alone, grads_alone), [(loss_front, grads_front), (loss_leaked, grads_leaked)] = _alone_and_rows(
+        model, sample, [front, leaked])
+    scale = max(_max_abs(grads_alone), 1e-30)  # as PackedVsAlone.grad_rel_diff
     return PackingControls(sample_tokens=int(sample.size), row_tokens=int(front["input_ids"].shape[1]),
                            loss_alone=loss_alone, front_loss_diff=abs(loss_front - loss_alone),
-                           front_grad_rel_diff=rel(grads_front), leaked_loss_diff=abs(loss_leaked - loss_alone),
-                           leaked_grad_rel_diff=rel(grads_leaked))
+                           front_grad_rel_diff=_max_abs_diff(grads_front, grads_alone) / scale,
+                           leaked_loss_diff=abs(loss_leaked - loss_alone),
+                           leaked_grad_rel_diff=_max_abs_diff(grads_leaked, grads_alone) / scale)
 
 
 def _decoder_and_head(model):

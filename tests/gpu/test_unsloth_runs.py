@@ -36,6 +36,7 @@ from training_fixtures import (  # noqa: E402
     build_inputs,
     flat_adapter,
     relative_error,
+    run_env,
 )
 
 pytestmark = [
@@ -72,9 +73,8 @@ def _config(workdir: Path, model_dir: Path, name: str, *, four_bit: bool = False
 
 
 def _train(workdir: Path, config: Path, name: str) -> RunResult:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TMUX")}
-    env.update(CUDA_VISIBLE_DEVICES=env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0], HF_HUB_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false")
+    # The CPU suite's environment (no outer torchrun, no Hub), with this machine's first GPU in place of none.
+    env = {**run_env(), "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
     code, output, ended = _run([*_script("hypersloth-train"), str(config)], workdir, env, RUN_TIMEOUT_S)
     # RunResult's reading helpers only; the spec records the one GPU.
     return RunResult(RunSpec(name=name, gpus=1), workdir / "outputs" / name, config, code, output, ended).check_ok()

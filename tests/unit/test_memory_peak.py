@@ -62,8 +62,8 @@ def test_what_is_alive_at_the_peak_is_grouped_by_the_innermost_frame_outside_tor
 def test_the_script_prints_the_peak_and_refuses_a_snapshot_without_the_device(tmp_path):
     path = tmp_path / "snap.pickle"
     path.write_bytes(pickle.dumps(_snapshot()))
-    out = subprocess.run([sys.executable, str(SCRIPTS / "memory_peak.py"), str(path), "--json", str(tmp_path / "p.json")],
-                         capture_output=True, text=True, check=True).stdout
+    argv = [sys.executable, str(SCRIPTS / "memory_peak.py"), str(path), "--json", str(tmp_path / "p.json")]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
     assert "peak 1.59 GiB allocated: 1.00 GiB alive before recording" in out and "fast_lora.py:418" in out
     assert (tmp_path / "p.json").exists()
     bad = subprocess.run([sys.executable, str(SCRIPTS / "memory_peak.py"), str(path), "--device", "1"],
