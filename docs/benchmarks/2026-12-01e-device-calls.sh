@@ -67,7 +67,7 @@ callW() {  # the GPU paths the CPU suite cannot reach, never run on a GPU before
   # tiny model's longest length, now judged between its controls. pytest travels as wheels in .whl (~3-5 minutes)
   ls .whl/pytest-*.whl >/dev/null 2>&1 || { echo "no pytest wheel in .whl: python3 -m pip download --no-deps \
     --only-binary=:all: --python-version 3.12 -d .whl pytest pluggy iniconfig pytest-timeout"; return 1; }
-  timeout $(left 570) python3 -m pytest -q -x -p no:cacheprovider tests/gpu \
+  timeout $(left 570) python3 -m pytest -q -p no:cacheprovider tests/gpu \
     "tests/unit/test_exactness.py::test_unsloth_varlen_rows_are_exact_at_the_longest_length" > $L/pytest.log 2>&1
   el "pytest done (exit $?)"; grep -v "^\s*$" $L/pytest.log | tail -40 | cut -c1-400
   pack

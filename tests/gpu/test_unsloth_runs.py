@@ -49,6 +49,11 @@ STEPS, SAVE_AT = 6, 3
 # bf16 on the GPU: a resumed run replays the same kernels on the same rows (the plan and the RNG are restored);
 # graphed and eager runs differ in launch order only. Both far below the step-to-step change of the loss (~1e-2).
 GPU_RTOL = 1e-3
+# Graphs need room: a graphed row holds at most half the token budget, and at least MIN_GRAPH_ROWS tokens
+# (step_graph.graph_rows_limit, trainer_args.MIN_GRAPH_ROWS). At a 512-token budget the run is eager (measured on
+# the H200: "leaves room for graphs of only 0 tokens"), and at 4,096 a 2,304-token row leaves 1,792; at 16,384 no
+# step of 16 samples of at most 512 tokens (MAX_SEQ_LENGTH) has a row above half the budget, so the run is graphed.
+GRAPHED_BUDGET = 16384
 
 
 def _config(workdir: Path, model_dir: Path, name: str, *, four_bit: bool = False, graphs: bool = True,
@@ -56,7 +61,7 @@ def _config(workdir: Path, model_dir: Path, name: str, *, four_bit: bool = False
     hyper: dict[str, Any] = {
         "data": {"dataset_name": DATASET, "data_dir": "data"},
         "training": {"gpus": [0], "loss_type": "response_only", "batching": "packed",
-                     "tokens_per_micro_batch": 512, "cuda_graphs": graphs},
+                     "tokens_per_micro_batch": GRAPHED_BUDGET, "cuda_graphs": graphs},
         "fast_model_args": {"model_name": str(model_dir), "max_seq_length": MAX_SEQ_LENGTH, "dtype": "bfloat16",
                             "backend": "unsloth", "load_in_4bit": four_bit},
         "lora_args": {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0,
