@@ -62,6 +62,12 @@ class FastModelArgs(BaseModel):
     use_gradient_checkpointing: bool | Literal["unsloth"] = Field(
         False, description="Recompute activations in backward to save memory; 'unsloth' = Unsloth's offloaded variant."
     )
+    tiled_mlp: bool | Literal["auto"] = Field(
+        "auto", description="Run each MLP in row tiles (Unsloth's tiled MLP; Unsloth backend only): less activation "
+        "memory per token of a long row (Qwen3-8B 4-bit, 151,809 tokens with checkpointing: peak 30.6 -> 25.1 GiB, "
+        "same step time). 'auto' = on only when tokens_per_micro_batch is 'auto' and the longest sample does not "
+        "fit with gradient checkpointing alone (measured at start).",
+    )
 
     @field_validator("model_name")
     @classmethod
@@ -589,6 +595,10 @@ def runtime_problems(
     if model.backend == "unsloth" and not unsloth_available:
         problems.append("backend='unsloth' but unsloth is not importable: pip install 'HyperSloth[gpu]' "
                         "or set backend='transformers'")
+    backend = model.resolved_backend(cuda_available=cuda, unsloth_available=unsloth_available)
+    if model.tiled_mlp is True and backend != "unsloth":
+        problems.append(f"fast_model_args.tiled_mlp=True needs the Unsloth backend (its tiled MLP), and this run uses "
+                        f"{backend}: set tiled_mlp='auto' (on only where Unsloth is) or False")
     if "8bit" in training_args.optim and not cuda:
         problems.append(f"optim='{training_args.optim}' needs CUDA (bitsandbytes); leave optim at its default "
                         "('adamw_torch_fused') on CPU")

@@ -156,6 +156,9 @@ class RunDescription(BaseModel):
     gradient_checkpointing: bool | Literal["unsloth"] = Field(
         description="The checkpointing training runs with: fast_model_args.use_gradient_checkpointing, switched "
         "on by HyperSloth.train.budget.settle when the longest sample fits a micro-batch only with it.")
+    tiled_mlp: bool | Literal["auto"] = Field(
+        False, description="Unsloth's tiled MLP: fast_model_args.tiled_mlp; 'auto' is settled by "
+        "HyperSloth.train.budget.settle (True when the longest sample fits only with it).")
     group_by_length: bool
     group_window_steps: int
     nccl_timeout_s: int = Field(gt=0, description="Seconds a collective may wait before the run aborts.")
@@ -373,6 +376,7 @@ def resolve_run(loaded: LoadedConfig, *, world_size: int, machine: MachineFacts,
                         training.batching),
         **token_budget(training, targs.per_device_train_batch_size, fast.max_seq_length, cuda),
         gradient_checkpointing=fast.use_gradient_checkpointing,
+        tiled_mlp=fast.tiled_mlp,
         group_by_length=training.group_by_length,
         group_window_steps=training.group_window_steps,
         nccl_timeout_s=training.nccl_timeout_s,

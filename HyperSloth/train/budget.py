@@ -34,6 +34,13 @@ How "auto" is decided on a GPU, once per run, after the model is loaded and befo
    and no second load (the 262k-token 8B start spent 9.6 s reloading and two passes finding this out). With
    checkpointing on, one pass at the longest sample decides: its size becomes the budget if it fits, else
    the run stops before training with the length that fits (it would run out of memory at that step).
+   Except on the Unsloth backend with `fast_model_args.tiled_mlp="auto"`: there, when the checkpointed line
+   leaves no room for the longest sample, the model is loaded a third time with Unsloth's tiled MLP (each
+   MLP run in row tiles under no_grad and recomputed tile by tile in the backward, so no layer keeps the
+   whole row's gate and up outputs) and measured again; then the pass at the longest sample decides.
+   Measured on the H200 (Qwen3-8B 4-bit, a 151,809-token row, checkpointing on): peak 30.6 -> 25.1 GiB
+   (~177 -> ~138 KiB per token), step 121.7 vs 119.9 s, the step-1 loss 1.7e-4 from the sample alone
+   (docs/benchmarks.md). It goes on only when needed: its cost on short checkpointed rows is unmeasured.
 4. Ranks agree: every rank measures, then all take the minimum (`agree_min`, an all-reduce MIN), so
    the plan is identical everywhere.
 5. Cache (`HyperSloth.train.probe_cache`): the measured points are kept per model, quantisation, LoRA settings,
@@ -55,6 +62,7 @@ arithmetic and the probe-fit-choose-verify sequence (steps 2, 3; no torch).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -62,61 +70,89 @@ from typing import Any
 import numpy as np
 
 from HyperSloth.train import probe_cache
-from HyperSloth.train.budget_choice import BudgetDecision, host_token_cap, needs_checkpointing, offload_host_bytes
+from HyperSloth.train.budget_choice import BudgetDecision, host_token_cap, longest_does_not_fit, offload_host_bytes
 from HyperSloth.train.budget_probe import agree_min, cached_needs_checkpointing, measure_auto, shape_says_checkpointing
 
 
-def settle(description, load: Callable[[Any], Any], lengths: Sequence[int] | np.ndarray,
+def settle(description, load: Callable[..., Any], lengths: Sequence[int] | np.ndarray,
            setup: probe_cache.ProbeSetup | None = None, local_ranks: int = 1):
     """Load the model and fix the run's micro-batch budget: (description with the budget, loaded model,
-    decision). `load(gradient_checkpointing)` loads the model (None = as configured); `setup` names the
-    model for the probe cache (None: no cache); `local_ranks` share this host's memory.
+    decision). `load(gradient_checkpointing, tiled_mlp=...)` loads the model (checkpointing None = as
+    configured); `setup` names the model for the probe cache (None: no cache); `local_ranks` share this
+    host's memory.
 
     An explicit budget, or "auto" on CPU, was already fixed by `HyperSloth.plan.run`; "auto" on a GPU is
-    measured here and agreed over ranks. If the longest sample does not fit one micro-batch without
-    checkpointing, the model is loaded again with gradient checkpointing (at once, when the cache already
-    knows), the budget is measured again, and the description records checkpointing on.
+    measured here and agreed over ranks. If the longest sample does not fit one micro-batch, the memory
+    savers go on one at a time, each with a new load and a new measurement, and the description records
+    them: gradient checkpointing (at once, when the cache or the model's shape already knows), then, with
+    the Unsloth backend and `tiled_mlp="auto"`, Unsloth's tiled MLP (module docstring, 3).
     """
     from loguru import logger
 
     gc_mode, longest = description.gradient_checkpointing, heaviest_micro_batch(description, lengths)
+    tiled = description.tiled_mlp is True
     may_switch = description.token_budget_auto and not gc_mode and setup is not None
-    known = may_switch and (("the probe cache" if cached_needs_checkpointing(setup, lengths, description.global_batch_size)
+    known = may_switch and (("the probe cache" if cached_needs_checkpointing(_probe_setup(setup, tiled), lengths,
+                                                                             description.global_batch_size)
                              else None) or ("the model's shape" if shape_says_checkpointing(setup, longest) else None))
     if known:
         gc_mode = _checkpointing_mode(setup.backend)
         logger.warning(f"{known} says the heaviest micro-batch ({_heaviest_text(description, longest)}) cannot fit "
                        f"without gradient checkpointing on this GPU: loading with gradient checkpointing ({gc_mode!r})")
-    loaded = load(gc_mode if known else None)
+    loaded = load(gc_mode if known else None, tiled_mlp=tiled)
     if not description.token_budget_auto:
         if gc_mode == "unsloth":
             _warn_if_budget_exceeds_host(getattr(loaded.model, "config", None), description.token_budget, longest,
                                          local_ranks)
-        return description, loaded, BudgetDecision(tokens=description.token_budget,
-                                                   source=description.token_budget_source)
+        return (description.model_copy(update={"tiled_mlp": tiled}), loaded,
+                BudgetDecision(tokens=description.token_budget, source=description.token_budget_source, tiled_mlp=tiled))
 
-    def measure_model(model_loaded, mode) -> BudgetDecision:
+    def may_tile(model_loaded, mode, tiled_now: bool) -> bool:  # the last saver left, with checkpointing on
+        return bool(mode) and not tiled_now and description.tiled_mlp == "auto" and model_loaded.backend == "unsloth"
+
+    def measure_model(model_loaded, mode, tiled_now: bool) -> BudgetDecision:
+        # can_switch: a longest sample that does not fit returns unverified while a saver is left to switch on
         return measure_auto(model_loaded.model, lengths=lengths, samples_per_step=description.global_batch_size,
                             gradient_checkpointing=mode, with_lengths=model_loaded.backend == "unsloth",
-                            setup=setup, must_fit=longest, can_switch=not mode)  # the heaviest micro-batch
+                            setup=_probe_setup(setup, tiled_now), must_fit=longest, tiled_mlp=tiled_now,
+                            can_switch=not mode or may_tile(model_loaded, mode, tiled_now))  # the heaviest micro-batch
 
-    decision = measure_model(loaded, gc_mode)
+    decision = measure_model(loaded, gc_mode, tiled)
     decision.checkpointing_switched_on = bool(known)
-    if not gc_mode and needs_checkpointing(decision.tokens, longest):
+    if not gc_mode and longest_does_not_fit(decision.tokens, longest):
         gc_mode = _checkpointing_mode(loaded.backend)
         logger.warning(f"the heaviest micro-batch ({_heaviest_text(description, longest)}) does not fit without gradient "
                        f"checkpointing (measured budget {decision.tokens:,} tokens): turning on gradient "
                        f"checkpointing ({gc_mode!r}) for this run")
         loaded = None  # drop the first model before loading the second
-        loaded, decision = _reload_and_measure(load, gc_mode, measure_model, decision)
+        loaded, decision = _reload_and_measure(lambda: load(gc_mode, tiled_mlp=tiled),
+                                               lambda again: measure_model(again, gc_mode, tiled), decision)
+        decision.checkpointing_switched_on = True
+    if may_tile(loaded, gc_mode, tiled) and longest_does_not_fit(decision.tokens, longest):
+        logger.warning(f"the heaviest micro-batch ({_heaviest_text(description, longest)}) does not fit even with "
+                       f"gradient checkpointing (measured budget {decision.tokens:,} tokens): turning on Unsloth's "
+                       "tiled MLP (each MLP run in row tiles, recomputed per tile in the backward) for this run")
+        tiled, loaded = True, None
+        switched = decision.checkpointing_switched_on
+        loaded, decision = _reload_and_measure(lambda: load(gc_mode, tiled_mlp=True),
+                                               lambda again: measure_model(again, gc_mode, True), decision)
+        decision.checkpointing_switched_on, decision.tiled_mlp_switched_on = switched, True
     if gc_mode == "unsloth":
         _fit_host_memory(decision, getattr(loaded.model, "config", None), longest, local_ranks)
     logger.info(decision.summary())
     logger.info(decision.probe_line())
     if loaded.backend == "unsloth":  # Unsloth's pre-train detector sees the probe's backward, resets its compile cache
         logger.info("Unsloth will warn that a forward/backward ran before trainer.train(): that was this probe")
-    settled = description.model_copy(update={"token_budget": decision.tokens, "gradient_checkpointing": gc_mode})
+    settled = description.model_copy(update={"token_budget": decision.tokens, "gradient_checkpointing": gc_mode,
+                                             "tiled_mlp": tiled})
     return settled, loaded, decision
+
+
+def _probe_setup(setup: probe_cache.ProbeSetup | None, tiled: bool) -> probe_cache.ProbeSetup | None:
+    """The probe cache's name for the model as loaded: "auto" settled to whether the MLP is tiled."""
+    if setup is None:
+        return None
+    return dataclasses.replace(setup, fast={**setup.fast, "tiled_mlp": tiled})
 
 
 def host_memory_available() -> int | None:
@@ -209,17 +245,18 @@ def _checkpointing_mode(backend: str) -> bool | str:
     return "unsloth" if backend == "unsloth" else True
 
 
-def _reload_and_measure(load: Callable[[Any], Any], mode: bool | str, measure_model, first: BudgetDecision):
-    """Load the model again with checkpointing `mode` and measure; the decision counts both probes."""
+def _reload_and_measure(load: Callable[[], Any], measure_model: Callable[[Any], BudgetDecision],
+                        first: BudgetDecision):
+    """Load the model again and measure; the decision counts every probe and reload so far."""
     import time
 
     gc.collect()
     _empty_cuda_cache()
     started = time.perf_counter()
-    loaded = load(mode)
+    loaded = load()
     reload_s = time.perf_counter() - started
-    decision = measure_model(loaded, mode)
-    decision.checkpointing_switched_on, decision.reload_seconds = True, reload_s
+    decision = measure_model(loaded)
+    decision.reload_seconds = reload_s + (first.reload_seconds or 0.0)
     decision.probe_seconds = (decision.probe_seconds or 0.0) + (first.probe_seconds or 0.0)
     decision.probe_passes += first.probe_passes
     return loaded, decision

@@ -76,8 +76,9 @@ def choose_tokens(fit: MemoryFit, limit_bytes: int, cap: int) -> int:
     return max(MIN_BUDGET, (min(fits, cap) // ROUND_TO) * ROUND_TO)
 
 
-def needs_checkpointing(budget_tokens: int, longest_sample: int) -> bool:
-    """True when the longest sample alone exceeds what fits in one micro-batch."""
+def longest_does_not_fit(budget_tokens: int, longest_sample: int) -> bool:
+    """True when the longest sample alone exceeds what fits in one micro-batch: checkpointing goes on, or
+    with it on, Unsloth's tiled MLP."""
     return longest_sample > budget_tokens
 
 
@@ -147,6 +148,8 @@ class BudgetDecision:
     tokens: int
     source: str  # "auto" (measured), "auto-cpu" (fixed CPU value) or "explicit"
     checkpointing_switched_on: bool = False  # the longest sample did not fit without checkpointing
+    tiled_mlp: bool = False  # measured with Unsloth's tiled MLP
+    tiled_mlp_switched_on: bool = False  # the longest sample did not fit with checkpointing alone
     local_tokens: int | None = None  # this rank's measurement before the minimum over ranks
     points: list[tuple[int, int]] = field(default_factory=list)
     fit: dict[str, float] | None = None
@@ -170,7 +173,7 @@ class BudgetDecision:
 
     def probe_line(self) -> str:
         """One log line: was the probe measured or cached, what it ran and what it cost."""
-        reload = f", reload with checkpointing {self.reload_seconds:.1f} s" if self.reload_seconds else ""
+        reload = f", model reloaded in {self.reload_seconds:.1f} s" if self.reload_seconds else ""
         return (f"budget probe: {self.cache}, {self.probe_passes} forward+backward pass(es), "
                 f"{self.probe_seconds or 0.0:.1f} s{reload}")
 
@@ -197,7 +200,9 @@ class BudgetDecision:
             parts.append(f"lowered to {self.host_cap_tokens:,} so that Unsloth's offloaded checkpoints fit host memory")
         parts.append(f"cap {self.cap_tokens}, longest sample {self.longest_sample}, "
                      f"gradient checkpointing {self.gradient_checkpointing!r}"
-                     + (" (switched on: the longest sample did not fit without)" if self.checkpointing_switched_on else ""))
+                     + (" (switched on: the longest sample did not fit without)" if self.checkpointing_switched_on else "")
+                     + (", tiled MLP" + (" (switched on: the longest sample did not fit with checkpointing alone)"
+                                         if self.tiled_mlp_switched_on else "") if self.tiled_mlp else ""))
         return "; ".join(parts)
 
 

@@ -134,8 +134,10 @@ def _probe_key(setup, device, gc_mode, with_lengths: bool, longest: Sequence[int
 
 def measure_on_gpu(model, *, lengths: Sequence[int] | np.ndarray, vocab_size: int, cap: int,
                    gradient_checkpointing: bool | str, with_lengths: bool = True, must_fit: int | None = None,
-                   can_switch: bool = True, setup: probe_cache.ProbeSetup | None = None) -> BudgetDecision:
-    """Run the probe on this process's GPU and return this rank's decision (before `agree_min`)."""
+                   can_switch: bool = True, setup: probe_cache.ProbeSetup | None = None,
+                   tiled_mlp: bool = False) -> BudgetDecision:
+    """Run the probe on this process's GPU and return this rank's decision (before `agree_min`).
+    `tiled_mlp`: the model runs Unsloth's tiled MLP (recorded; the cache key comes with `setup`)."""
     import time
 
     import torch
@@ -171,18 +173,20 @@ def measure_on_gpu(model, *, lengths: Sequence[int] | np.ndarray, vocab_size: in
         fit=asdict(fit), limit_bytes=limit, total_bytes=int(total), safety_fraction=SAFETY_FRACTION,
         optimizer_bytes=optimizer_bytes, cap_tokens=cap, verified_peak_bytes=result["verified_peak_bytes"],
         verified_tokens=result["verified_tokens"], longest_sample=int(longest[0]),
-        gradient_checkpointing=gradient_checkpointing, probe_seconds=time.perf_counter() - started,
+        gradient_checkpointing=gradient_checkpointing, tiled_mlp=tiled_mlp, probe_seconds=time.perf_counter() - started,
         probe_passes=len(peaks.measured), cache=peaks.status if cache else "off",
     )
 
 
 def measure_auto(model, *, lengths: Sequence[int] | np.ndarray, samples_per_step: int,
                  gradient_checkpointing: bool | str, with_lengths: bool = True, must_fit: int | None = None,
-                 can_switch: bool = True, setup: probe_cache.ProbeSetup | None = None) -> BudgetDecision:
+                 can_switch: bool = True, setup: probe_cache.ProbeSetup | None = None,
+                 tiled_mlp: bool = False) -> BudgetDecision:
     """Measure on this rank's GPU and take the minimum over ranks (every rank must call it)."""
     decision = measure_on_gpu(model, lengths=lengths, vocab_size=int(model.config.vocab_size),
                               cap=useful_cap(lengths, samples_per_step), gradient_checkpointing=gradient_checkpointing,
-                              with_lengths=with_lengths, must_fit=must_fit, can_switch=can_switch, setup=setup)
+                              with_lengths=with_lengths, must_fit=must_fit, can_switch=can_switch, setup=setup,
+                              tiled_mlp=tiled_mlp)
     decision.tokens = agree_min(decision.tokens)
     return decision
 

@@ -86,6 +86,9 @@ def _load_unsloth(fast: FastModelArgs, lora: LoraArgs | None, dtype: torch.dtype
         full_finetuning=fast.full_finetuning,
         trust_remote_code=fast.trust_remote_code,
         use_gradient_checkpointing=fast.use_gradient_checkpointing,
+        # Applied in from_pretrained, before the adapters: Unsloth's LoRA MLP hook (and ours, lora_install) then
+        # goes into the tile hook. "auto" is settled before any load (budget.settle): False until it says so.
+        unsloth_tiled_mlp=fast.tiled_mlp is True,
     )
     stamps["model_load"] = time.time()
     if lora is not None and lora.init_adapter_path:

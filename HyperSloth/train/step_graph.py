@@ -137,7 +137,7 @@ def synthetic_row(rows: int, layout: GraphLayout, pad_token_id: int) -> dict[str
 
 
 def graph_unavailable(*, enabled: bool, cuda: bool, backend: str, mode: str, lora: bool, lora_dropout: float,
-                      checkpointing: bool | str) -> str | None:
+                      checkpointing: bool | str, tiled_mlp: bool = False) -> str | None:
     """Why this run's decoder runs eagerly (None: it replays CUDA graphs over its packed rows)."""
     if not enabled:
         return "CUDA graphs are switched off (training.cuda_graphs=False)"
@@ -153,6 +153,8 @@ def graph_unavailable(*, enabled: bool, cuda: bool, backend: str, mode: str, lor
         return f"lora_dropout={lora_dropout}: a replay would repeat the captured dropout masks"
     if checkpointing:
         return "gradient checkpointing recomputes layers inside the backward (CUDA graphs need it off)"
+    if tiled_mlp:
+        return "Unsloth's tiled MLP sizes its tiles from each row on the host (CUDA graphs need it off)"
     return None
 
 

@@ -73,7 +73,7 @@ def decoder_graphs(description: RunDescription, loaded_model, steps: PlanSteps, 
     reason = graph_unavailable(
         enabled=description.cuda_graphs, cuda=torch.cuda.is_available(), backend=loaded_model.backend,
         mode=spec.mode, lora=lora is not None, lora_dropout=lora.lora_dropout if lora else 0.0,
-        checkpointing=description.gradient_checkpointing)
+        checkpointing=description.gradient_checkpointing, tiled_mlp=description.tiled_mlp is True)
     if reason is not None:
         logger.info(f"eager decoder forward+backward: {reason}")
         return {"graphs_off": reason}

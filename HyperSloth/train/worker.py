@@ -144,7 +144,7 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path, time
     if info.is_main:
         run_files.atomic_write_json(run_files.resolved_file(out_dir), {
             "token_budget": budget_decision.as_record(),
-            "gradient_checkpointing": description.gradient_checkpointing})
+            "gradient_checkpointing": description.gradient_checkpointing, "tiled_mlp": description.tiled_mlp})
     # A hold-out leaves the training rows; the eval rows are checked against the resolved fingerprint.
     dataset, eval_dataset = split_for_run(full_dataset, description.eval_set)
     trainer, setup = _builder(description.method)(description, loaded_model, dataset, info, eval_dataset=eval_dataset)
@@ -167,6 +167,7 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path, time
     summary["token_budget"] = budget_decision.as_record()  # the budget planned with, and what it came from
     summary["cuda_graphs"] = trainer.graphs_summary()
     summary["gradient_checkpointing"] = description.gradient_checkpointing
+    summary["tiled_mlp"] = description.tiled_mlp
     summary["startup"] = timeline.record()  # launch to the end of step 1, phase by phase (outputs/startup.py)
     summary.update(eval_summary(trainer.state.log_history, description.eval_set, out_dir))
     run_files.atomic_write_json(out_dir / run_files.SUMMARY_FILE, summary)
@@ -205,15 +206,17 @@ def _builder(method: str):
 
 
 def _loader(description: RunDescription, timeline: StartupTimeline):
-    """`load(gradient_checkpointing)` for budget.settle: the run's model, with the run's checkpointing (None)
-    or the one given; each load's stamps go on `timeline` (a second load follows a first budget probe)."""
+    """`load(gradient_checkpointing, tiled_mlp=False)` for budget.settle: the run's model, with the run's
+    checkpointing (None) or the one given, and Unsloth's tiled MLP when `tiled_mlp` (settle decides "auto");
+    each load's stamps go on `timeline` (a second load follows a first budget probe)."""
     from HyperSloth.train import model as model_lib
 
-    def load(checkpointing):
+    def load(checkpointing, tiled_mlp: bool = False):
         if any(phase == "model_load" for phase, _ in timeline.marks):
             timeline.mark("budget_probe")  # the probe that asked for this reload
         mode = description.gradient_checkpointing if checkpointing is None else checkpointing
-        fast = description.hyper_config.fast_model_args.model_copy(update={"use_gradient_checkpointing": mode})
+        fast = description.hyper_config.fast_model_args.model_copy(
+            update={"use_gradient_checkpointing": mode, "tiled_mlp": bool(tiled_mlp)})
         loaded = model_lib.load_model(fast, description.hyper_config.lora_args, lora_passes=description.lora_passes)
         timeline.marks_from(loaded.stamps)
         return loaded

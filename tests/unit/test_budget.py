@@ -92,8 +92,8 @@ def test_measure_with_a_small_cap_probes_within_it():
 
 
 def test_needs_checkpointing_when_the_longest_sample_exceeds_the_budget():
-    assert budget_choice.needs_checkpointing(budget_tokens=30000, longest_sample=65536)
-    assert not budget_choice.needs_checkpointing(budget_tokens=30000, longest_sample=30000)
+    assert budget_choice.longest_does_not_fit(budget_tokens=30000, longest_sample=65536)
+    assert not budget_choice.longest_does_not_fit(budget_tokens=30000, longest_sample=30000)
 
 
 def test_probe_batch_is_a_packed_row_of_the_requested_tokens():
@@ -183,9 +183,10 @@ class _Description:
 
     token_budget_auto = RunDescription.token_budget_auto  # the real property: source == "auto"
 
-    def __init__(self, source: str, budget=4096, gc=False, batching="packed", micro_batch_size=4):
+    def __init__(self, source: str, budget=4096, gc=False, batching="packed", micro_batch_size=4, tiled_mlp="auto"):
         self.token_budget, self.token_budget_source, self.global_batch_size = budget, source, 32
         self.gradient_checkpointing, self.batching, self.micro_batch_size = gc, batching, micro_batch_size
+        self.tiled_mlp = tiled_mlp
 
     def model_copy(self, update):
         copy = _Description(self.token_budget_source)
@@ -193,16 +194,29 @@ class _Description:
         return copy
 
 
-def _fake_measure(budgets, heaviest=None):
-    """measure_auto stand-in: the budget measured for each checkpointing mode."""
+def _fake_measure(budgets, heaviest=None, tile_auto=True):
+    """measure_auto stand-in: the budget measured for each checkpointing mode (key (mode, "tiled") with
+    Unsloth's tiled MLP)."""
     def measure_auto(model, *, lengths, samples_per_step, gradient_checkpointing, with_lengths, must_fit, can_switch,
-                     setup):
-        # Without checkpointing a heaviest micro-batch that does not fit switches it on; with it, it must be proven.
-        assert must_fit == (heaviest or int(max(lengths))) and can_switch == (not gradient_checkpointing)
-        return budget_choice.BudgetDecision(tokens=budgets[gradient_checkpointing], source="auto",
-                                            longest_sample=int(max(lengths)), gradient_checkpointing=gradient_checkpointing,
+                     setup, tiled_mlp):
+        # A heaviest micro-batch that does not fit switches on the next memory saver while one is left
+        # (checkpointing, then the tiled MLP); after the last it must be proven.
+        assert must_fit == (heaviest or int(max(lengths)))
+        assert can_switch == (not gradient_checkpointing or (tile_auto and not tiled_mlp))
+        assert setup is None or setup.fast["tiled_mlp"] is tiled_mlp  # the probe cache tells the two apart
+        key = (gradient_checkpointing, "tiled") if tiled_mlp else gradient_checkpointing
+        return budget_choice.BudgetDecision(tokens=budgets[key], source="auto", longest_sample=int(max(lengths)),
+                                            gradient_checkpointing=gradient_checkpointing, tiled_mlp=tiled_mlp,
                                             probe_seconds=2.0, probe_passes=3, cache="measured")
     return measure_auto
+
+
+def _recorder(loads):
+    """settle's `load`: records the checkpointing asked for, as (mode, "tiled") with the tiled MLP."""
+    def load(gc, tiled_mlp=False):
+        loads.append((gc, "tiled") if tiled_mlp else gc)
+        return _Loaded()
+    return load
 
 
 class _Loaded:
@@ -214,7 +228,7 @@ def test_settle_keeps_explicit_and_cpu_budgets_without_measuring(monkeypatch):
     monkeypatch.setattr(budget, "measure_auto", lambda *a, **k: pytest.fail("nothing to measure"))
     loads = []
     for source in ("explicit", "auto-cpu"):
-        d, loaded, decision = budget.settle(_Description(source, budget=2048), lambda gc: loads.append(gc) or _Loaded(), [10, 20])
+        d, loaded, decision = budget.settle(_Description(source, budget=2048), _recorder(loads), [10, 20])
         assert (d.token_budget, decision.tokens, decision.source) == (2048, 2048, source)
     assert loads == [None, None]
 
@@ -222,7 +236,7 @@ def test_settle_keeps_explicit_and_cpu_budgets_without_measuring(monkeypatch):
 def test_settle_plans_with_the_measured_budget(monkeypatch):
     monkeypatch.setattr(budget, "measure_auto", _fake_measure({False: 30720, "unsloth": 300000}))
     loads = []
-    d, _, decision = budget.settle(_Description("auto"), lambda gc: loads.append(gc) or _Loaded(), [100, 4096])
+    d, _, decision = budget.settle(_Description("auto"), _recorder(loads), [100, 4096])
     assert (d.token_budget, decision.tokens, decision.checkpointing_switched_on) == (30720, 30720, False)
     assert loads == [None] and d.gradient_checkpointing is False
 
@@ -230,7 +244,7 @@ def test_settle_plans_with_the_measured_budget(monkeypatch):
 def test_settle_turns_checkpointing_on_when_the_longest_sample_does_not_fit(monkeypatch):
     monkeypatch.setattr(budget, "measure_auto", _fake_measure({False: 30720, "unsloth": 300000}))
     loads = []
-    d, _, decision = budget.settle(_Description("auto"), lambda gc: loads.append(gc) or _Loaded(), [100, 65536])
+    d, _, decision = budget.settle(_Description("auto"), _recorder(loads), [100, 65536])
     assert loads == [None, "unsloth"]  # loaded again, with Unsloth's checkpointing
     assert (d.token_budget, decision.checkpointing_switched_on, decision.gradient_checkpointing) == (300000, True, "unsloth")
     assert d.gradient_checkpointing == "unsloth"
@@ -243,15 +257,75 @@ def test_sorted_pad_auto_must_fit_its_padded_micro_batch_of_the_longest_samples(
     monkeypatch.setattr(budget, "measure_auto", _fake_measure({False: 30720, "unsloth": 300000}, heaviest=36000))
     loads = []
     sorted_pad = _Description("auto", batching="sorted-pad", micro_batch_size=4)
-    d, _, decision = budget.settle(sorted_pad, lambda gc: loads.append(gc) or _Loaded(), [100, 9000, 8000, 7000, 50])
+    d, _, decision = budget.settle(sorted_pad, _recorder(loads), [100, 9000, 8000, 7000, 50])
     assert loads == [None, "unsloth"] and d.gradient_checkpointing == "unsloth"
     # Packed, the same data fits: a row never holds more than the budget, only one sample can exceed it.
     monkeypatch.setattr(budget, "measure_auto", _fake_measure({False: 30720, "unsloth": 300000}))
     loads.clear()
-    d, _, _ = budget.settle(_Description("auto"), lambda gc: loads.append(gc) or _Loaded(), [100, 9000, 8000, 7000, 50])
+    d, _, _ = budget.settle(_Description("auto"), _recorder(loads), [100, 9000, 8000, 7000, 50])
     assert loads == [None] and d.gradient_checkpointing is False
     # A per-device batch larger than the dataset is capped by the dataset.
     assert budget.heaviest_micro_batch(_Description("auto", batching="sorted-pad", micro_batch_size=8), [5, 7]) == 14
+
+
+def test_settle_tiles_the_mlp_when_checkpointing_alone_leaves_no_room(monkeypatch, logs):
+    """The third saver: a 200,000-token sample fits neither without checkpointing (30,720) nor with it (100,000);
+    with Unsloth's tiled MLP it does (300,000). Each saver is one more load and one more probe."""
+    from HyperSloth.train.probe_cache import ProbeSetup
+
+    budgets = {False: 30720, "unsloth": 100000, ("unsloth", "tiled"): 300000}
+    monkeypatch.setattr(budget, "measure_auto", _fake_measure(budgets))
+    monkeypatch.setattr(budget, "cached_needs_checkpointing", lambda setup, lengths, samples_per_step: False)
+    monkeypatch.setattr(budget, "shape_says_checkpointing", lambda setup, tokens: False)
+    setup = ProbeSetup(fast={"tiled_mlp": "auto"}, lora=None, backend="unsloth")
+    loads = []
+    d, _, decision = budget.settle(_Description("auto"), _recorder(loads), [100, 200000], setup)
+    assert loads == [None, "unsloth", ("unsloth", "tiled")]
+    assert (d.token_budget, d.gradient_checkpointing, d.tiled_mlp) == (300000, "unsloth", True)
+    assert decision.checkpointing_switched_on and decision.tiled_mlp_switched_on and decision.tiled_mlp
+    assert (decision.probe_seconds, decision.probe_passes) == (6.0, 9)  # three probes, two reloads counted
+    assert "tiled MLP (switched on: the longest sample did not fit with checkpointing alone)" in decision.summary()
+    assert any("does not fit even with gradient checkpointing (measured budget 100,000 tokens): turning on "
+               "Unsloth's tiled MLP" in line for line in logs)
+    # Checkpointing set in the config: only the tiling is switched on
+    loads.clear()
+    d, _, decision = budget.settle(_Description("auto", gc="unsloth"), _recorder(loads), [100, 200000], setup)
+    assert loads == [None, ("unsloth", "tiled")] and d.tiled_mlp is True
+    assert not decision.checkpointing_switched_on and decision.tiled_mlp_switched_on
+    # A sample that fits with checkpointing alone never tiles (its cost on short rows is not measured)
+    loads.clear()
+    d, _, decision = budget.settle(_Description("auto"), _recorder(loads), [100, 65536], setup)
+    assert loads == [None, "unsloth"] and d.tiled_mlp is False and not decision.tiled_mlp
+
+
+def test_settle_never_tiles_against_the_config_or_off_unsloth(monkeypatch):
+    budgets = {False: 30720, "unsloth": 100000, (False, "tiled"): 40960, ("unsloth", "tiled"): 300000}
+    loads = []
+    # tiled_mlp=False: checkpointing is the last saver, so its probe must prove the longest sample
+    monkeypatch.setattr(budget, "measure_auto", _fake_measure(budgets, tile_auto=False))
+    d, _, _ = budget.settle(_Description("auto", tiled_mlp=False), _recorder(loads), [100, 200000])
+    assert loads == [None, "unsloth"] and d.tiled_mlp is False
+    # tiled_mlp=True: tiled from the first load, nothing left to switch on but checkpointing
+    loads.clear()
+    d, _, decision = budget.settle(_Description("auto", tiled_mlp=True), _recorder(loads), [100, 200000])
+    assert loads == [(None, "tiled"), ("unsloth", "tiled")]
+    assert d.tiled_mlp is True and decision.tiled_mlp and not decision.tiled_mlp_switched_on
+    # an explicit budget keeps the configured value ("auto" settles to off)
+    loads.clear()
+    d, _, decision = budget.settle(_Description("explicit", tiled_mlp=True), _recorder(loads), [100, 200000])
+    assert loads == [(None, "tiled")] and d.tiled_mlp is True and decision.tiled_mlp
+    d, _, _ = budget.settle(_Description("explicit"), _recorder(loads), [100, 200000])
+    assert d.tiled_mlp is False
+
+    # The transformers backend has no tiled MLP: "auto" stays off there
+    class LoadedTransformers(_Loaded):
+        backend = "transformers"
+
+    monkeypatch.setattr(budget, "measure_auto", _fake_measure({False: 30720, True: 100000}, tile_auto=False))
+    transformers_loads = []
+    d, _, _ = budget.settle(_Description("auto"), lambda gc, tiled_mlp=False: transformers_loads.append((gc, tiled_mlp))
+                            or LoadedTransformers(), [100, 200000])
+    assert transformers_loads == [(None, False), (True, False)] and d.tiled_mlp is False
 
 
 def test_the_probe_shrinks_unsloths_checkpointing_buffers(monkeypatch):
@@ -288,7 +362,7 @@ def test_settle_loads_with_checkpointing_at_once_when_the_cache_knows(monkeypatc
     monkeypatch.setattr(budget, "cached_needs_checkpointing", lambda setup, lengths, samples_per_step: True)
     loads = []
     setup = ProbeSetup(fast={}, lora=None, backend="unsloth")
-    d, _, decision = budget.settle(_Description("auto"), lambda gc: loads.append(gc) or _Loaded(), [100, 65536],
+    d, _, decision = budget.settle(_Description("auto"), _recorder(loads), [100, 65536],
                                    setup)
     assert loads == ["unsloth"]  # one load, no probe without checkpointing
     assert decision.checkpointing_switched_on and decision.reload_seconds is None and decision.probe_passes == 3
@@ -304,7 +378,7 @@ def test_settle_loads_with_checkpointing_at_once_when_the_models_shape_says_so(m
     monkeypatch.setattr(budget, "shape_says_checkpointing", lambda setup, tokens: asked.append(tokens) or True)
     loads = []
     setup = ProbeSetup(fast={}, lora=None, backend="unsloth")
-    d, _, decision = budget.settle(_Description("auto"), lambda gc: loads.append(gc) or _Loaded(), [100, 262144],
+    d, _, decision = budget.settle(_Description("auto"), _recorder(loads), [100, 262144],
                                    setup)
     assert asked == [262144] and loads == ["unsloth"]  # one load: no probe without checkpointing, no reload
     assert decision.checkpointing_switched_on and decision.reload_seconds is None
@@ -312,8 +386,8 @@ def test_settle_loads_with_checkpointing_at_once_when_the_models_shape_says_so(m
                for line in logs)
     # an explicit budget or checkpointing already on never asks
     asked.clear()
-    budget.settle(_Description("auto", gc="unsloth"), lambda gc: _Loaded(), [100, 262144], setup)
-    budget.settle(_Description("explicit"), lambda gc: _Loaded(), [100, 262144], setup)
+    budget.settle(_Description("auto", gc="unsloth"), lambda gc, tiled_mlp=False: _Loaded(), [100, 262144], setup)
+    budget.settle(_Description("explicit"), lambda gc, tiled_mlp=False: _Loaded(), [100, 262144], setup)
     assert asked == []
 
 
@@ -430,7 +504,7 @@ def test_a_long_sample_whose_offloaded_checkpoints_exceed_host_memory_is_warned_
     for available_gib, warned in ((31, True), (200, False)):
         monkeypatch.setattr(budget, "host_memory_available", lambda: available_gib * 2**30)
         logs.clear()
-        budget.settle(_Description("auto"), lambda gc: Loaded8B(), [100, 262144])
+        budget.settle(_Description("auto"), lambda gc, tiled_mlp=False: Loaded8B(), [100, 262144])
         said = [line for line in logs if "host memory" in line]
         assert bool(said) == warned
         if warned:  # this rank's share: 80% of the 31 GiB available
@@ -438,7 +512,7 @@ def test_a_long_sample_whose_offloaded_checkpoints_exceed_host_memory_is_warned_
     # Without checkpointing (the sample fits on the GPU) nothing is offloaded, so nothing is said.
     monkeypatch.setattr(budget, "host_memory_available", lambda: 2**30)
     logs.clear()
-    budget.settle(_Description("auto"), lambda gc: Loaded8B(), [100, 4096])
+    budget.settle(_Description("auto"), lambda gc, tiled_mlp=False: Loaded8B(), [100, 4096])
     assert not [line for line in logs if "host memory" in line]
     assert budget.host_memory_available() is None or budget.host_memory_available() > 0
 
@@ -462,27 +536,27 @@ def test_the_budget_is_lowered_until_offloaded_checkpoints_fit_host_memory(monke
     assert budget_choice.host_token_cap(SimpleNamespace(), 2**40) is None
     monkeypatch.setattr(budget, "measure_auto", _fake_measure({False: 30720, "unsloth": 283136}))
     monkeypatch.setattr(budget, "host_memory_available", lambda: 124 * 2**30)
-    settled, _, decision = budget.settle(_Description("auto"), lambda gc: Loaded8B(), [100, 262144])
+    settled, _, decision = budget.settle(_Description("auto"), lambda gc, tiled_mlp=False: Loaded8B(), [100, 262144])
     assert settled.token_budget == decision.tokens == decision.host_cap_tokens == 262144
     assert "lowered to 262,144 so that Unsloth's offloaded checkpoints fit host memory" in decision.summary()
     assert not [line for line in logs if "pinned host memory" in line]  # lowered, so no warning
     # Two ranks on this host share it: 1 GiB blocks hold 131,072 tokens, shorter than the long chat, so the
     # budget stays and the run is warned (with what to change).
     logs.clear()
-    settled, _, decision = budget.settle(_Description("auto"), lambda gc: Loaded8B(), [100, 262144], local_ranks=2)
+    settled, _, decision = budget.settle(_Description("auto"), lambda gc, tiled_mlp=False: Loaded8B(), [100, 262144], local_ranks=2)
     assert decision.tokens == 283136 and decision.host_cap_tokens is None
     said = [line for line in logs if "pinned host memory" in line]
     assert len(said) == 1 and "UNSLOTH_GC_PINNED_MAX_GB" in said[0] and "50 GiB" in said[0]
     # An explicit budget is kept, and the user is told the size that fits.
     logs.clear()
     explicit = _Description("explicit", budget=283136, gc="unsloth")
-    settled, _, decision = budget.settle(explicit, lambda gc: Loaded8B(), [100, 262144])
+    settled, _, decision = budget.settle(explicit, lambda gc, tiled_mlp=False: Loaded8B(), [100, 262144])
     assert settled.token_budget == decision.tokens == 283136
     said = [line for line in logs if "pinned host memory" in line]
     assert len(said) == 1 and "144 GiB" in said[0] and "Set tokens_per_micro_batch to 262,144 or less" in said[0]
     logs.clear()
-    budget.settle(_Description("explicit", budget=131072, gc="unsloth"), lambda gc: Loaded8B(), [100, 131072])
+    budget.settle(_Description("explicit", budget=131072, gc="unsloth"), lambda gc, tiled_mlp=False: Loaded8B(), [100, 131072])
     assert not [line for line in logs if "pinned host memory" in line]
     # Plenty of host memory: the GPU's budget stands.
     monkeypatch.setattr(budget, "host_memory_available", lambda: 400 * 2**30)
-    assert budget.settle(_Description("auto"), lambda gc: Loaded8B(), [100, 262144])[2].tokens == 283136
+    assert budget.settle(_Description("auto"), lambda gc, tiled_mlp=False: Loaded8B(), [100, 262144])[2].tokens == 283136

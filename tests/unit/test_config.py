@@ -395,6 +395,17 @@ def test_runtime_problems_unsloth_backend():
     assert runtime_problems(config, TrainingArgsConfig(), cuda_device_count=1, unsloth_available=True) == []
 
 
+def test_runtime_problems_tiled_mlp_needs_unsloth():
+    config = hyper(fast_model_args={"model_name": "m", "tiled_mlp": True})
+    message = runtime_error(config, cuda_device_count=0, unsloth_available=False)
+    assert "fast_model_args.tiled_mlp=True needs the Unsloth backend" in message and "uses transformers" in message
+    assert runtime_problems(config, TrainingArgsConfig(), cuda_device_count=1, unsloth_available=True) == []
+    # "auto" (the default) is never a problem: it settles to off where Unsloth is not
+    assert hyper(fast_model_args={"model_name": "m"}).fast_model_args.tiled_mlp == "auto"
+    assert runtime_problems(hyper(fast_model_args={"model_name": "m"}), TrainingArgsConfig(), cuda_device_count=0,
+                            unsloth_available=False) == []
+
+
 def test_runtime_problems_lists_every_problem():
     config = hyper(fast_model_args={"model_name": "m", "load_in_8bit": True, "backend": "unsloth"})
     message = runtime_error(config, TrainingArgsConfig(optim="adamw_8bit"), cuda_device_count=0, unsloth_available=True)

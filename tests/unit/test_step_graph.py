@@ -147,6 +147,7 @@ def test_synthetic_row_refuses_rows_the_layout_cannot_hold():
         ({"lora": False}, "full fine-tuning"),
         ({"lora_dropout": 0.1}, "dropout"),
         ({"checkpointing": "unsloth"}, "checkpointing"),
+        ({"tiled_mlp": True}, "tiled MLP"),
     ],
 )
 def test_graph_unavailable_says_why(overrides, reason):
