@@ -252,15 +252,16 @@ def _extrapolate(fit: MemoryFit, last: tuple[int, int], verified: tuple[int, int
 
 def measure(peak_of: PeakFn, *, limit_bytes: int, cap: int, probe_tokens: Sequence[int] = PROBE_TOKENS,
             is_oom: Callable[[BaseException], bool] = lambda e: False, max_checks: int = 8,
-            must_fit: int | None = None, can_switch: bool = True, verify_at_most: int | None = None
-            ) -> dict[str, Any]:
+            must_fit: int | None = None, can_switch: bool = True, verify_at_most: int | None = None,
+            tiled_mlp: bool | None = None) -> dict[str, Any]:
     """Probe, fit, choose and verify, with the measuring function injected (tests pass a fake).
 
     Returns the points, the fit the budget was chosen on, the tokens, and the verified size and peak
     (None when unverified). `must_fit` (the longest sample): when the line leaves fewer tokens than this,
     return unverified if the caller `can_switch` (checkpointing on); else run one pass at it, the row the
     run cannot do without, and take it as the budget if it fits (RuntimeError saying what to change if
-    not). `verify_at_most`: the largest verifying pass (None: at the budget,
+    not; `tiled_mlp`: whether the model ran Unsloth's tiled MLP, None where there is none, for that message).
+    `verify_at_most`: the largest verifying pass (None: at the budget,
     whatever its size); a larger budget is extrapolated from a pass at this size (module docstring, 3).
     """
     points = [(t, int(peak_of(t))) for t in probe_sizes(cap, probe_tokens)]
@@ -268,7 +269,8 @@ def measure(peak_of: PeakFn, *, limit_bytes: int, cap: int, probe_tokens: Sequen
     tokens = choose_tokens(fit, limit_bytes, cap)
     result = {"points": points, "fit": fit, "tokens": tokens, "verified_tokens": None, "verified_peak_bytes": None}
     if must_fit is not None and tokens < must_fit:
-        return result if can_switch else {**result, **_prove_longest(peak_of, must_fit, tokens, limit_bytes, is_oom)}
+        return result if can_switch else {**result, **_prove_longest(peak_of, must_fit, tokens, limit_bytes, is_oom,
+                                                                     tiled_mlp)}
     if verify_at_most is not None and tokens > verify_at_most > points[-1][0]:
         size = _round_down(verify_at_most)
         peak = _peak_or_none(peak_of, size, is_oom)
@@ -293,16 +295,20 @@ def _peak_or_none(peak_of: PeakFn, size: int, is_oom: Callable[[BaseException], 
 
 
 def _prove_longest(peak_of: PeakFn, longest: int, line_tokens: int, limit_bytes: int,
-                   is_oom: Callable[[BaseException], bool]) -> dict[str, Any]:
+                   is_oom: Callable[[BaseException], bool], tiled_mlp: bool | None = None) -> dict[str, Any]:
     """One pass at the longest sample (rounded up to `ROUND_TO`); its size as the budget if it fits."""
     size = -(-longest // ROUND_TO) * ROUND_TO
     peak = _peak_or_none(peak_of, size, is_oom)
     if peak is not None and peak <= limit_bytes:
         return {"tokens": size, "verified_tokens": size, "verified_peak_bytes": peak}
     seen = "ran out of memory" if peak is None else f"peaked at {peak / 2**30:.1f} GiB"
+    savers = "gradient checkpointing and Unsloth's tiled MLP" if tiled_mlp else "gradient checkpointing"
     raise RuntimeError(
         f"the heaviest micro-batch ({longest:,} tokens: the longest sample, or with sorted-pad the per-device batch "
-        f"of the longest samples) does not fit on this GPU even with gradient checkpointing: its forward+backward "
+        f"of the longest samples) does not fit on this GPU even with {savers}: its forward+backward "
         f"{seen}, and {limit_bytes / 2**30:.1f} GiB may be used (the measured line allows about {line_tokens:,} "
         f"tokens). Drop the longer samples (rebuild the dataset with --max_seq_length {line_tokens}), lower "
-        "per_device_train_batch_size (sorted-pad), or train on a GPU with more memory")
+        "per_device_train_batch_size (sorted-pad), "
+        + ("set fast_model_args.tiled_mlp='auto' (the default: Unsloth's tiled MLP, less memory per token), "
+           if tiled_mlp is False else "")
+        + "or train on a GPU with more memory")

@@ -160,7 +160,8 @@ def measure_on_gpu(model, *, lengths: Sequence[int] | np.ndarray, vocab_size: in
         peaks.reverify()
         result = measure(peaks, limit_bytes=limit, cap=cap, must_fit=must_fit, can_switch=can_switch,
                          is_oom=lambda e: isinstance(e, torch.cuda.OutOfMemoryError),
-                         verify_at_most=VERIFY_TOKENS if with_lengths else None)
+                         verify_at_most=VERIFY_TOKENS if with_lengths else None,
+                         tiled_mlp=tiled_mlp if with_lengths else None)  # with_lengths: the Unsloth backend
     finally:
         model.train(was_training)
         release_memory(model, checkpointing_buffers=bool(gradient_checkpointing))

@@ -480,6 +480,16 @@ def test_with_checkpointing_on_the_longest_sample_is_proven_by_one_pass_or_refus
     assert out["tokens"] == out["verified_tokens"] == 40192 and calls == [2048, 8192, 40192]  # one pass at it
     with pytest.raises(RuntimeError, match=r"heaviest micro-batch \(65,536 tokens: .* does not fit .* --max_seq_length 29952"):
         budget_choice.measure(_linear([]), limit_bytes=limit, cap=10**6, must_fit=65536, can_switch=False)
+    # What was tried, and the saver left to try: the tiled MLP where Unsloth has one (None: no hint)
+    said = {}
+    for tiled in (None, False, True):
+        with pytest.raises(RuntimeError) as err:
+            budget_choice.measure(_linear([]), limit_bytes=limit, cap=10**6, must_fit=65536, can_switch=False,
+                                  tiled_mlp=tiled)
+        said[tiled] = str(err.value)
+    assert "tiled" not in said[None]
+    assert "set fast_model_args.tiled_mlp='auto'" in said[False] and "checkpointing and" not in said[False]
+    assert "even with gradient checkpointing and Unsloth's tiled MLP:" in said[True] and "set fast_model" not in said[True]
 
     def oom(tokens):
         if tokens > 8192:
