@@ -31,7 +31,7 @@ callST() {  # callS then callT in one call (one machine start, the 8B checkpoint
   callS; callT; pack
 }
 
-# Prepared for the next session, not run in this one (no device time left):
+# Prepared for the next session, and run in it (the sixth of 2026-12-01; docs/benchmarks.md, its section):
 
 callU() {  # issue 22 item 4, the next cut: Unsloth's tiled MLP (unsloth_zoo/tiled_mlp.py: the MLP run in row tiles
   # of hidden_size rows under no_grad, each tile recomputed in the backward). HyperSloth-1 at 131,072 tokens on

@@ -7,13 +7,19 @@ source scripts/device_calls_lib.sh  # the GPU environment, $W / $L, el, left, be
 
 REF131K=docs/benchmarks/records-2026-12-01e-exact131k-longctx-8b.json  # the sample alone (two machines agreed)
 
-callX() {  # noticed in callU: the 131k step on Qwen3-8B 4-bit took 120 s with HyperSloth's LoRA passes; the issue
-  # measured 85 s for it with Unsloth's LoRA kernels, at an older commit. Both, untiled, one step each (~8 minutes)
+callX() {  # noticed in callU: the 131k step on Qwen3-8B 4-bit took 121.7 s untiled with HyperSloth's LoRA passes
+  # (this session's log, 2026-12-01f-tiled-off.log); the issue measured 85 s for it with Unsloth's LoRA kernels, at an
+  # older commit. First the blocks alone at the long row's length (lora_passes' concat-or-epilogue rule was fitted
+  # at <= 22,528 tokens; at 151,809 it picks concat for gate/up), then the same step on Unsloth's LoRA kernels
+  # (~7 minutes)
+  OUT=$OUT timeout 150 python3 scripts/lora_bench.py --models qwen3-8b --tokens 151809 32768 --warmup 2 --reps 8 \
+    --budget-s 120 > $L/lora-bench.log 2>&1
+  el "lora bench done"; grep -v "^#" $L/lora-bench.log | cut -c1-400 | tail -12
   bench --workloads longctx-8b --long-tokens 131072 --warmup 0 --steps 1 --tag next-lora131k \
-    --slots hypersloth-1,hypersloth-1-unsloth-lora --reference-from $REF131K --budget-s $(left 570) \
-    > $L/bench.log 2>&1
+    --slots hypersloth-1-unsloth-lora --reference-from $REF131K --budget-s $(left 570) > $L/bench.log 2>&1
   el "bench done"; show $L/bench.log
-  grep -h "start-up\|median step\|LoRA projections" $W/longctx-8b/out_hypersloth-1*/logs/rank0.log | cut -c1-400
+  grep -h "start-up\|median step\|LoRA projections\|memory      peak" $W/longctx-8b/out_hypersloth-1*/logs/rank0.log \
+    | cut -c1-400
   pack
 }
 
