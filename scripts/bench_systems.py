@@ -161,7 +161,7 @@ def run_reference(a) -> dict:
 
 
 def run_hypersloth(a) -> dict:
-    out = Path(a.work) / f"out_{a.system}"
+    out = hypersloth_out(a.work, a.system)
     cfg = hypersloth_config(a, out)
     done = subprocess.run([sys.executable, "-m", "HyperSloth.cli.train", str(cfg), "--overwrite"])
     if done.returncode != 0:  # the launcher's own lines are in this system's log; the worker's last words are not
@@ -169,13 +169,24 @@ def run_hypersloth(a) -> dict:
             lines = stderr.read_text(errors="replace").splitlines()[-30:]
             print(f"--- last {len(lines)} lines of {stderr}:", *lines, sep="\n", flush=True)
         raise SystemExit(f"hypersloth-train exited with {done.returncode}")
+    return hypersloth_result(out, a.gpus)
+
+
+def hypersloth_out(work: Path, system: str) -> Path:
+    """The output folder of HyperSloth system `system` in a workload's work folder."""
+    return Path(work) / f"out_{system}"
+
+
+def hypersloth_result(out: Path, gpus: int) -> dict:
+    """A HyperSloth run's raw result, read from its output folder (its summary and every rank's final record);
+    FileNotFoundError when the run did not end its training."""
     summary = json.loads((out / "train_summary.json").read_text())
-    peaks = [json.loads((out / "logs" / f"rank{r}.final.json").read_text())["peak_gpu_gb"] for r in range(a.gpus)]
+    peaks = [json.loads((out / "logs" / f"rank{r}.final.json").read_text())["peak_gpu_gb"] for r in range(gpus)]
     return {"step_seconds": summary["step_seconds"], "losses": summary["step_losses"], "peak_gb": peaks,
             "phases": summary.get("phase_seconds_per_step"), "rank_phases": rank_phases(out),
             "kernel_profile": summary.get("kernel_profile"),
             "padding_pct": summary.get("padding_pct"), "token_budget": summary.get("token_budget"),
-            "gradient_checkpointing": summary.get("gradient_checkpointing"),
+            "gradient_checkpointing": summary.get("gradient_checkpointing"), "tiled_mlp": summary.get("tiled_mlp"),
             "first_step_end_unix": summary.get("first_step_end_unix"), "cuda_graphs": summary.get("cuda_graphs"),
             "startup": summary.get("startup"),  # launch to the end of step 1, phase by phase
             "rewards_margins": (summary.get("step_rewards") or {}).get("rewards/margins"),

@@ -78,7 +78,8 @@ from pathlib import Path
 import numpy as np
 
 import bench_longctx  # scripts/ is on sys.path when this file runs
-from bench_systems import SYSTEMS, run_hypersloth, run_reference, run_stock_unsloth, run_trl_dpo
+from bench_systems import (SYSTEMS, hypersloth_out, hypersloth_result, run_hypersloth, run_reference,
+                           run_stock_unsloth, run_trl_dpo)
 from bench_workloads import (
     GLOBAL_BATCH,
     LONG_TOKENS,
@@ -167,8 +168,25 @@ def record_for(name: str, workload: str, raw: dict, data: dict, a, launched: flo
         "cuda_graphs": raw.get("cuda_graphs"), "startup_phases": (raw.get("startup") or {}).get("phase_s"),
         "startup_s": raw["first_step_end_unix"] - launched if raw.get("first_step_end_unix") else None,
         "probe_s": (budget or {}).get("probe_seconds") if isinstance(budget, dict) else None,
-        "rewards_margins": raw.get("rewards_margins"),
+        "rewards_margins": raw.get("rewards_margins"), "tiled_mlp": raw.get("tiled_mlp"),
+        "salvaged_after_timeout": raw.get("salvaged_after_timeout", False),
     }
+
+
+def salvage_timed_out(name: str, work: Path, launched: float) -> dict | None:
+    """The raw result of a HyperSloth system stopped for time after its training had ended (its summary and
+    final records written during this launch, the process still tearing down: freeing tens of GiB of pinned
+    host memory takes seconds), or None. Callers record it as the run; anything less is a failure."""
+    if SYSTEMS[name]["runner"] != "hypersloth":
+        return None
+    out = hypersloth_out(work, name)
+    summary = out / "train_summary.json"
+    if not summary.exists() or summary.stat().st_mtime < launched:
+        return None
+    try:
+        return {**hypersloth_result(out, SYSTEMS[name]["gpus"]), "salvaged_after_timeout": True}
+    except (FileNotFoundError, ValueError, KeyError):
+        return None
 
 
 def run_slot(slot: list[str], workload: str, a, data: dict) -> list[dict]:
@@ -194,7 +212,12 @@ def run_slot(slot: list[str], workload: str, a, data: dict) -> list[dict]:
             rc = "timeout"
         wall = time.time() - started
         result = work / f"result_{name}.json"
-        if rc != 0 or not result.exists():
+        salvaged = salvage_timed_out(name, work, started) if rc == "timeout" else None
+        if salvaged is not None:
+            result.write_text(json.dumps(salvaged))
+            print(f"[{workload} {name}] out of time after its training ended (its summary was written); "
+                  "recorded from its output folder", flush=True)
+        elif rc != 0 or not result.exists():
             text = log.read_text(errors="replace")
             said = "\n".join(line for line in text.splitlines() if line.startswith("hypersloth-train:"))
             print(f"[{workload} {name}] FAILED ({rc}) after {wall:.0f}s\n{said}\ntail:\n{text[-4000:]}", flush=True)

@@ -33,3 +33,33 @@ def test_a_step_slower_in_proportion_to_its_tokens_is_steady():
 def test_a_spike_per_token_is_reported():
     r = record([9.0, 9.0, 0.2, 0.2, 0.6, 0.2], [1, 1, 1000, 1000, 1000, 1000])
     assert r["us_per_token_max_over_median"] == pytest.approx(3.0)
+
+
+def _finished_run(out: Path, peak: float = 30.63) -> None:
+    import json
+
+    (out / "logs").mkdir(parents=True)
+    (out / "train_summary.json").write_text(json.dumps({
+        "step_seconds": [121.7], "step_losses": [12.7512], "gradient_checkpointing": "unsloth", "tiled_mlp": False,
+        "token_budget": {"tokens": 152064, "longest_sample": 131072}, "first_step_end_unix": 1000.0}))
+    (out / "logs" / "rank0.final.json").write_text(json.dumps({"peak_gpu_gb": peak}))
+
+
+def test_a_hypersloth_run_stopped_for_time_after_its_training_ended_is_recorded(tmp_path):
+    """callU (2026-12-01, sixth session): the untiled 131k run ended its step and wrote its summary, then the
+    benchmark's time ran out while the process tore down; its record said only "exit timeout"."""
+    import time
+
+    launched = time.time() - 5
+    out = tmp_path / "out_hypersloth-1"
+    assert benchmark.salvage_timed_out("hypersloth-1", tmp_path, launched) is None  # nothing written: a failure
+    _finished_run(out)
+    raw = benchmark.salvage_timed_out("hypersloth-1", tmp_path, launched)
+    assert raw["peak_gb"] == [30.63] and raw["losses"] == [12.7512] and raw["salvaged_after_timeout"]
+    assert raw["longest_sample_tokens"] == 131072 and raw["tiled_mlp"] is False
+    # a summary left by an earlier launch is not this run's; other runners are never salvaged
+    assert benchmark.salvage_timed_out("hypersloth-1", tmp_path, time.time() + 60) is None
+    assert benchmark.salvage_timed_out("unsloth-best", tmp_path, launched) is None
+    # a summary without every rank's final record is not a finished run
+    (out / "logs" / "rank0.final.json").unlink()
+    assert benchmark.salvage_timed_out("hypersloth-1", tmp_path, launched) is None
