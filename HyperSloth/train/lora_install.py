@@ -5,7 +5,9 @@ per decoder layer, `self_attn.apply_qkv = apply_lora_qkv`, `self_attn.apply_o = 
 functions called as `self.apply_qkv(self, X)` by its attention forward) and
 `mlp.forward = MethodType(apply_lora_mlp_swiglu, mlp)` (under its tiled MLP, `UNSLOTH_TILED_MLP` /
 `unsloth_tiled_mlp=True`, `mlp._unsloth_forward` instead: the tiled `forward` calls it on each row tile, and
-again on each tile in its backward). `install_lora_passes` replaces exactly those three
+again on each tile in its backward, where a distributed run's variant, unsloth/models/_tiled_mlp_ddp.py, takes
+the LoRA grads as outputs of torch.autograd.grad; both are CPU-tested in miniature, the single-process one also
+on the H200). `install_lora_passes` replaces exactly those three
 attributes, keeps Unsloth's function beside ours (`_hypersloth_previous`), and calls it back whenever the
 adapter is disabled or merged at call time (DPO's reference forward) or autocast would change the dtype,
 which Unsloth's own functions hand to PEFT. It refuses, with a one-line reason and nothing changed, a model

@@ -139,11 +139,47 @@ class TiledMLP(torch.autograd.Function):
         return None, x_gradients, None
 
 
-def tile_mlps(model, rows: int) -> None:
+class TiledMLPWithParams(torch.autograd.Function):
+    """unsloth/models/_tiled_mlp_ddp.py's `_TiledMLPWithParams` (2026.10.9) in miniature: what Unsloth's loader
+    puts in TiledMLP.apply's place when it sees a distributed run (WORLD_SIZE > 1, as HyperSloth's N-GPU
+    workers have). The MLP's trainable parameters are inputs, and each tile's backward is
+    torch.autograd.grad over (tile, *params), summed and returned, instead of accumulating into .grad."""
+
+    @staticmethod
+    def forward(ctx, mlp_forward, x, rows, *params):
+        ctx.mlp_forward, ctx.rows, ctx.params = mlp_forward, rows, params
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return torch.cat([mlp_forward(t.unsqueeze(0))[0] for t in torch.split(x.view(-1, x.shape[-1]), rows)])[None]
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (x,) = ctx.saved_tensors
+        H = x.shape[-1]
+        x_gradients, param_grads = torch.zeros_like(x), [None] * len(ctx.params)
+        splits = zip(torch.split(x.view(-1, H), ctx.rows), torch.split(grad_output.reshape(-1, H), ctx.rows),
+                     torch.split(x_gradients.view(-1, H), ctx.rows))
+        for x_split, grad_split, x_grad in splits:
+            x_split = x_split.unsqueeze(0).requires_grad_(True)
+            with torch.enable_grad():
+                out = ctx.mlp_forward(x_split)
+            grads = torch.autograd.grad(out, (x_split, *ctx.params), grad_split.unsqueeze(0), allow_unused=True)
+            x_grad.copy_(grads[0].squeeze(0))
+            for i, g in enumerate(grads[1:]):
+                if g is not None:
+                    param_grads[i] = g if param_grads[i] is None else param_grads[i].add_(g)
+        return None, x_gradients, None, *param_grads
+
+
+def tile_mlps(model, rows: int, distributed: bool = False) -> None:
     """What Unsloth's loader and patch_peft_model leave under UNSLOTH_TILED_MLP: the tiled `forward`, and its
-    LoRA hook in `_unsloth_forward` (patch_peft_model sees the attribute and puts the hook there)."""
+    LoRA hook in `_unsloth_forward` (patch_peft_model sees the attribute and puts the hook there); with
+    `distributed`, the tiles run through Unsloth's DDP variant (`TiledMLPWithParams`)."""
     def tiled_forward(self, x):
-        return TiledMLP.apply(self._unsloth_forward.__get__(self, self.__class__), x, rows)
+        hook = self._unsloth_forward.__get__(self, self.__class__)
+        if distributed:
+            return TiledMLPWithParams.apply(hook, x, rows, *(p for p in self.parameters() if p.requires_grad))
+        return TiledMLP.apply(hook, x, rows)
 
     for layer in li.decoder_layers(model):
         mlp = layer.mlp
@@ -151,13 +187,16 @@ def tile_mlps(model, rows: int) -> None:
         mlp.forward = types.MethodType(tiled_forward, mlp)
 
 
+@pytest.mark.parametrize("distributed", [False, True])
 @pytest.mark.parametrize("mode", ["concat", "epilogue"])
-def test_under_unsloths_tiled_mlp_the_passes_go_in_its_tile_hook_with_the_same_grads(mode):
+def test_under_unsloths_tiled_mlp_the_passes_go_in_its_tile_hook_with_the_same_grads(mode, distributed):
     """The tiled MLP calls the hook per row tile, in the forward and again in the backward, where dX may be
     written into the saved input's storage (Unsloth's own in-place rule): our hook in `_unsloth_forward` must
-    give the untiled numbers, fall back to Unsloth's hook with the adapter off, and uninstall cleanly."""
+    give the untiled numbers, fall back to Unsloth's hook with the adapter off, and uninstall cleanly. Also
+    through Unsloth's variant for distributed runs, which N-GPU workers get (the LoRA grads as outputs of
+    torch.autograd.grad over each tile, not accumulated into .grad by the tile's backward)."""
     plain, tiled = tiny_peft_model(), tiny_peft_model()
-    tile_mlps(tiled, rows=7)  # 23 rows: tiles of 7, 7, 7, 2
+    tile_mlps(tiled, rows=7, distributed=distributed)  # 23 rows: tiles of 7, 7, 7, 2
     assert li.install_lora_passes(tiled, mode=mode) is None
     mlp = li.decoder_layers(tiled)[0].mlp
     assert mlp._unsloth_forward.__func__.func is li._mlp_hook and mlp.forward.__func__.__name__ == "tiled_forward"
