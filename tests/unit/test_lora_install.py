@@ -147,10 +147,8 @@ class TiledMLPWithParams(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, mlp_forward, x, rows, *params):
-        ctx.mlp_forward, ctx.rows, ctx.params = mlp_forward, rows, params
-        ctx.save_for_backward(x)
-        with torch.no_grad():
-            return torch.cat([mlp_forward(t.unsqueeze(0))[0] for t in torch.split(x.view(-1, x.shape[-1]), rows)])[None]
+        ctx.params = params
+        return TiledMLP.forward(ctx, mlp_forward, x, rows)  # as Unsloth's variant reuses TiledMLP.forward
 
     @staticmethod
     def backward(ctx, grad_output):
