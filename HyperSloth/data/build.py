@@ -219,8 +219,12 @@ def _check_local_paths(opts: BuildOptions) -> None:
 
 
 def _looks_local(name_or_path: str) -> bool:
-    """A path rather than a hub id ("org/name"): it exists, or it starts or nests like a path."""
-    return Path(name_or_path).expanduser().exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
+    """A path rather than a hub id ("org/name"): it exists, it starts or nests like a path, or its "org" is a
+    local folder (``build/nosuch`` after ``build/tiny-qwen3`` was made: "no such folder" at once, rather than
+    seconds spent asking the Hub; launch/model_source.py decides models the same way)."""
+    path = Path(name_or_path).expanduser()
+    nested = name_or_path.count("/") > 1 or (name_or_path.count("/") == 1 and path.parent.is_dir())
+    return path.exists() or name_or_path.startswith((".", "/", "~")) or nested
 
 
 def _resolve_source(source: str, source_type: str) -> tuple[str, str]:

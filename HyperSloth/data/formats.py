@@ -194,9 +194,7 @@ def read_local(path: str | Path, split: str = "train") -> list[RawRecord] | Any:
     if suffix == ".json":
         return _read_json(path)
     if suffix == ".parquet":
-        import datasets
-
-        return datasets.Dataset.from_parquet(str(path))
+        return _read_parquet(path)
     raise DataInputError(
         f"--local_path {path}: unsupported file type {suffix!r}; use .jsonl, .json, .parquet "
         "or a folder written by datasets' save_to_disk"
@@ -215,9 +213,26 @@ def _read_json_lines(path: Path) -> Iterator[RawRecord]:
                 yield RawRecord(location, error=RecordError("malformed_json", err.msg + f" (column {err.colno})"))
 
 
+def _read_parquet(path: Path) -> Any:
+    """A ``.parquet`` file as a ``datasets.Dataset``; one DataInputError line when it is empty or not parquet
+    (pyarrow's own error is a 50-line traceback through datasets' builder)."""
+    import datasets
+    import pyarrow
+
+    if path.stat().st_size == 0:
+        raise DataInputError(f"{path} holds no records (it is empty, 0 bytes): nothing to build")
+    try:
+        return datasets.Dataset.from_parquet(str(path))
+    except (pyarrow.ArrowException, OSError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DataInputError(f"{path} is not a readable parquet file ({first})") from None
+
+
 def _read_json(path: Path) -> list[RawRecord]:
     """A ``.json`` file: a list of records, ``{"data"|split: [...]}``, or JSON lines misnamed."""
     text = path.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise DataInputError(f"{path} holds no records (it is empty): nothing to build")
     try:
         content = json.loads(text)
     except json.JSONDecodeError as err:

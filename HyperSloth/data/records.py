@@ -95,14 +95,13 @@ def collect(
 
 
 def _report_malformed(raw: Any, collected: Collected, strict: bool) -> None:
-    """Report every unparseable JSON line as ``file:line`` (all of them, not just the sampled)."""
+    """Count every unparseable JSON line (all of them, not just the sampled); the build summary names the
+    first few as ``file:line``, once."""
     if not isinstance(raw, list):
         return
     for record in raw:
         if record.error is not None:
             collected.skip(record.location, record.error, strict)
-            if collected.skipped["malformed_json"] <= 20:
-                logger.warning(f"{record.location}: malformed JSON: {record.error.detail}")
             collected.records_read += 1
 
 

@@ -127,3 +127,20 @@ def test_missing_and_unsupported_paths_are_user_errors(tmp_path):
     (tmp_path / "folder").mkdir()
     with pytest.raises(DataInputError, match="not a saved Hugging Face dataset"):
         formats.read_local(tmp_path / "folder")
+
+
+def test_garbage_or_empty_parquet_is_one_line(tmp_path):
+    garbage, empty = tmp_path / "bin.parquet", tmp_path / "empty.parquet"
+    garbage.write_bytes(bytes(range(256)) * 8)
+    empty.write_bytes(b"")
+    with pytest.raises(DataInputError, match=r"bin\.parquet is not a readable parquet file \(.*magic bytes"):
+        formats.read_local(garbage)
+    with pytest.raises(DataInputError, match=r"empty\.parquet holds no records \(it is empty"):
+        formats.read_local(empty)
+
+
+def test_an_empty_json_file_says_empty_as_an_empty_list_does(tmp_path):
+    for text in ("", "  \n"):
+        (tmp_path / "e.json").write_text(text)
+        with pytest.raises(DataInputError, match=r"e\.json holds no records \(it is empty\)"):
+            formats.read_local(tmp_path / "e.json")
