@@ -225,7 +225,7 @@ class TrainingConfig(BaseModel):
     tokens_per_micro_batch: Annotated[int, Field(gt=0)] | Literal["auto"] = Field(
         "auto",
         description="Packed mode: most tokens in one micro-batch. 'auto' = on a GPU, the largest that fits this "
-        "GPU's free memory, measured at start for this model and settings (HyperSloth.train.budget); on CPU, "
+        "GPU's free memory, measured at start for this model and settings (HyperSloth.train.budget.settle); on CPU, "
         "per_device_train_batch_size * max_seq_length. A number overrides it.",
     )
     group_by_length: bool = Field(False, description="Group similar lengths into the same optimizer steps.")
@@ -248,7 +248,7 @@ class TrainingConfig(BaseModel):
     lora_passes: bool = Field(
         True,
         description="Compute Unsloth's LoRA projections (QKV, O, SwiGLU MLP) without the separate pass that adds "
-        "the low-rank product onto each full-size output (HyperSloth.train.lora_passes; Unsloth backend, plain "
+        "the low-rank product onto each full-size output (HyperSloth.train.lora.passes; Unsloth backend, plain "
         "LoRA; otherwise Unsloth's own, with one log line saying why). Same math, fewer memory passes.",
     )
 

@@ -1,4 +1,4 @@
-"""LoRA block microbenchmark: Unsloth's LoRA_QKV / LoRA_W / LoRA_MLP against HyperSloth.train.lora_passes.
+"""LoRA block microbenchmark: Unsloth's LoRA_QKV / LoRA_W / LoRA_MLP against HyperSloth.train.lora.passes.
 
 On the GPU machine, from the repo root:
     source scripts/gpu_env.sh && OUT=$OUT python3 scripts/lora_bench.py
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: H
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from HyperSloth.train import lora_passes as lp  # noqa: E402
+from HyperSloth.train.lora import passes as lp  # noqa: E402
 
 MODELS = {
     "qwen3-0.6b": {"hidden": 1024, "q": 2048, "kv": 1024, "inter": 3072, "nf4": False},

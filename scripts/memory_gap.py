@@ -7,7 +7,7 @@ GiB predicted with Unsloth's checkpointing at a row of 18,432 tokens) and within
 runs a bare forward+backward; training differs from it in these ways, each measured here on the same row
 (peak allocated bytes, `torch.cuda.max_memory_allocated`, after `reset_peak_memory_stats`):
 
-- `probe`: the probe's own pass (`HyperSloth.train.budget_probe.peak_of_forward_backward`), the baseline;
+- `probe`: the probe's own pass (`HyperSloth.train.budget.probe.peak_of_forward_backward`), the baseline;
 - `autocast`: the forward under bf16 autocast with fp32 outputs, which is what accelerate's `prepare`
   wraps `model.forward` in when HF's Trainer runs with bf16=True (accelerate `Accelerator.prepare_model`,
   `native_amp`); the probe runs before the trainer exists, without it;
@@ -72,7 +72,7 @@ def _enable_as_hf_trainer_does(model) -> None:
 def measure(model, tokens: int, snapshot: Path) -> dict:
     import torch
 
-    from HyperSloth.train.budget_probe import release_memory
+    from HyperSloth.train.budget.probe import release_memory
     from HyperSloth.train.model import release_checkpointing_buffers
     from profile_step import packed_row
 

@@ -4,7 +4,7 @@
         [--probe] [--sweep 2048,8192,32768] [--churn 30] [--torch-profile 11264] [--longest 32768,65536]
 
 Loads the model once through HyperSloth's Unsloth backend (varlen shim on), then, as asked:
-- `--probe`: the automatic budget's measurement (`HyperSloth.train.budget_probe.measure_on_gpu`) and its decision;
+- `--probe`: the automatic budget's measurement (`HyperSloth.train.budget.probe.measure_on_gpu`) and its decision;
 - `--sweep`: seconds and peak memory of forward+backward of packed rows of exactly these token counts,
   built from the short-chat length distribution; fits seconds = fixed + per_token x tokens;
 - `--churn N`: N micro-batches of varying length (a new shape almost every time), plain and bucketed
@@ -56,7 +56,7 @@ def fwd_bwd_seconds(model, batch: dict, optimizer=None) -> float:
 def sweep(model, sizes: list[int], rng) -> dict:
     import torch
 
-    from HyperSloth.train.budget_probe import release_memory
+    from HyperSloth.train.budget.probe import release_memory
 
     rows = []
     for tokens in sizes:
@@ -78,7 +78,7 @@ def sweep(model, sizes: list[int], rng) -> dict:
 
 def churn(model, n: int, rng) -> dict:
     """Varying row lengths (8k-14k tokens, as one rank's share of a short-chat step), plain then bucketed."""
-    from HyperSloth.train.budget_probe import release_memory
+    from HyperSloth.train.budget.probe import release_memory
     from HyperSloth.train.collate import bucket_tokens
 
     out = {}
@@ -102,7 +102,7 @@ def torch_profile(model, tokens: int, rng, table_path: str | None) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from HyperSloth.train.budget_probe import release_memory
+    from HyperSloth.train.budget.probe import release_memory
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-9)
@@ -137,7 +137,7 @@ def torch_profile(model, tokens: int, rng, table_path: str | None) -> dict:
 def longest(model, lengths: list[int], rng) -> list[dict]:
     import torch
 
-    from HyperSloth.train.budget_probe import release_memory
+    from HyperSloth.train.budget.probe import release_memory
     from HyperSloth.train.collate import collate_packed
 
     rows = []
@@ -176,7 +176,7 @@ def main() -> None:
     import torch
 
     from HyperSloth.config import FastModelArgs, LoraArgs
-    from HyperSloth.train import budget_probe
+    from HyperSloth.train.budget import probe as budget_probe
     from HyperSloth.train.model import load_model
     from HyperSloth.train.patches import enable_unsloth_torch_varlen
 

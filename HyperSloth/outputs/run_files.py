@@ -76,7 +76,7 @@ ENV_MASTER_ADDR = "HYPERSLOTH_MASTER_ADDR"
 ENV_MASTER_PORT = "HYPERSLOTH_MASTER_PORT"
 # The launcher's start-up stamps, handed to every worker (HyperSloth.outputs.startup).
 ENV_LAUNCH_STAMPS = "HYPERSLOTH_LAUNCH_STAMPS"
-# Where the budget probe caches its measurements (HyperSloth.train.probe_cache); "off" turns the cache off.
+# Where the budget probe caches its measurements (HyperSloth.train.budget.cache); "off" turns the cache off.
 ENV_CACHE_DIR = "HYPERSLOTH_CACHE_DIR"
 ENV_PAD_LOSS_ROWS = "HYPERSLOTH_PAD_LOSS_ROWS"  # "0": leave Unsloth's fused loss unpatched (train/patches.py)
 # N: record the CUDA allocator's history over optimizer steps 1..N, into logs/rank{r}.memory_snapshot.pickle

@@ -152,13 +152,13 @@ class RunDescription(BaseModel):
         description="Where token_budget comes from: tokens_per_micro_batch as given; 'auto' on CPU "
         "(per_device_train_batch_size x max_seq_length); 'auto' on a GPU: that product is only the preview's "
         "stand-in until each worker measures its GPU and all plan with the minimum over ranks "
-        "(HyperSloth.train.budget.settle replaces it).")
+        "(HyperSloth.train.budget.settle.settle replaces it).")
     gradient_checkpointing: bool | Literal["unsloth"] = Field(
         description="The checkpointing training runs with: fast_model_args.use_gradient_checkpointing, switched "
-        "on by HyperSloth.train.budget.settle when the longest sample fits a micro-batch only with it.")
+        "on by HyperSloth.train.budget.settle.settle when the longest sample fits a micro-batch only with it.")
     tiled_mlp: bool | Literal["auto"] = Field(
         False, description="Unsloth's tiled MLP: fast_model_args.tiled_mlp; 'auto' is settled by "
-        "HyperSloth.train.budget.settle (True when the longest sample fits only with it).")
+        "HyperSloth.train.budget.settle.settle (True when the longest sample fits only with it).")
     group_by_length: bool
     group_window_steps: int
     nccl_timeout_s: int = Field(gt=0, description="Seconds a collective may wait before the run aborts.")

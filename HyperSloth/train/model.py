@@ -110,7 +110,7 @@ def _load_unsloth(fast: FastModelArgs, lora: LoraArgs | None, dtype: torch.dtype
 
 def _install_lora_passes(model) -> None:
     """HyperSloth's LoRA projections in place of Unsloth's hooks, or one line saying why not (all or nothing)."""
-    from HyperSloth.train.lora_install import install_lora_passes
+    from HyperSloth.train.lora.install import install_lora_passes
 
     why = install_lora_passes(model)
     if why is None:

@@ -22,7 +22,9 @@ from HyperSloth.outputs.checkpoints import CheckpointError
 from HyperSloth.outputs.startup import StartupTimeline, process_start_unix
 from HyperSloth.plan.batching import int_column
 from HyperSloth.plan.run import RunDescription, read_run
-from HyperSloth.train import budget, dist, probe_cache
+from HyperSloth.train import dist
+from HyperSloth.train.budget import settle as budget
+from HyperSloth.train.budget import cache as probe_cache
 
 
 def main_from_cli(run_path: str) -> None:
@@ -197,10 +199,10 @@ def _refuse_corrupt(checkpoint: str, problems: list[str]) -> None:
 def _builder(method: str):
     """The trainer factory of a training method: SFT (`trainer.build_trainer`) or DPO (`dpo_trainer`)."""
     if method == "dpo":
-        from HyperSloth.train.dpo_trainer import build_dpo_trainer
+        from HyperSloth.train.dpo.trainer import build_dpo_trainer
 
         return build_dpo_trainer
-    from HyperSloth.train.trainer import build_trainer
+    from HyperSloth.train.sft.trainer import build_trainer
 
     return build_trainer
 

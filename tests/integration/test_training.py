@@ -313,7 +313,7 @@ def test_a_full_disk_during_a_save_stops_training_and_keeps_the_previous_checkpo
     from HyperSloth.plan.run import MachineFacts, resolve_run
     from HyperSloth.train.dist import DistInfo
     from HyperSloth.train.model import load_model
-    from HyperSloth.train.trainer import build_trainer
+    from HyperSloth.train.sft.trainer import build_trainer
     from training_fixtures import write_config
 
     spec = RunSpec("disk-full", gpus=1, per_device=2)

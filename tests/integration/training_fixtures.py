@@ -41,7 +41,7 @@ FAILURE_INJECTION = '''
 import os as _os, time as _time
 from pathlib import Path as _Path
 if _os.environ.get("HYPERSLOTH_RANK") == "1":
-    from HyperSloth.train.trainer import HyperSlothTrainer as _Trainer
+    from HyperSloth.train.sft.trainer import HyperSlothTrainer as _Trainer
     _step, _calls = _Trainer.training_step, []
     def _failing_step(self, *args, **kwargs):
         _calls.append(1)
@@ -58,7 +58,7 @@ KILL_IN_SAVE_INJECTION = '''
 import os as _os, signal as _signal
 from pathlib import Path as _Path
 if _os.environ.get("HYPERSLOTH_RANK") == "1":
-    from HyperSloth.train.trainer import HyperSlothTrainer as _Trainer
+    from HyperSloth.train.sft.trainer import HyperSlothTrainer as _Trainer
     _save = _Trainer._save_rng_state
     def _killed_while_saving(self, output_dir):
         if self.state.global_step == {step}:

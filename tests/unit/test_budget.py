@@ -8,7 +8,10 @@ import torch.multiprocessing as mp
 
 from HyperSloth.launch.rendezvous import host_store
 from HyperSloth.plan.run import RunDescription
-from HyperSloth.train import budget, budget_choice, budget_probe, dist
+from HyperSloth.train import dist
+from HyperSloth.train.budget import settle as budget
+from HyperSloth.train.budget import choice as budget_choice
+from HyperSloth.train.budget import probe as budget_probe
 
 GIB = 2**30
 
@@ -271,7 +274,7 @@ def test_sorted_pad_auto_must_fit_its_padded_micro_batch_of_the_longest_samples(
 def test_settle_tiles_the_mlp_when_checkpointing_alone_leaves_no_room(monkeypatch, logs):
     """The third saver: a 200,000-token sample fits neither without checkpointing (30,720) nor with it (100,000);
     with Unsloth's tiled MLP it does (300,000). Each saver is one more load and one more probe."""
-    from HyperSloth.train.probe_cache import ProbeSetup
+    from HyperSloth.train.budget.cache import ProbeSetup
 
     budgets = {False: 30720, "unsloth": 100000, ("unsloth", "tiled"): 300000}
     monkeypatch.setattr(budget, "measure_auto", _fake_measure(budgets))
@@ -336,7 +339,7 @@ def test_the_probe_shrinks_unsloths_checkpointing_buffers(monkeypatch):
 
     import torch
 
-    from HyperSloth.train import budget_probe
+    from HyperSloth.train.budget import probe as budget_probe
     from HyperSloth.train.model import release_checkpointing_buffers
 
     monkeypatch.delitem(sys.modules, "unsloth_zoo.gradient_checkpointing", raising=False)
@@ -356,7 +359,7 @@ def test_the_probe_shrinks_unsloths_checkpointing_buffers(monkeypatch):
 
 
 def test_settle_loads_with_checkpointing_at_once_when_the_cache_knows(monkeypatch):
-    from HyperSloth.train.probe_cache import ProbeSetup
+    from HyperSloth.train.budget.cache import ProbeSetup
 
     monkeypatch.setattr(budget, "measure_auto", _fake_measure({False: 30720, "unsloth": 300000}))
     monkeypatch.setattr(budget, "cached_needs_checkpointing", lambda setup, lengths, samples_per_step: True)
@@ -370,7 +373,7 @@ def test_settle_loads_with_checkpointing_at_once_when_the_cache_knows(monkeypatc
 
 
 def test_settle_loads_with_checkpointing_at_once_when_the_models_shape_says_so(monkeypatch, logs):
-    from HyperSloth.train.probe_cache import ProbeSetup
+    from HyperSloth.train.budget.cache import ProbeSetup
 
     monkeypatch.setattr(budget, "measure_auto", _fake_measure({False: 30720, "unsloth": 300000}))
     monkeypatch.setattr(budget, "cached_needs_checkpointing", lambda setup, lengths, samples_per_step: False)

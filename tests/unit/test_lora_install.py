@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from HyperSloth.train import lora_install as li
+from HyperSloth.train.lora import install as li
 
 TOL = 1e-5
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

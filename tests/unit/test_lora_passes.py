@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from HyperSloth.train import lora_passes as lp
+from HyperSloth.train.lora import passes as lp
 
 TOL = 1e-5
 # (T, d_in, q, kv, intermediate, r): T not a multiple of anything, in != out, r 8 and 16.

@@ -12,7 +12,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from HyperSloth.train.preference import (
+from HyperSloth.train.dpo.preference import (
     REFERENCE_ADAPTER,
     ReferenceSwitch,
     add_reference_adapter,

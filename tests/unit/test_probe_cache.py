@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from HyperSloth.outputs import run_files
-from HyperSloth.train import budget_choice, budget_probe, probe_cache
+from HyperSloth.train.budget import choice as budget_choice
+from HyperSloth.train.budget import probe as budget_probe
+from HyperSloth.train.budget import cache as probe_cache
 
 GIB = 2**30
 DEVICE = {"gpu": "NVIDIA H200", "total_bytes": 150 * GIB, "capability": "9.0"}

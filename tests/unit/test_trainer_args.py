@@ -6,7 +6,8 @@ import torch
 from trl import SFTConfig
 
 from HyperSloth.config import TrainingArgsConfig
-from HyperSloth.train import trainer, trainer_args
+from HyperSloth.train import trainer_args
+from HyperSloth.train.sft import trainer
 
 
 @dataclasses.dataclass
@@ -90,7 +91,7 @@ def test_step_history_is_kept_in_the_checkpoint_state_and_read_back_on_resume():
 
     from transformers import TrainerControl, TrainerState
 
-    from HyperSloth.train.trainer import StepHistory
+    from HyperSloth.train.sft.trainer import StepHistory
 
     def trainer(losses, rewards):
         return SimpleNamespace(step_series_this_run=lambda: {"losses": losses, "rewards": rewards})

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from HyperSloth.train.lora_passes import WeightFn, dense_weight, lora_linear, lora_qkv, lora_swiglu_mlp
+from HyperSloth.train.lora.passes import WeightFn, dense_weight, lora_linear, lora_qkv, lora_swiglu_mlp
 
 UNSLOTH_QKV, UNSLOTH_O, UNSLOTH_MLP = "apply_lora_qkv", "apply_lora_o", "apply_lora_mlp_swiglu"
 TILED_SLOT = "_unsloth_forward"  # the MLP hook's place under Unsloth's tiled MLP

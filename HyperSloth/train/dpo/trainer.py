@@ -31,7 +31,7 @@ from HyperSloth.plan.pairs import PAIR_COLUMNS, pair_plan_inputs
 from HyperSloth.plan.run import RunDescription
 from HyperSloth.train.dist import DistInfo
 from HyperSloth.train.evaluation import Evaluator
-from HyperSloth.train.preference import (
+from HyperSloth.train.dpo.preference import (
     REWARD_KEYS,
     ReferenceSwitch,
     add_reference_adapter,
@@ -40,7 +40,7 @@ from HyperSloth.train.preference import (
     pair_logps,
 )
 from HyperSloth.train.plan_loader import PlanSteps
-from HyperSloth.train.trainer import HyperSlothTrainer, RunSetup, run_setup
+from HyperSloth.train.sft.trainer import HyperSlothTrainer, RunSetup, run_setup
 from HyperSloth.train.trainer_args import trainer_arguments
 
 

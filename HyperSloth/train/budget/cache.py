@@ -8,7 +8,7 @@ gradient checkpointing, backend and the packed-row path, the probe rows' segment
 total memory, compute capability) and the versions of torch, transformers, peft, trl, unsloth,
 unsloth_zoo, bitsandbytes and HyperSloth. An entry is used only when every field matches, and only after
 one live pass at the smallest probe size lands within `REVERIFY_TOLERANCE` of the cached value
-(`HyperSloth.train.budget_probe.measure_on_gpu`); otherwise the probe measures as if there were no cache.
+(`HyperSloth.train.budget.probe.measure_on_gpu`); otherwise the probe measures as if there were no cache.
 The allocation limit is always measured live (free memory changes between runs); only peaks are reused.
 
 Where: `budget-probes.json` in the folder named by the cache variable (`run_files.ENV_CACHE_DIR`), else in

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from HyperSloth.train import probe_cache
-from HyperSloth.train.budget_choice import (
+from HyperSloth.train.budget import cache as probe_cache
+from HyperSloth.train.budget.choice import (
     ROUND_TO,
     SAFETY_FRACTION,
     VERIFY_TOKENS,

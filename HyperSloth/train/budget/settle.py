@@ -43,7 +43,7 @@ How "auto" is decided on a GPU, once per run, after the model is loaded and befo
    (docs/benchmarks.md). It goes on only when needed: its cost on short checkpointed rows is unmeasured.
 4. Ranks agree: every rank measures, then all take the minimum (`agree_min`, an all-reduce MIN), so
    the plan is identical everywhere.
-5. Cache (`HyperSloth.train.probe_cache`): the measured points are kept per model, quantisation, LoRA settings,
+5. Cache (`HyperSloth.train.budget.cache`): the measured points are kept per model, quantisation, LoRA settings,
    checkpointing, GPU and library versions. A later start with the same key re-verifies one pass (the
    smallest probe) and reuses the rest; a cached line that says the longest sample cannot fit without
    checkpointing even on the whole GPU lets the worker load the model with checkpointing at once (no
@@ -69,9 +69,9 @@ from typing import Any
 
 import numpy as np
 
-from HyperSloth.train import probe_cache
-from HyperSloth.train.budget_choice import BudgetDecision, host_token_cap, longest_does_not_fit, offload_host_bytes
-from HyperSloth.train.budget_probe import agree_min, cached_needs_checkpointing, measure_auto, shape_says_checkpointing
+from HyperSloth.train.budget import cache as probe_cache
+from HyperSloth.train.budget.choice import BudgetDecision, host_token_cap, longest_does_not_fit, offload_host_bytes
+from HyperSloth.train.budget.probe import agree_min, cached_needs_checkpointing, measure_auto, shape_says_checkpointing
 
 
 def settle(description, load: Callable[..., Any], lengths: Sequence[int] | np.ndarray,

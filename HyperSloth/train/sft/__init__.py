@@ -1,0 +1,1 @@
+"""Supervised fine-tuning: the plan-driven SFTTrainer subclass (exact loss scale, sync before clip)."""
