@@ -38,6 +38,7 @@ from HyperSloth.outputs import checkpoints, run_files
 from HyperSloth.plan.batching import int_column
 from HyperSloth.plan.eval_set import EvalSet, resolve_eval_set
 from HyperSloth.plan.pairs import PREFERENCE_KIND, REQUIRED_PAIR_COLUMNS, dataset_kind, kind_problem, longest_sequence
+from HyperSloth.plan.trl_args import extra_args_problems, report_to_problems
 
 REQUIRED_COLUMNS = ("input_ids", "labels", "length", "num_trainable")
 
@@ -350,6 +351,7 @@ def resolve_run(loaded: LoadedConfig, *, world_size: int, machine: MachineFacts,
     cuda = machine.cuda_device_count > 0
     problems = [*problems, *runtime_problems(hyper, targs, cuda_device_count=machine.cuda_device_count,
                                              unsloth_available=machine.unsloth_available)]
+    problems += [*extra_args_problems(targs.extra_args), *report_to_problems(targs.report_to)]
     facts = dataset_facts(hyper, problems)
     problems.append(_json_problem(targs))
     eval_set = _eval_set(hyper, targs, facts, problems)

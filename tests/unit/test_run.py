@@ -267,3 +267,34 @@ def test_token_budget_auto_is_fixed_on_cpu_and_measured_on_gpus(setup):
     assert (explicit.token_budget, explicit.token_budget_source, explicit.token_budget_auto) == (1000, "explicit", False)
     with pytest.raises(ConfigError, match="tokens_per_micro_batch"):
         resolve(write_config(setup, extra=", tokens_per_micro_batch=0"))
+
+
+def test_extra_args_typos_and_a_missing_report_to_package_are_refused_before_workers_start(setup, monkeypatch):
+    from HyperSloth.plan import trl_args
+
+    real_find_spec = trl_args.importlib.util.find_spec
+    monkeypatch.setattr(trl_args.importlib.util, "find_spec",
+                        lambda name: None if name == "wandb" else real_find_spec(name))
+    config = write_config(setup, targs_extra=", report_to='wandb', extra_args={'gradient_checkpointin': True, "
+                                             "'adam_beta2': 0.95, 'zzz_unknown': 1}")
+    with pytest.raises(ConfigError) as info:
+        resolve(config)
+    message = str(info.value)
+    assert ("extra_args: 'gradient_checkpointin' is not an argument of TRL's SFTConfig — did you mean "
+            "'gradient_checkpointing'?") in message
+    assert "'zzz_unknown' is not an argument" in message and "adam_beta2" not in message
+    assert "report_to 'wandb' needs the 'wandb' package, which is not installed" in message
+    assert message.count("\n  - ") == 3
+    typo = write_config(setup, targs_extra=", report_to=['tensorbord']")
+    with pytest.raises(ConfigError, match="report_to 'tensorbord' is not an integration — did you mean 'tensorboard'"):
+        resolve(typo)
+
+
+def test_the_extra_args_names_read_from_the_sources_are_sft_configs_fields():
+    import dataclasses
+
+    from trl import SFTConfig
+
+    from HyperSloth.plan.trl_args import sft_config_fields
+
+    assert sft_config_fields() == {f.name for f in dataclasses.fields(SFTConfig) if f.init}
