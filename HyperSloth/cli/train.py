@@ -82,36 +82,44 @@ def output_dir_problem(out: Path, checkpoint: str | None, *, overwrite: bool, pe
                 "another output_dir")
     if overwrite or resumes_this_dir or not run_files.holds_a_run(out, count_logs=not peers_running):
         return None
+    if run_files.holds_nothing_to_keep(out):  # stopped before its first save: prepare_output_dir replaces it
+        return None
     saved = sorted(out.glob(f"{run_files.CHECKPOINT_PREFIX}*"),
                    key=lambda p: int(p.name.rsplit("-", 1)[-1]) if p.name.rsplit("-", 1)[-1].isdigit() else -1)
-    if not saved:  # stopped before its first save: there is nothing to resume from
-        before = f" (every {save_steps} steps)" if save_steps else ""
-        return (f"output_dir {out} holds an earlier run that saved no checkpoint: it stopped before its first "
-                f"save{before}, so it cannot be resumed. Add --overwrite to start again in this folder (its "
-                "files are removed first), or choose another output_dir")
+    if not saved:  # a finished run that saved no checkpoint (every save_steps): nothing to resume from
+        every = f" (every {save_steps} steps)" if save_steps else ""
+        return (f"output_dir {out} holds an earlier run's adapter or results but no checkpoint{every}, so it "
+                "cannot be resumed. Add --overwrite to start again in this folder (its files are removed first), "
+                "or choose another output_dir")
     return (f"output_dir {out} holds an earlier run: add --overwrite to start clean (its files are removed first), "
             f"set resume_from_checkpoint={str(saved[-1])!r} (its last checkpoint) to continue it, or choose "
             "another output_dir")
 
 
-def prepare_output_dir(description: RunDescription, *, overwrite: bool, peers_running: bool = False) -> None:
-    """Refuse to mix two runs in one folder; with --overwrite remove the earlier run's files first; on a
-    resume keep the checkpoints but drop the earlier results and logs (a failed resume must not leave
-    them looking like its own) and the unfinished saves of a crash. `peers_running`: torchrun's rank 0,
-    whose peers may already be writing their logs: their rank files neither count as an earlier run nor
-    get removed."""
+def prepare_output_dir(description: RunDescription, *, overwrite: bool, peers_running: bool = False) -> list[str]:
+    """Refuse to mix two runs in one folder; with --overwrite remove the earlier run's files first, and
+    without it too when the earlier run left nothing to keep (stopped before its first checkpoint: the one
+    line returned says so); on a resume keep the checkpoints but drop the earlier results and logs (a failed
+    resume must not leave them looking like its own) and the unfinished saves of a crash. `peers_running`:
+    torchrun's rank 0, whose peers may already be writing their logs: their rank files neither count as an
+    earlier run nor get removed."""
     out = Path(description.output_dir)
     checkpoint = description.resume_from_checkpoint
     problem = output_dir_problem(out, checkpoint, overwrite=overwrite, peers_running=peers_running,
                                  save_steps=description.training_config.save_steps)
     if problem:
         raise LaunchError(problem)
-    if overwrite:
+    notes = []
+    if not overwrite and checkpoint is None and run_files.holds_a_run(out, count_logs=not peers_running):
+        notes.append(f"output_dir {out} held a run stopped before its first checkpoint (no checkpoint, no "
+                     "adapter): its files are replaced by this run's")
+    if overwrite or notes:
         run_files.clear_run(out)
     elif checkpoint is not None:
         run_files.clear_results(out)
     run_files.clear_rank_files(out, from_rank=description.world_size if peers_running else 0)
     checkpoints.remove_unfinished(out)  # saves a crash interrupted: never resumed from
+    return notes
 
 
 def machine_notes(description: RunDescription, machine: MachineFacts) -> list[str]:
@@ -155,8 +163,8 @@ def check_run(config_path: str | os.PathLike, *, overwrite: bool = False) -> Che
                               problems=[p for p in launcher_problems if p])
     output_dir = Path(description.output_dir)
     _check_output_dir(output_dir)
-    prepare_output_dir(description, overwrite=overwrite)
-    for note in [*machine_notes(description, machine), *description.resume_notes]:
+    notes = prepare_output_dir(description, overwrite=overwrite)
+    for note in [*notes, *machine_notes(description, machine), *description.resume_notes]:
         print(f"hypersloth-train: {note}", file=sys.stderr, flush=True)
     print(f"hypersloth-train: {description.batch_line()}", file=sys.stderr, flush=True)
     return CheckedRun(write_run(description), list(description.gpus), output_dir, description.device == "cuda")
@@ -185,7 +193,8 @@ def _run_under_torchrun(config_path: str, overwrite: bool, timeline: StartupTime
     info = dist.DistInfo.from_env()
     description, _ = resolve_config(config_path, world_size=info.world_size)
     if info.is_main:
-        prepare_output_dir(description, overwrite=overwrite, peers_running=True)
+        for note in prepare_output_dir(description, overwrite=overwrite, peers_running=True):
+            print(f"hypersloth-train: {note}", file=sys.stderr, flush=True)
         write_run(description)
     timeline.mark("launcher_checks")
     # Other ranks never remove shared files: each worker starts its own log afresh (logs.configure),

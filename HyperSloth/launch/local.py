@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import IO, Iterator
 
 from HyperSloth.launch.devices import cuda_device_count  # noqa: F401 - the launcher's GPU count (cli, tmux)
-from HyperSloth.outputs import run_files
+from HyperSloth.outputs import checkpoints, run_files
 from HyperSloth.outputs.startup import StartupTimeline
 
 # TORCHRUN_VARS: variables of torchrun / torch.distributed that must not reach our workers: HyperSloth
@@ -440,6 +440,7 @@ def _supervise(specs: Sequence[WorkerSpec], listener, output_dir: str | os.PathL
             supervisor.stop()
             del store  # the workers are gone: free the port
     if stopped_by is not None:
+        _say(checkpoints.resume_hint(output_dir))
         return 128 + stopped_by
     if failure is not None:
         _report_failure(supervisor.failure(*failure), len(specs) - 1, logs_dir)

@@ -296,6 +296,16 @@ def find_latest(output_dir: str | os.PathLike, *, exclude: Path | None = None) -
     return Latest(output_dir, None, tuple(skipped), tuple(run_files.staging_dirs(output_dir)))
 
 
+def resume_hint(output_dir: str | os.PathLike) -> str:
+    """What to run after a stopped run (one line, no hashing): continue from its newest checkpoint with a
+    manifest, or, with none, the same command again (nothing of the stopped run needs --overwrite)."""
+    complete = [p for p in run_files.checkpoint_dirs(output_dir) if run_files.manifest_file(p).is_file()]
+    if complete:
+        return (f"to continue from {complete[-1]}, set resume_from_checkpoint={LATEST!r} in the config's "
+                "TrainingArgsConfig and run the same command")
+    return "no checkpoint was saved yet: run the same command again to start over (no --overwrite needed)"
+
+
 def resume_problem(check: Check) -> str:
     """The refusal of a broken checkpoint: what is wrong, and the newest complete one to use instead."""
     latest = find_latest(check.path.parent, exclude=check.path)

@@ -207,6 +207,16 @@ def holds_a_run(output_dir: str | os.PathLike, *, count_logs: bool = True) -> bo
             or any(out.glob(f"{CHECKPOINT_PREFIX}*")) or bool(staging_dirs(out)))
 
 
+def holds_nothing_to_keep(output_dir: str | os.PathLike) -> bool:
+    """True when `output_dir` holds no checkpoint (complete or unfinished), no adapter or model, no best adapter
+    and no summary: what a run stopped before its first save leaves (Ctrl-C in its first seconds, a failed
+    start). A new run may replace it without --overwrite: nothing in it can be resumed or used."""
+    out = Path(output_dir)
+    kept = [out / SUMMARY_FILE, best_adapter_dir(out), *(out / name for name in _MODEL_FILES)]
+    return not (any(p.exists() for p in kept) or any(any(out.glob(g)) for g in _MODEL_GLOBS)
+                or any(out.glob(f"{CHECKPOINT_PREFIX}*")) or staging_dirs(out))
+
+
 def _is_model_card(path: Path) -> bool:
     # PEFT writes a README.md model card; a user's own README.md in the folder is left alone.
     try:

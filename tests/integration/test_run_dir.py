@@ -105,17 +105,27 @@ def test_second_run_into_the_same_output_dir_is_refused(cli, tmp_path, capsys):
     assert (tmp_path / "out" / "logs" / "rank15.log").read_text() == "earlier run"
 
 
-def test_a_run_stopped_before_its_first_checkpoint_is_not_sent_to_resume(cli, tmp_path, capsys):
+def test_a_run_stopped_before_its_first_checkpoint_is_replaced_without_overwrite(cli, tmp_path, capsys):
     config = write_config(tmp_path)
+    out = tmp_path / "out"
     assert cli.run([str(config)]) == 0
-    (tmp_path / "out" / "logs").mkdir()
-    (tmp_path / "out" / "logs" / "rank0.log").write_text("interrupted at step 2")  # no checkpoint-N saved
+    (out / "logs").mkdir()
+    (out / "logs" / "rank0.log").write_text("interrupted at step 2")  # no checkpoint-N saved, no adapter
+    (out / "run_resolved.json").write_text("{}")
+    (out / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    assert cli.run([str(config)]) == 0 and len(cli.calls) == 2
+    err = capsys.readouterr().err
+    notes = [line for line in err.splitlines() if "stopped before its first checkpoint" in line]
+    assert len(notes) == 1 and "(no checkpoint, no adapter): its files are replaced" in notes[0]
+    assert not (out / "logs" / "rank0.log").exists() and not (out / "run_resolved.json").exists()
+    assert (out / "notes.txt").read_text() == "mine" and (out / "run.json").is_file()
+    # A finished run that saved no checkpoint (its adapter is there) is still refused: nothing to resume.
+    (out / "adapter_model.safetensors").write_text("trained")
     assert cli.run([str(config)]) == 2
     err = capsys.readouterr().err
-    assert "saved no checkpoint" in err and "cannot be resumed" in err and "every 100 steps" in err
-    assert "resume_from_checkpoint" not in err  # there is nothing to resume from
-    assert cli.run([str(config), "--overwrite"]) == 0  # what the message says works
-    assert len(cli.calls) == 2
+    assert "adapter or results but no checkpoint (every 100 steps)" in err and "cannot be resumed" in err
+    assert "resume_from_checkpoint" not in err and len(cli.calls) == 2
 
 
 def test_overwrite_removes_the_earlier_run_and_keeps_other_files(cli, tmp_path):
@@ -264,6 +274,7 @@ def test_torchrun_rank0_ignores_its_peers_fresh_logs(tmp_path):
     (logs / "rank7.log").write_text("an earlier 8-worker run")
     train_cli.prepare_output_dir(description, overwrite=False, peers_running=True)
     assert sorted(p.name for p in logs.iterdir()) == ["rank1.log"]  # the peer's log stays, rank 7's goes
+    (tmp_path / "out" / "adapter_model.safetensors").write_text("an earlier run's adapter")
     with pytest.raises(LaunchError, match="holds an earlier run"):  # the launcher: nothing of this run runs yet
         train_cli.prepare_output_dir(description, overwrite=False)
 

@@ -301,3 +301,11 @@ def test_a_failed_save_ends_the_worker_with_its_message_and_no_traceback(monkeyp
     err = capsys.readouterr().err
     assert f"[rank 1] error: {message}\n" in err and "Traceback" not in err
     assert dist.all_ranks_ok(False) is False and dist.all_ranks_ok(True) is True  # one process: its own flag
+
+
+def test_the_stop_message_says_how_to_go_on(uninterrupted, tmp_path):
+    assert checkpoints.resume_hint(uninterrupted) == (
+        f"to continue from {uninterrupted / 'checkpoint-2'}, set resume_from_checkpoint='latest' in the config's "
+        "TrainingArgsConfig and run the same command")
+    assert checkpoints.resume_hint(tmp_path / "nothing-saved").startswith("no checkpoint was saved yet: run the same "
+                                                                          "command again")

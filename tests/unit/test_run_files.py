@@ -123,3 +123,17 @@ def test_clear_rank_files_from_a_rank_on(tmp_path):
     _earlier_run(tmp_path)
     run_files.clear_rank_files(tmp_path, from_rank=2)
     assert sorted({p.name.split(".")[0] for p in (tmp_path / "logs").iterdir()}) == ["rank0", "rank1"]
+
+
+def test_a_folder_with_nothing_to_keep_is_what_a_run_stopped_before_its_first_save_leaves(tmp_path):
+    out = tmp_path / "out"
+    (out / "logs").mkdir(parents=True)
+    for name in ("run.json", "run_resolved.json", "hypersloth_config.json", "logs/rank0.log"):
+        (out / name).write_text("{}")
+    assert run_files.holds_a_run(out) and run_files.holds_nothing_to_keep(out)
+    for kept in ("checkpoint-2", "tmp-checkpoint-1", "best_adapter", "adapter_model.safetensors", "train_summary.json",
+                 "model-00001-of-00002.safetensors"):
+        path = out / kept
+        path.mkdir() if "." not in kept else path.write_text("x")
+        assert not run_files.holds_nothing_to_keep(out), kept
+        path.rmdir() if path.is_dir() else path.unlink()
