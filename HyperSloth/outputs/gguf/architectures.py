@@ -1,0 +1,209 @@
+"""What the GGUF needs from a Hugging Face model's config.json: the llama.cpp architecture, its hyperparameter
+keys, and the few tensor changes llama.cpp's own converter (convert_hf_to_gguf.py) makes per architecture.
+
+The names come from the `gguf` package (MODEL_ARCH, TensorNameMap, the writer's add_* keys); what is ours is
+the table below, checked against llama.cpp's conversion/{qwen,llama,gemma}.py (llama-cpp-python 0.3.36):
+- Qwen3, Qwen2: no change (llama.cpp uses NeoX RoPE for them, as transformers does);
+- Llama, Mistral: Q and K rows permuted per head (transformers rotates halves, llama.cpp's LLAMA rotates
+  pairs), the `permute` of conversion/llama.py;
+- Gemma 3: every `*norm.weight` + 1 (Gemma3RMSNorm scales by 1 + weight, llama.cpp by weight), the sliding
+  window and its per-layer pattern, the local RoPE base.
+Anything else is refused by name, with the supported list.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from HyperSloth.outputs.export import ExportError
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """How one Hugging Face architecture becomes a llama.cpp one."""
+
+    hf_name: str
+    gguf_arch: str  # a gguf.MODEL_ARCH member's name
+    permute_qk: bool = False  # Llama-style: rotate pairs instead of halves
+    norm_shift: float = 0.0  # added to every norm weight (Gemma: 1 + weight)
+
+    @property
+    def model_arch(self):
+        import gguf
+
+        return getattr(gguf.MODEL_ARCH, self.gguf_arch)
+
+    @property
+    def arch_name(self) -> str:
+        import gguf
+
+        return gguf.MODEL_ARCH_NAMES[self.model_arch]
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    arch.hf_name: arch
+    for arch in (
+        Architecture("Qwen3ForCausalLM", "QWEN3"),
+        Architecture("Qwen2ForCausalLM", "QWEN2"),
+        Architecture("LlamaForCausalLM", "LLAMA", permute_qk=True),
+        Architecture("MistralForCausalLM", "LLAMA", permute_qk=True),
+        Architecture("Gemma3ForCausalLM", "GEMMA3", norm_shift=1.0),
+    )
+}
+SUPPORTED = ", ".join(ARCHITECTURES)
+
+
+def architecture_of(config: dict[str, Any], where: str = "the model") -> Architecture:
+    """The supported architecture `config` (a config.json) names; ExportError naming it and the list if none."""
+    names = config.get("architectures") or []
+    for name in names:
+        if name in ARCHITECTURES:
+            _check_config(ARCHITECTURES[name], config, where)
+            return ARCHITECTURES[name]
+    named = ", ".join(names) if names else f"none (model_type {config.get('model_type')!r})"
+    raise ExportError(f"--gguf cannot write {where}: its architecture is {named}; GGUF export supports {SUPPORTED} "
+                      "(for another one, convert OUT/merged with llama.cpp's convert_hf_to_gguf.py)")
+
+
+def _check_config(arch: Architecture, config: dict[str, Any], where: str) -> None:
+    if config.get("quantization_config"):
+        raise ExportError(f"--gguf cannot write {where}: its config.json holds a quantization_config; export from "
+                          "the merged 16/32-bit weights (--merge writes them)")
+    if arch.gguf_arch == "GEMMA3":
+        _check_gemma3(config, where)
+    rope_kind(config)  # refuses a RoPE scaling llama.cpp would not reproduce
+
+
+def _check_gemma3(config: dict[str, Any], where: str) -> None:
+    if config.get("attn_logit_softcapping") is not None:
+        raise ExportError(f"--gguf cannot write {where}: Gemma 3 in llama.cpp has no attention logit soft-capping, "
+                          f"and its config sets attn_logit_softcapping={config['attn_logit_softcapping']}")
+    head_dim = config.get("head_dim", 256)
+    hf_scale = config.get("query_pre_attn_scalar", head_dim)
+    # llama.cpp scales queries by 1/sqrt(head_dim), except for its 62-layer (27B) shape: 1/sqrt(hidden/heads)
+    llama_scale = config["hidden_size"] / config["num_attention_heads"] if config["num_hidden_layers"] == 62 \
+        else head_dim
+    if not math.isclose(hf_scale, llama_scale):
+        raise ExportError(f"--gguf cannot write {where}: its query_pre_attn_scalar ({hf_scale}) differs from the "
+                          f"{llama_scale} llama.cpp assumes for this Gemma 3 shape, so its attention would differ")
+
+
+def rope_parameters(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(global, sliding) RoPE parameters, from transformers 5's rope_parameters or older rope_theta/rope_scaling."""
+    params = config.get("rope_parameters")
+    if params is None:
+        params = dict(config.get("rope_scaling") or {})
+        params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+        local = {"rope_theta": config["rope_local_base_freq"]} if "rope_local_base_freq" in config else {}
+        return params, local
+    if "full_attention" in params:
+        return params["full_attention"], params.get("sliding_attention") or {}
+    return params, {}
+
+
+def rope_kind(config: dict[str, Any]) -> str:
+    """The RoPE scaling ('default', 'linear', 'yarn', 'llama3'); ExportError for another."""
+    params, _ = rope_parameters(config)
+    kind = str(params.get("rope_type", params.get("type")) or "default").lower()
+    if kind not in ("default", "linear", "yarn", "llama3"):
+        raise ExportError(f"--gguf cannot write RoPE scaling {kind!r} (rope_parameters of config.json); supported: "
+                          "default, linear, yarn, llama3")
+    return kind
+
+
+def head_dim(config: dict[str, Any]) -> int:
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def add_hyperparameters(writer, config: dict[str, Any], arch: Architecture) -> None:
+    """The `{arch}.*` keys llama.cpp reads for these architectures."""
+    heads = config["num_attention_heads"]
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
+    writer.add_key_length(head_dim(config))
+    writer.add_value_length(head_dim(config))
+    writer.add_rope_dimension_count(head_dim(config))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    _add_rope(writer, config)
+    if arch.gguf_arch == "GEMMA3":
+        _add_gemma3(writer, config)
+
+
+def _add_rope(writer, config: dict[str, Any]) -> None:
+    import gguf
+
+    params, local = rope_parameters(config)
+    writer.add_rope_freq_base(float(params.get("rope_theta", 10000.0)))
+    if "rope_theta" in local:
+        writer.add_rope_freq_base_swa(float(local["rope_theta"]))
+    kind = rope_kind(config)
+    if kind == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(params["factor"]))
+    elif kind == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(float(params["factor"]))
+        writer.add_rope_scaling_orig_ctx_len(int(params["original_max_position_embeddings"]))
+        if (attn_factor := params.get("attention_factor")) is not None:
+            writer.add_rope_scaling_yarn_attn_factor(float(attn_factor))
+        for key, add in (("beta_fast", writer.add_rope_scaling_yarn_beta_fast),
+                         ("beta_slow", writer.add_rope_scaling_yarn_beta_slow)):
+            if params.get(key) is not None:
+                add(float(params[key]))
+
+
+def _add_gemma3(writer, config: dict[str, Any]) -> None:
+    if config.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(float(config["final_logit_softcapping"]))
+    window, layer_types = config.get("sliding_window"), config.get("layer_types")
+    if window and layer_types:
+        writer.add_sliding_window(int(window))
+        writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in layer_types])
+
+
+def llama3_rope_factors(config: dict[str, Any]) -> np.ndarray | None:
+    """The `rope_freqs` tensor llama.cpp takes for Llama 3.1+'s 'llama3' RoPE (conversion/llama.py's formula)."""
+    if rope_kind(config) != "llama3":
+        return None
+    params, _ = rope_parameters(config)
+    dim, base = head_dim(config), params.get("rope_theta", 10000.0)
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    factor, low, high = params.get("factor", 8.0), params.get("low_freq_factor", 1.0), params.get("high_freq_factor", 4.0)
+    old_context = params.get("original_max_position_embeddings", 8192)
+    factors = []
+    for wavelen in 2 * math.pi / freqs:
+        if wavelen < old_context / high:
+            factors.append(1.0)
+        elif wavelen > old_context / low:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(factors, dtype=np.float32)
+
+
+def transform(name: str, data: np.ndarray, config: dict[str, Any], arch: Architecture) -> np.ndarray:
+    """The per-architecture change a Hugging Face tensor needs before llama.cpp reads it (float32 in and out)."""
+    if arch.permute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
+        return _permute(data, config["num_attention_heads"])
+    if arch.permute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
+        return _permute(data, config.get("num_key_value_heads") or config["num_attention_heads"])
+    if arch.norm_shift and name.endswith("norm.weight"):
+        return data + np.float32(arch.norm_shift)
+    return data
+
+
+def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
+    """Rows of each head from [first halves | second halves] to interleaved pairs (conversion/llama.py)."""
+    return (weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(weights.shape))

@@ -1,0 +1,177 @@
+"""Write a merged Hugging Face model folder (config.json + safetensors + tokenizer) as one GGUF file.
+
+The file format, tensor names, metadata keys and quantisation are the `gguf` package's (GGUFWriter,
+TensorNameMap, gguf.quants); the choice of each tensor's type follows convert_hf_to_gguf.py: norms, biases and
+other 1-D tensors stay F32, a row whose length is not a multiple of the type's block is written F16, every other
+weight in the requested type. Tensors are read, converted and written one at a time (the writer gets every
+tensor's shape and type first), so memory holds one tensor, not the model. The file is written under a hidden
+temporary name beside the destination and renamed into place at the end: a failure leaves no half-written GGUF.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from HyperSloth.outputs import run_files
+from HyperSloth.outputs.export import ExportError
+from HyperSloth.outputs.gguf.architectures import (
+    Architecture,
+    add_hyperparameters,
+    architecture_of,
+    llama3_rope_factors,
+    transform,
+)
+from HyperSloth.outputs.gguf.vocab import add_tokenizer
+
+# --gguf TYPE -> (GGMLQuantizationType name, LlamaFileType name). Only types the gguf package quantises itself
+# (its quants module has no K-quant or i-quant encoder); each one loaded by llama.cpp in the consumer test.
+GGUF_TYPES: dict[str, tuple[str, str]] = {
+    "f16": ("F16", "MOSTLY_F16"),
+    "bf16": ("BF16", "MOSTLY_BF16"),
+    "q8_0": ("Q8_0", "MOSTLY_Q8_0"),
+    "f32": ("F32", "ALL_F32"),
+    "q5_1": ("Q5_1", "MOSTLY_Q5_1"),
+    "q5_0": ("Q5_0", "MOSTLY_Q5_0"),
+    "q4_1": ("Q4_1", "MOSTLY_Q4_1"),
+    "q4_0": ("Q4_0", "MOSTLY_Q4_0"),
+}
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """One tensor of the GGUF: its name there, shape (numpy order), type, and how to produce its float32 data."""
+
+    name: str
+    shape: tuple[int, ...]
+    qtype: Any  # gguf.GGMLQuantizationType
+    load: Callable[[], np.ndarray]
+
+
+def write_gguf(model_dir: str | os.PathLike, dest: str | os.PathLike, gguf_type: str, *, name: str | None = None) -> Path:
+    """Write `model_dir` (a merged model folder) as the GGUF file `dest` in `gguf_type` (a GGUF_TYPES key)."""
+    import gguf
+
+    if gguf_type not in GGUF_TYPES:
+        raise ExportError(f"GGUF type {gguf_type!r} is not supported: choose one of {', '.join(GGUF_TYPES)}")
+    model_dir, dest = Path(model_dir), Path(dest)
+    config = read_config(model_dir)
+    arch = architecture_of(config, str(model_dir))
+    qtype_name, file_type = GGUF_TYPES[gguf_type]
+    writer = gguf.GGUFWriter(path=None, arch=arch.arch_name)
+    writer.add_type(gguf.GGUFType.MODEL)
+    writer.add_name(name or model_dir.name)
+    add_hyperparameters(writer, config, arch)
+    writer.add_file_type(getattr(gguf.LlamaFileType, file_type))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    add_tokenizer(writer, model_dir, config["vocab_size"])
+    planned = list(plan_tensors(model_dir, config, arch, getattr(gguf.GGMLQuantizationType, qtype_name)))
+    for tensor in planned:
+        writer.add_tensor_info(tensor.name, *_stored_shape_and_dtype(tensor))
+    _write_file(writer, planned, dest)
+    return dest
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ExportError(f"{model_dir} has no config.json: give --gguf a merged model folder")
+    return json.loads(path.read_text())
+
+
+def plan_tensors(model_dir: Path, config: dict[str, Any], arch: Architecture, qtype) -> Iterator[PlannedTensor]:
+    """Every tensor of the model under its GGUF name, with its type; ExportError for a tensor with no GGUF name."""
+    import gguf
+    from safetensors import safe_open
+
+    names = gguf.get_tensor_name_map(arch.model_arch, config["num_hidden_layers"])
+    tied = bool(config.get("tie_word_embeddings"))
+    if (factors := llama3_rope_factors(config)) is not None:
+        yield PlannedTensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", factors.shape,
+                            gguf.GGMLQuantizationType.F32, lambda: factors)
+    for file in _weight_files(model_dir):
+        with safe_open(str(file), framework="pt") as handle:
+            for hf_name in handle.keys():
+                if tied and hf_name == "lm_head.weight":
+                    continue  # llama.cpp reads the output from token_embd when output.weight is absent
+                if hf_name.endswith("rotary_emb.inv_freq"):
+                    continue
+                gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+                if gguf_name is None:
+                    raise ExportError(f"tensor {hf_name} of {model_dir} has no name in llama.cpp's "
+                                      f"{arch.arch_name} architecture: this {arch.hf_name} variant is not supported")
+                shape = tuple(handle.get_slice(hf_name).get_shape())
+                yield PlannedTensor(gguf_name, shape, tensor_type(gguf_name, shape, qtype),
+                                    _loader(file, hf_name, config, arch))
+
+
+def tensor_type(gguf_name: str, shape: tuple[int, ...], requested):
+    """convert_hf_to_gguf.py's rule: 1-D, norms and non-weights F32; rows not a multiple of the block F16."""
+    import gguf
+
+    if len(shape) <= 1 or gguf_name.endswith("_norm.weight") or not gguf_name.endswith(".weight"):
+        return gguf.GGMLQuantizationType.F32
+    block_size, _ = gguf.GGML_QUANT_SIZES[requested]
+    return requested if shape[-1] % block_size == 0 else gguf.GGMLQuantizationType.F16
+
+
+def _loader(file: Path, hf_name: str, config: dict[str, Any], arch: Architecture) -> Callable[[], np.ndarray]:
+    def load() -> np.ndarray:
+        import torch
+        from safetensors import safe_open
+
+        with safe_open(str(file), framework="pt") as handle:
+            data = handle.get_tensor(hf_name).to(torch.float32).numpy()
+        return transform(hf_name, data, config, arch)
+
+    return load
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / shard for shard in shards]
+    if (model_dir / "model.safetensors").is_file():
+        return [model_dir / "model.safetensors"]
+    raise ExportError(f"{model_dir} holds no model.safetensors (or sharded index): --gguf reads safetensors weights")
+
+
+def _stored_shape_and_dtype(tensor: PlannedTensor) -> tuple[tuple[int, ...], np.dtype, int, Any]:
+    """GGUFWriter.add_tensor_info's (shape, numpy dtype, bytes, raw type) for the tensor once converted."""
+    import gguf
+
+    numel = int(np.prod(tensor.shape))
+    if tensor.qtype == gguf.GGMLQuantizationType.F32:
+        return tensor.shape, np.dtype(np.float32), numel * 4, None
+    if tensor.qtype == gguf.GGMLQuantizationType.F16:
+        return tensor.shape, np.dtype(np.float16), numel * 2, None
+    byte_shape = gguf.quant_shape_to_byte_shape(tensor.shape, tensor.qtype)
+    return byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), tensor.qtype
+
+
+def _write_file(writer, planned: list[PlannedTensor], dest: Path) -> None:
+    import gguf
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    temporary = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    try:
+        writer.write_header_to_file(path=temporary)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for tensor in planned:
+            writer.write_tensor_data(gguf.quants.quantize(tensor.load(), tensor.qtype))
+        writer.flush()
+        os.fsync(writer.fout[0].fileno())
+        writer.close()
+        run_files.replace_path(temporary, dest)
+    except BaseException:
+        writer.close()
+        temporary.unlink(missing_ok=True)
+        raise

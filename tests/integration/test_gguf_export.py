@@ -1,0 +1,113 @@
+"""`hypersloth-export RUN --gguf TYPE` on a finished tiny-model run (a tiny Qwen3 with a LoRA whose B weights are
+random, so the merge changes the model): OUT/adapter, OUT/merged, OUT/gguf/<run>-<TYPE>.gguf and its Modelfile;
+the GGUF holds the *merged* weights; a wrong type or an architecture llama.cpp cannot run writes nothing.
+With llama-cpp-python importable, llama.cpp also runs the exported file against the merged model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from safetensors.numpy import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+gguf = pytest.importorskip("gguf")
+
+from HyperSloth.cli.export import main as export_main  # noqa: E402
+from HyperSloth.config import DataConfig, FastModelArgs, HyperConfig, LoraArgs, TrainingArgsConfig  # noqa: E402
+
+CHAT = [{"role": "user", "content": "Name three colours, please."},
+        {"role": "assistant", "content": "Red, green and blue."}]
+
+
+def make_run(run_dir: Path, base: Path) -> Path:
+    """A run folder as training leaves it: adapter, tokenizer, hypersloth_config.json."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+    model.save_pretrained(str(run_dir))
+    AutoTokenizer.from_pretrained(str(base)).save_pretrained(str(run_dir))
+    hyper = HyperConfig(data=DataConfig(dataset_name="sample-chat"), fast_model_args=FastModelArgs(model_name=str(base)),
+                        lora_args=LoraArgs(r=4, lora_alpha=8))
+    (run_dir / "hypersloth_config.json").write_text(json.dumps({
+        "source_path": str(run_dir / "cfg.py"), "hyper_config": hyper.model_dump(),
+        "training_config": TrainingArgsConfig(output_dir=str(run_dir)).model_dump()}))
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_model_dir, tmp_path_factory) -> Path:
+    """One CLI export of the run in q8_0 (merged in float32), shared by the tests below."""
+    run = make_run(tmp_path_factory.mktemp("runs") / "run", tiny_model_dir)
+    out = run.parent / "out"
+    export_main([str(run), "--out", str(out), "--gguf", "q8_0", "--dtype", "float32"])
+    return out
+
+
+def test_the_cli_writes_adapter_merged_gguf_and_modelfile(exported):
+    assert sorted(p.name for p in exported.iterdir()) == ["adapter", "gguf", "merged"]
+    assert sorted(p.name for p in (exported / "gguf").iterdir()) == ["Modelfile", "run-q8_0.gguf"]
+    modelfile = (exported / "gguf" / "Modelfile").read_text()
+    assert "FROM ./run-q8_0.gguf" in modelfile and 'PARAMETER stop "<|im_end|>"' in modelfile
+
+
+def test_the_gguf_holds_the_merged_weights(exported, tiny_model_dir):
+    reader = gguf.GGUFReader(str(exported / "gguf" / "run-q8_0.gguf"))
+    tensors = {t.name: t for t in reader.tensors}
+    merged = load_file(str(exported / "merged" / "model.safetensors"))
+    base = load_file(str(tiny_model_dir / "model.safetensors"))
+    for gguf_name, hf_name in (("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight"),
+                               ("blk.1.ffn_down.weight", "model.layers.1.mlp.down_proj.weight")):
+        written = gguf.quants.dequantize(tensors[gguf_name].data, tensors[gguf_name].tensor_type)
+        written = written.reshape(merged[hf_name].shape)
+        step = np.abs(merged[hf_name]).max() / 127  # one q8_0 step at most
+        assert np.abs(written - merged[hf_name]).max() <= step
+        assert np.abs(merged[hf_name] - base[hf_name]).max() > 2 * step  # the merged weights, not the base's
+
+
+def test_a_misspelt_type_exits_2_with_a_suggestion_and_writes_nothing(exported, tmp_path, capsys):
+    run = exported.parent / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        export_main([str(run), "--out", str(tmp_path / "out"), "--gguf", "q8"])
+    assert exit_info.value.code == 2
+    assert "did you mean q8_0?" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_unsupported_architecture_is_refused_before_the_merge(exported, tiny_model_dir, tmp_path, capsys):
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, base)
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config, "architectures": ["Phi3ForCausalLM"]}))
+    with pytest.raises(SystemExit) as exit_info:
+        export_main([str(exported.parent / "run"), "--out", str(tmp_path / "out"), "--gguf", "f16", "--base", str(base)])
+    assert exit_info.value.code == 2
+    assert "Phi3ForCausalLM" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_llama_cpp_agrees_with_the_merged_model(exported):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    merged = exported / "merged"
+    tokenizer = AutoTokenizer.from_pretrained(str(merged))
+    text = tokenizer.apply_chat_template(CHAT, tokenize=False)
+    ids = tokenizer(text)["input_ids"]
+    llm = llama_cpp.Llama(str(exported / "gguf" / "run-q8_0.gguf"), n_ctx=256, logits_all=True, verbose=False)
+    try:
+        assert llm.tokenize(text.encode(), add_bos=True, special=True) == ids
+        llm.eval(ids)
+        ours = np.array(llm.scores[: len(ids)])
+    finally:
+        llm.close()
+    with torch.no_grad():
+        reference = AutoModelForCausalLM.from_pretrained(str(merged)).eval()(torch.tensor([ids])).logits[0].numpy()
+    assert (ours.argmax(-1) == reference.argmax(-1)).mean() >= 0.9

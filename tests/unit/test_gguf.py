@@ -1,0 +1,210 @@
+"""The GGUF writer (HyperSloth/outputs/gguf) read back with the gguf package's own GGUFReader: every tensor
+under llama.cpp's name with the model's values, every key (hyperparameters, the whole tokenizer, the chat
+template), for each supported architecture; the refusals; the Modelfile; nothing half-written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf_models import build_arch_model
+from safetensors.numpy import load_file
+from transformers import AutoTokenizer
+
+gguf = pytest.importorskip("gguf")  # the optional extra (installed by .[dev])
+
+from HyperSloth.outputs.export import ExportError  # noqa: E402
+from HyperSloth.outputs.gguf import architectures, export_gguf, write_gguf  # noqa: E402
+from HyperSloth.outputs.gguf.modelfile import chat_format, modelfile_text  # noqa: E402
+from HyperSloth.outputs.gguf.vocab import QWEN2_REGEX, pre_tokenizer_name  # noqa: E402
+from HyperSloth.outputs.gguf.writer import tensor_type  # noqa: E402
+
+ARCHS = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Gemma3ForCausalLM")
+# Largest |written - HF| per type for weights of std 0.1 (f16/bf16 rounding; q8_0: half a step of max/127).
+TOLERANCE = {"f32": 0.0, "f16": 1e-3, "bf16": 4e-3, "q8_0": 3e-3}
+
+
+@pytest.fixture(scope="module")
+def arch_dirs(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gguf-archs")
+    return {arch: build_arch_model(arch, root / arch, tiny_model_dir) for arch in ARCHS}
+
+
+def read(path: Path) -> tuple[dict, dict[str, gguf.ReaderTensor]]:
+    reader = gguf.GGUFReader(str(path))
+    return ({name: field.contents() for name, field in reader.fields.items()},
+            {tensor.name: tensor for tensor in reader.tensors})
+
+
+def values(tensor: gguf.ReaderTensor) -> np.ndarray:
+    """A tensor as float32 in numpy (HF) order."""
+    data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    return np.asarray(data, dtype=np.float32).reshape(tuple(reversed([int(n) for n in tensor.shape])))
+
+
+def expected_tensors(model_dir: Path, arch: str) -> dict[str, np.ndarray]:
+    """The HF weights under their GGUF names, changed as llama.cpp expects (written independently of the code)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    names = gguf.get_tensor_name_map(architectures.ARCHITECTURES[arch].model_arch, config["num_hidden_layers"])
+    out = {}
+    for hf_name, data in load_file(str(model_dir / "model.safetensors")).items():
+        data = data.astype(np.float32)
+        if arch in ("LlamaForCausalLM", "MistralForCausalLM") and ("q_proj" in hf_name or "k_proj" in hf_name):
+            heads = config["num_attention_heads"] if "q_proj" in hf_name else config["num_key_value_heads"]
+            half = data.shape[0] // heads // 2  # [h0 first half | h0 second half ...] -> pairs interleaved
+            data = data.reshape(heads, 2, half, -1).transpose(0, 2, 1, 3).reshape(data.shape)
+        if arch == "Gemma3ForCausalLM" and hf_name.endswith("norm.weight"):
+            data = data + 1
+        out[names.get_name(hf_name, try_suffixes=(".weight", ".bias"))] = data
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_tensor_round_trips_under_llama_cpp_names(arch_dirs, tmp_path, arch):
+    path = write_gguf(arch_dirs[arch], tmp_path / "m.gguf", "f32")
+    _, tensors = read(path)
+    expected = expected_tensors(arch_dirs[arch], arch)
+    assert sorted(tensors) == sorted(expected)
+    for name, want in expected.items():
+        np.testing.assert_array_equal(values(tensors[name]), want, err_msg=name)
+
+
+@pytest.mark.parametrize("gguf_type", ["f16", "bf16", "q8_0"])
+def test_types_round_trip_within_their_rounding(tiny_model_dir, tmp_path, gguf_type):
+    path = write_gguf(tiny_model_dir, tmp_path / "m.gguf", gguf_type)
+    fields, tensors = read(path)
+    qtype = getattr(gguf.GGMLQuantizationType, gguf_type.upper())
+    assert fields["general.file_type"] == {"f16": 1, "bf16": 32, "q8_0": 7}[gguf_type]
+    for name, want in expected_tensors(tiny_model_dir, "Qwen3ForCausalLM").items():
+        tensor = tensors[name]
+        assert tensor.tensor_type == (gguf.GGMLQuantizationType.F32 if want.ndim == 1 else qtype), name
+        assert np.abs(values(tensor) - want).max() <= TOLERANCE[gguf_type] * max(1.0, np.abs(want).max()), name
+
+
+def test_hyperparameters_and_the_whole_tokenizer_are_written(tiny_model_dir, tmp_path):
+    fields, _ = read(write_gguf(tiny_model_dir, tmp_path / "m.gguf", "f16", name="tiny"))
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    assert fields["general.architecture"] == "qwen3" and fields["general.name"] == "tiny"
+    assert {key: fields[f"qwen3.{key}"] for key in ("block_count", "embedding_length", "feed_forward_length",
+            "attention.head_count", "attention.head_count_kv", "attention.key_length", "context_length")} == {
+        "block_count": 2, "embedding_length": 64, "feed_forward_length": 128, "attention.head_count": 4,
+        "attention.head_count_kv": 2, "attention.key_length": 16, "context_length": config["max_position_embeddings"]}
+    assert fields["qwen3.rope.freq_base"] == 10000.0
+    assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == "gpt-2"
+    by_id = {index: text for text, index in tokenizer.get_vocab().items()}
+    assert fields["tokenizer.ggml.tokens"] == [by_id[i] for i in range(config["vocab_size"])]
+    types = fields["tokenizer.ggml.token_type"]
+    assert [i for i, kind in enumerate(types) if kind == gguf.TokenType.CONTROL] == [0, 1, 2]  # the specials
+    assert all(kind == gguf.TokenType.NORMAL for kind in types[3:])
+    merges = json.loads((tiny_model_dir / "tokenizer.json").read_text())["model"]["merges"]
+    assert fields["tokenizer.ggml.merges"] == [" ".join(pair) for pair in merges]
+    assert fields["tokenizer.ggml.eos_token_id"] == tokenizer.eos_token_id == 2
+    assert fields["tokenizer.ggml.padding_token_id"] == tokenizer.pad_token_id == 0
+    assert "tokenizer.ggml.bos_token_id" not in fields and fields["tokenizer.ggml.add_bos_token"] is False
+    assert fields["tokenizer.chat_template"] == tokenizer.chat_template
+
+
+def test_ids_beyond_the_tokenizer_are_unused_pad_tokens(tiny_model_dir):
+    """Qwen's config.vocab_size (151936) exceeds its tokenizer (151669): llama.cpp needs a token per row."""
+    from HyperSloth.outputs.gguf.vocab import token_list
+
+    tokens, types = token_list(AutoTokenizer.from_pretrained(str(tiny_model_dir)), 520)
+    assert len(tokens) == len(types) == 520
+    assert tokens[512:] == [f"[PAD{i}]" for i in range(512, 520)]
+    assert set(types[512:]) == {gguf.TokenType.UNUSED}
+    with pytest.raises(ExportError, match="vocab_size is 500"):
+        token_list(AutoTokenizer.from_pretrained(str(tiny_model_dir)), 500)
+
+
+def test_llama3_rope_writes_the_rope_freqs_tensor(arch_dirs, tmp_path):
+    model = tmp_path / "llama31"
+    shutil.copytree(arch_dirs["LlamaForCausalLM"], model)
+    config = json.loads((model / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    (model / "config.json").write_text(json.dumps(config))
+    _, tensors = read(write_gguf(model, tmp_path / "m.gguf", "f16"))
+    factors = values(tensors["rope_freqs.weight"])
+    assert factors.shape == (8,) and factors[0] == 1.0 and factors[-1] == 8.0  # fast dims kept, slow ones scaled
+
+
+def test_an_unsupported_architecture_is_refused_by_name(tiny_model_dir, tmp_path):
+    model = tmp_path / "phi"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "architectures": ["Phi3ForCausalLM"]}))
+    with pytest.raises(ExportError, match="Phi3ForCausalLM.*Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM, "
+                                          "MistralForCausalLM, Gemma3ForCausalLM"):
+        write_gguf(model, tmp_path / "out" / "m.gguf", "f16")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_unknown_rope_scaling_is_refused(tiny_model_dir):
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0}
+    with pytest.raises(ExportError, match="longrope"):
+        architectures.architecture_of(config)
+
+
+def test_pre_tokenizer_named_from_the_regex():
+    byte_level = {"model": {"type": "BPE"}, "decoder": {"type": "ByteLevel"}}
+    assert pre_tokenizer_name({**byte_level, "pre_tokenizer": {"type": "ByteLevel", "use_regex": True}}) == "gpt-2"
+    qwen = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": QWEN2_REGEX}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "use_regex": False}]}
+    assert pre_tokenizer_name({**byte_level, "pre_tokenizer": qwen}) == "qwen2"
+    other = json.loads(json.dumps(qwen))
+    other["pretokenizers"][0]["pattern"]["Regex"] = r"\p{N}{1,2}|\s+"
+    with pytest.raises(ExportError, match=r"regex '\\\\p\{N\}\{1,2\}\|\\\\s\+' is none of those llama.cpp knows"):
+        pre_tokenizer_name({**byte_level, "pre_tokenizer": other})
+    with pytest.raises(ExportError, match="byte_fallback.*SentencePiece"):
+        pre_tokenizer_name({"model": {"type": "BPE", "byte_fallback": True}, "decoder": {"type": "Sequence"}})
+
+
+def test_tensor_types_follow_llama_cpp_converter():
+    q8, f16, f32 = (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32)
+    assert tensor_type("blk.0.attn_q.weight", (64, 64), q8) == q8
+    assert tensor_type("blk.0.attn_q.weight", (64, 48), q8) == f16  # a row of 48 is no whole number of 32-blocks
+    assert tensor_type("blk.0.attn_q_norm.weight", (16,), q8) == f32
+    assert tensor_type("blk.0.attn_q.bias", (64,), q8) == f32
+    assert tensor_type("token_embd.weight", (512, 64), gguf.GGMLQuantizationType.BF16) == gguf.GGMLQuantizationType.BF16
+
+
+def test_a_failure_mid_write_leaves_no_file(tiny_model_dir, tmp_path, monkeypatch):
+    calls = []
+
+    def failing(data, qtype):
+        calls.append(qtype)
+        if len(calls) == 5:
+            raise OSError("disk full")
+        return original(data, qtype)
+
+    original = gguf.quants.quantize
+    monkeypatch.setattr(gguf.quants, "quantize", failing)
+    with pytest.raises(OSError, match="disk full"):
+        write_gguf(tiny_model_dir, tmp_path / "m.gguf", "q8_0")
+    assert list(tmp_path.iterdir()) == []  # neither the GGUF nor its temporary file
+
+
+def test_export_gguf_writes_the_file_and_a_modelfile(tiny_model_dir, tmp_path):
+    result = export_gguf(tiny_model_dir, tmp_path / "gguf", "q8_0", name="run")
+    assert result.gguf_file == tmp_path / "gguf" / "run-q8_0.gguf"
+    text = result.modelfile.read_text()
+    assert "FROM ./run-q8_0.gguf\n" in text and 'PARAMETER stop "<|im_end|>"' in text
+    assert "<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n" in text
+    assert sorted(path.name for path in (tmp_path / "gguf").iterdir()) == ["Modelfile", "run-q8_0.gguf"]
+
+
+def test_modelfile_formats():
+    assert chat_format("{{ '<|start_header_id|>' + role }}").name == "llama3"
+    assert chat_format("<start_of_turn>user").name == "gemma"
+    assert chat_format("[INST] {{ m }} [/INST]").name == "mistral"
+    unknown = modelfile_text("m.gguf", "{{ messages }}", "<eos>")
+    assert "TEMPLATE" not in unknown and "tokenizer.chat_template" in unknown
+    assert unknown.endswith('PARAMETER stop "<eos>"\n')
+    llama3 = modelfile_text("m.gguf", "<|start_header_id|>", "<|end_of_text|>")
+    assert 'PARAMETER stop "<|eot_id|>"\nPARAMETER stop "<|end_of_text|>"' in llama3
