@@ -1,4 +1,5 @@
-"""`hypersloth-train CONFIG [--overwrite] [--tmux SESSION] [--y] [--dry-run]`: check, resolve, start the workers.
+"""`hypersloth-train CONFIG [--overwrite] [--tmux SESSION] [--y] [--dry-run] [--nnodes N --node-rank R
+--master-addr HOST --master-port PORT]`: check, resolve, start the workers (of this node).
 
 Everything that can be found wrong before a worker starts (config, dataset, model path, output
 folder, GPUs) is reported here with exit code 2 and no traceback.
@@ -22,6 +23,7 @@ from HyperSloth.launch.local import (
     launch,
 )
 from HyperSloth.launch.model_source import hub_problem
+from HyperSloth.launch.multinode import NodeLayout, NodeRun, launch_multinode
 from HyperSloth.launch.tmux import check_tmux_session, launch_tmux
 from HyperSloth.outputs import checkpoints, run_files
 from HyperSloth.outputs.startup import StartupTimeline
@@ -139,17 +141,18 @@ def machine_notes(description: RunDescription, machine: MachineFacts) -> list[st
 
 
 def resolve_config(config_path: str | os.PathLike, *, world_size: int | None = None,
-                   machine: MachineFacts | None = None) -> tuple[RunDescription, MachineFacts]:
-    """Load CONFIG and resolve its run on `world_size` workers (default len(training.gpus))."""
+                   machine: MachineFacts | None = None, nnodes: int = 1) -> tuple[RunDescription, MachineFacts]:
+    """Load CONFIG and resolve its run on `world_size` workers (default len(training.gpus) x `nnodes`)."""
     loaded = load_config(config_path)
     machine = machine or MachineFacts.detect(cuda_device_count())
-    world = len(loaded.hyper.training.gpus) if world_size is None else world_size
+    world = len(loaded.hyper.training.gpus) * nnodes if world_size is None else world_size
     return resolve_run(loaded, world_size=world, machine=machine), machine
 
 
-def check_run(config_path: str | os.PathLike, *, overwrite: bool = False) -> CheckedRun:
+def check_run(config_path: str | os.PathLike, *, overwrite: bool = False, nnodes: int = 1) -> CheckedRun:
     """All pre-spawn checks, every problem found listed in one error, then run.json written; raises
-    ConfigError or LaunchError with a message that says what to change (and nothing is written or removed)."""
+    ConfigError or LaunchError with a message that says what to change (and nothing is written or removed).
+    `nnodes`: node 0 of a multi-node run, whose world size is len(training.gpus) x nnodes."""
     loaded = load_config(config_path)
     machine = MachineFacts.detect(cuda_device_count())
     targs = loaded.training_args
@@ -159,7 +162,7 @@ def check_run(config_path: str | os.PathLike, *, overwrite: bool = False) -> Che
     launcher_problems = [*model_problems(loaded), _environment_problem(),
                          output_dir_problem(Path(targs.output_dir).resolve(), checkpoint, overwrite=overwrite,
                                             save_steps=targs.save_steps)]
-    description = resolve_run(loaded, world_size=len(loaded.hyper.training.gpus), machine=machine,
+    description = resolve_run(loaded, world_size=len(loaded.hyper.training.gpus) * nnodes, machine=machine,
                               problems=[p for p in launcher_problems if p])
     output_dir = Path(description.output_dir)
     _check_output_dir(output_dir)
@@ -203,11 +206,35 @@ def _run_under_torchrun(config_path: str, overwrite: bool, timeline: StartupTime
     return 0
 
 
-def _dry_run(config_path: str) -> int:
+def _dry_run(config_path: str, nnodes: int | None = None) -> int:
     from HyperSloth.cli.plan import format_summary, preview
 
-    print(format_summary(preview(config_path)))
+    ranks = None if nnodes is None else len(load_config(config_path).hyper.training.gpus) * int(nnodes)
+    print(format_summary(preview(config_path, num_ranks=ranks)))
     return 0
+
+
+def _prepare_node(config_path: str, layout: NodeLayout, overwrite: bool) -> NodeRun:
+    """This node's part of a multi-node run before training: node 0 runs every launcher check and writes
+    run.json; the other nodes resolve the same config (compared with node 0's run.json by the launcher)."""
+    if layout.is_master:
+        run = check_run(config_path, overwrite=overwrite, nnodes=layout.nnodes)
+        return NodeRun(run.run_path, run.run_path.read_text(), tuple(run.gpus), run.cuda)
+    description, _ = resolve_config(config_path, nnodes=layout.nnodes)
+    return NodeRun(run_files.run_file(description.output_dir), description.model_dump_json(indent=2),
+                   description.gpus, description.device == "cuda")
+
+
+def _node_layout(nnodes, node_rank, master_addr, master_port) -> NodeLayout | None:
+    """The multi-node flags as a layout; None for one machine (no flags, or --nnodes 1 alone)."""
+    if nnodes is None or str(nnodes) == "1":
+        given = [flag for flag, value in (("--node-rank", node_rank), ("--master-addr", master_addr),
+                                          ("--master-port", master_port)) if value is not None]
+        if given and nnodes is None:
+            raise LaunchError(f"{', '.join(given)} belong to a multi-node run: add --nnodes N (the number of "
+                              "machines), or leave them out on one machine")
+        return None
+    return NodeLayout.from_flags(nnodes, node_rank, master_addr, master_port)
 
 
 def _tmux_replace(session: str, replace: bool) -> bool:
@@ -234,8 +261,10 @@ def _start_tmux(run: CheckedRun, session: str, replace: bool, timeline: StartupT
 
 
 def train(config: str, tmux: str | None = None, y: bool = False, dry_run: bool = False,
-          overwrite: bool = False) -> None:
-    """Train with one worker per GPU of CONFIG's `training.gpus` (see `hypersloth-train --help`)."""
+          overwrite: bool = False, nnodes: int | None = None, node_rank: int | None = None,
+          master_addr: str | None = None, master_port: int | None = None) -> None:
+    """Train with one worker per GPU of CONFIG's `training.gpus` (see `hypersloth-train --help`); with
+    --nnodes, this machine's workers of a multi-node run (HyperSloth.launch.multinode)."""
     timeline = StartupTimeline.starting_now()  # launch = this process's start; every worker gets the stamps
     timeline.mark("launcher_start")
     config_path = str(config)
@@ -244,8 +273,12 @@ def train(config: str, tmux: str | None = None, y: bool = False, dry_run: bool =
     try:
         if is_torchrun_env(os.environ):
             raise SystemExit(_run_under_torchrun(config_path, bool(overwrite), timeline))
+        layout = _node_layout(nnodes, node_rank, master_addr, master_port)
         if dry_run:
-            raise SystemExit(_dry_run(config_path))
+            raise SystemExit(_dry_run(config_path, None if layout is None else layout.nnodes))
+        if layout is not None and tmux is None:
+            raise SystemExit(launch_multinode(layout, lambda: _prepare_node(config_path, layout, bool(overwrite)),
+                                              timeline=timeline))
         # tmux is checked first: a refused command writes nothing (no run.json that would then refuse the retry).
         replace = _tmux_replace(str(tmux), bool(y)) if tmux is not None else False
         run = check_run(config_path, overwrite=bool(overwrite))
@@ -274,14 +307,20 @@ rank's last stderr lines are shown. Logs: OUTPUT_DIR/logs/rankN.log and rankN.st
         Flag("overwrite", "the output_dir holds an earlier run: remove its files first and start clean "
              "(without it such a run is refused; set resume_from_checkpoint to continue it)"),
         Flag("dry_run", "start nothing: load the config and print the batch plan summary", label="--dry-run"),
+        Flag("nnodes", "the number of machines of a multi-node run; run the same command on each, with the same "
+             "CONFIG (its gpus are that machine's) and a shared output_dir (docs/multinode.md)", value="N"),
+        Flag("node_rank", "this machine's node number, 0..N-1; 0 on the machine of --master-addr",
+             value="R", label="--node-rank"),
+        Flag("master_addr", "node 0's address, reachable from every node", value="HOST", label="--master-addr"),
+        Flag("master_port", "a free TCP port on node 0 (the run's store), the same on every node", value="PORT",
+             label="--master-port"),
     ),
     examples=(
         "hypersloth-train examples/tiny_cpu_demo.py                 # 2 CPU workers, about a minute",
         "hypersloth-train examples/tiny_cpu_demo.py --dry-run       # the plan only",
         "hypersloth-train my_config.py --tmux train --y             # one tmux window per GPU",
-        "# two machines, N GPUs each (run on every node with its K = 0, 1):",
-        "torchrun --nnodes 2 --nproc_per_node N --node_rank K --rdzv_backend c10d \\",
-        "    --rdzv_endpoint HOST0:29400 -m HyperSloth.cli.train my_config.py",
+        "# two machines, the config's gpus on each (run on every node with its K = 0, 1):",
+        "hypersloth-train my_config.py --nnodes 2 --node-rank K --master-addr HOST0 --master-port 29500",
     ),
     notes="""exit codes: 0 success, 1 a worker failed, 2 nothing started (a problem in the config, setup or
 command line), 130/143/129 stopped by Ctrl-C / SIGTERM / SIGHUP (every worker stopped too).

@@ -82,6 +82,8 @@ ENV_PAD_LOSS_ROWS = "HYPERSLOTH_PAD_LOSS_ROWS"  # "0": leave Unsloth's fused los
 # N: record the CUDA allocator's history over optimizer steps 1..N, into logs/rank{r}.memory_snapshot.pickle
 # (train/profiling.MemorySnapshot).
 ENV_MEMORY_SNAPSHOT = "HYPERSLOTH_MEMORY_SNAPSHOT"
+# Seconds after which a silent node of a multi-node run counts as lost (HyperSloth.launch.node_watch).
+ENV_NODE_TIMEOUT = "HYPERSLOTH_NODE_TIMEOUT_S"
 
 # Variables torchrun / torch.distributed set. HF/accelerate switch to their own DDP mode when they see
 # them, so they never reach a launcher-started worker, and a torchrun-started worker removes them
@@ -272,13 +274,53 @@ def file_sha256(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
+def umask() -> int:
+    """The process's umask (read from /proc on Linux; elsewhere set and put back at once)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    current = os.umask(0o022)
+    os.umask(current)
+    return current
+
+
+def give_umask_modes(path: str | os.PathLike) -> None:
+    """Give `path`, and everything under it when it is a folder, the mode a plain open() or mkdir() has under
+    the umask: files 0o666 & ~umask (0o777 & ~umask when executable), folders 0o777 & ~umask. tempfile's
+    mkstemp / mkdtemp make 0600 / 0700 whatever the umask, and safetensors (0.8) writes 0600, which left
+    every output owner-only (an inference server running as another user could not read an export).
+    Paths this user cannot change (another user's) are left as they are."""
+    mask, root = umask(), Path(path)
+    for item in [root, *(root.rglob("*") if root.is_dir() and not root.is_symlink() else ())]:
+        try:
+            if item.is_symlink():
+                continue
+            executable = item.is_dir() or item.stat().st_mode & 0o111
+            os.chmod(item, (0o777 if executable else 0o666) & ~mask)
+        except OSError:
+            continue
+
+
+def give_saved_model_umask_modes(output_dir: str | os.PathLike) -> None:
+    """`give_umask_modes` for the adapter / model files rank 0's final save wrote into `output_dir`."""
+    out = Path(output_dir)
+    for path in [*(out / name for name in _MODEL_FILES), *(p for g in _MODEL_GLOBS for p in out.glob(g))]:
+        if path.is_file():
+            give_umask_modes(path)
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     """Write `text` to `path` so that a reader sees the old file or the whole new one, never half:
-    a temp file in the same folder, fsync, then os.replace. Creates the folder."""
+    a temp file in the same folder, fsync, then os.replace. Creates the folder. The file gets the umask's
+    mode, as open() would give it (mkstemp's is 0600)."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
+        os.fchmod(fd, 0o666 & ~umask())
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
             handle.flush()
@@ -303,8 +345,10 @@ def replace_path(source: str | os.PathLike, target: str | os.PathLike) -> None:
 
 def replace_dir(staging: str | os.PathLike, dest: str | os.PathLike) -> None:
     """Put the finished folder `staging` at `dest`: an old `dest` (folder or file) is renamed aside
-    first and deleted only after the swap, so a failure leaves the old one in place."""
+    first and deleted only after the swap, so a failure leaves the old one in place. `staging` and what it
+    holds get the umask's modes first (`give_umask_modes`: mkdtemp made it 0700)."""
     staging, dest = Path(staging), Path(dest)
+    give_umask_modes(staging)
     if dest.is_dir() and not any(dest.iterdir()):
         dest.rmdir()
     if not dest.exists():
