@@ -163,6 +163,7 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path, time
     if not info.is_main:
         return None
     trainer.save_model(str(out_dir))
+    run_files.give_saved_model_umask_modes(out_dir)  # safetensors writes 0600: readable as the umask allows
     summary = _summary(trainer, setup, result, time.perf_counter() - started, info)
     if description.method == "dpo":  # TRL's names, one value per step (a mean over the step's global pairs)
         summary.update(method="dpo", dpo_beta=description.dpo_beta, step_rewards=trainer.step_rewards)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+import stat
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -137,3 +140,27 @@ def test_a_folder_with_nothing_to_keep_is_what_a_run_stopped_before_its_first_sa
         path.mkdir() if "." not in kept else path.write_text("x")
         assert not run_files.holds_nothing_to_keep(out), kept
         path.rmdir() if path.is_dir() else path.unlink()
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o002, 0o077])
+def test_outputs_get_the_umasks_modes_not_tempfiles_owner_only_ones(tmp_path, mask):
+    previous = os.umask(mask)
+    try:
+        written = run_files.atomic_write_text(tmp_path / "out" / "report.md", "x")
+        staging = Path(tempfile.mkdtemp(dir=tmp_path))  # 0700, as export and the tiny model stage
+        (staging / "sub").mkdir()
+        fd, weights = tempfile.mkstemp(dir=staging / "sub")  # 0600, as safetensors writes
+        os.close(fd)
+        run_files.replace_dir(staging, tmp_path / "export")
+        (tmp_path / "out" / "adapter_model.safetensors").write_bytes(b"w")
+        os.chmod(tmp_path / "out" / "adapter_model.safetensors", 0o600)
+        run_files.give_saved_model_umask_modes(tmp_path / "out")
+        assert run_files.umask() == mask
+    finally:
+        os.umask(previous)
+    mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
+    assert mode(written) == 0o666 & ~mask
+    export = tmp_path / "export"
+    assert mode(export) == mode(export / "sub") == 0o777 & ~mask
+    assert mode(export / "sub" / Path(weights).name) == 0o666 & ~mask
+    assert mode(tmp_path / "out" / "adapter_model.safetensors") == 0o666 & ~mask

@@ -166,3 +166,12 @@ def test_cli_user_mistake_exits_cleanly(tmp_path: Path, capsys: pytest.CaptureFi
         tiny_model(str(tmp_path / "m"), data_path=str(tmp_path / "absent.jsonl"))
     assert exit_info.value.code == 2
     assert "--data_path" in capsys.readouterr().err
+
+
+def test_the_built_folder_has_the_umasks_modes_not_owner_only(built: Path) -> None:
+    from HyperSloth.outputs.run_files import umask
+
+    mask = umask()  # the build ran in this process, under this umask
+    assert built.stat().st_mode & 0o777 == 0o777 & ~mask
+    modes = {p.name: p.stat().st_mode & 0o777 for p in built.iterdir()}
+    assert modes["model.safetensors"] == 0o666 & ~mask and set(modes.values()) == {0o666 & ~mask}, modes
