@@ -68,6 +68,13 @@ class FastModelArgs(BaseModel):
         "same step time). 'auto' = on only when tokens_per_micro_batch is 'auto' and the longest sample does not "
         "fit with gradient checkpointing alone (measured at start).",
     )
+    attention: Literal["auto", "fa4", "flash", "sdpa"] = Field(
+        "auto", description="The attention kernel of packed rows: 'fa4' = FlashAttention-4 (pip install -e .[fa4]; "
+        "SM90/SM100 GPUs, compiled at first use) through torch's flash ops; 'flash' = torch's bundled flash kernels; "
+        "'sdpa' = torch's SDPA dispatch as is. 'auto' = FA4 where it runs (installed, GPU, head dims) and the "
+        "decoder replays CUDA graphs or samples are long, else 'flash'; 'sdpa' without CUDA or on the transformers "
+        "backend. The worker logs which and why (HyperSloth.train.attention).",
+    )
 
     @field_validator("model_name")
     @classmethod
@@ -599,6 +606,9 @@ def runtime_problems(
     if model.tiled_mlp is True and backend != "unsloth":
         problems.append(f"fast_model_args.tiled_mlp=True needs the Unsloth backend (its tiled MLP), and this run uses "
                         f"{backend}: set tiled_mlp='auto' (on only where Unsloth is) or False")
+    if model.attention in ("fa4", "flash") and not cuda:
+        problems.append(f"fast_model_args.attention='{model.attention}' needs CUDA (a flash kernel); set "
+                        "attention='auto' (SDPA on CPU)")
     if "8bit" in training_args.optim and not cuda:
         problems.append(f"optim='{training_args.optim}' needs CUDA (bitsandbytes); leave optim at its default "
                         "('adamw_torch_fused') on CPU")

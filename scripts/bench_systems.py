@@ -31,6 +31,10 @@ SYSTEMS = {
     "hypersloth-1-eager": dict(runner="hypersloth", gpus=1, gc=False, graphs=False),
     "hypersloth-1-unsloth-lora": dict(runner="hypersloth", gpus=1, gc=False, lora_passes=False),
     "hypersloth-1-profile": dict(runner="hypersloth", gpus=1, gc=False, profile=True),
+    # fast_model_args.attention by name (HyperSloth.train.attention): FlashAttention-4 / torch's bundled flash;
+    # hypersloth-N runs the default, "auto", and its record says what auto chose and why.
+    "hypersloth-1-fa4": dict(runner="hypersloth", gpus=1, gc=False, attention="fa4"),
+    "hypersloth-1-flash": dict(runner="hypersloth", gpus=1, gc=False, attention="flash"),
     "hypersloth-1-gc": dict(runner="hypersloth", gpus=1, gc="unsloth"),
     "hypersloth-2": dict(runner="hypersloth", gpus=2, gc=False),
     "hypersloth-2-gc": dict(runner="hypersloth", gpus=2, gc="unsloth"),
@@ -107,8 +111,22 @@ def run_stock_unsloth(a) -> dict | None:
             return None
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return {"step_seconds": clock.step_seconds(), "losses": losses, "peak_gb": peaks, "varlen_shim": shim,
+            "attention": unsloth_attention(),
             "kernel_profile": callbacks[-1].summary if a.profile else None,
             "first_step_end_unix": clock.first_step_end_unix, "longest_sample_tokens": longest}
+
+
+def unsloth_attention() -> dict:
+    """What stock Unsloth's own rule chose for trainer.train() (unsloth/utils/flash_impl.py, 2026.10.9: FA4 or
+    FA3 only where it decides; torch's bundled flash otherwise), in the record's `attention` layout."""
+    try:
+        from unsloth.utils.flash_impl import FLASH_IMPL_STATE
+    except ImportError:
+        return {"requested": "unsloth", "kernel": "flash", "reason": "this Unsloth has no flash-impl switch"}
+    reason = FLASH_IMPL_STATE.get("reason") or "Unsloth's switch did not run (no padding-free trainer)"
+    active = reason.split()[0].lower() if reason.endswith(" active") else "flash"
+    return {"requested": f"unsloth {os.environ.get('UNSLOTH_FLASH_ATTENTION_IMPL', 'auto')}", "kernel": active,
+            "reason": reason}
 
 
 def hypersloth_config(a, out: Path) -> Path:
@@ -124,7 +142,7 @@ hyper_config_model = HyperConfig(
                             tokens_per_micro_batch={a.token_budget!r}),
     fast_model_args=FastModelArgs(model_name="{a.checkpoint}", max_seq_length={w.max_len}, dtype="bfloat16",
                                   load_in_4bit={w.four_bit}, backend="unsloth",
-                                  use_gradient_checkpointing={a.gc!r}),
+                                  use_gradient_checkpointing={a.gc!r}, attention={a.attention!r}),
     lora_args=LoraArgs(r=16, lora_alpha=16, lora_dropout=0.0, random_state={SEED}),
 )
 training_config_model = TrainingArgsConfig(
@@ -187,6 +205,7 @@ def hypersloth_result(out: Path, gpus: int) -> dict:
             "kernel_profile": summary.get("kernel_profile"),
             "padding_pct": summary.get("padding_pct"), "token_budget": summary.get("token_budget"),
             "gradient_checkpointing": summary.get("gradient_checkpointing"), "tiled_mlp": summary.get("tiled_mlp"),
+            "attention": summary.get("attention"),
             "first_step_end_unix": summary.get("first_step_end_unix"), "cuda_graphs": summary.get("cuda_graphs"),
             "startup": summary.get("startup"),  # launch to the end of step 1, phase by phase
             "rewards_margins": (summary.get("step_rewards") or {}).get("rewards/margins"),

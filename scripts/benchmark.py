@@ -24,7 +24,10 @@ Systems (every one sees the same global batches, in the same order, so per-step 
 - `hypersloth-N`: HyperSloth on N GPUs at product defaults (tokens_per_micro_batch="auto", no
   checkpointing); `hypersloth-1-gc`, `hypersloth-2-gc`: with Unsloth's checkpointing; `hypersloth-1-eager`: HyperSloth-1 with
   `cuda_graphs=False` (what the graphs are worth); `hypersloth-1-unsloth-lora`: HyperSloth-1 with Unsloth's own
-  LoRA projections (`lora_passes=False`, what HyperSloth's passes are worth); `hypersloth-N-profile` and
+  LoRA projections (`lora_passes=False`, what HyperSloth's passes are worth); `hypersloth-1-fa4`,
+  `hypersloth-1-flash`: HyperSloth-1 with `fast_model_args.attention` set to FlashAttention-4 / torch's bundled
+  flash by name (every record's `attention` says what ran and why; for the stock rows, Unsloth's own rule,
+  which the same installed wheels let choose); `hypersloth-N-profile` and
   `unsloth-best-profile`: the per-phase timer on (synchronises between phases: for the breakdown, not the
   headline) and torch.profiler over steps 4-6 (`logs/rank0.profile_kernels.txt` and `.profile_trace.json.gz` in the
   system's output folder).
@@ -113,6 +116,7 @@ def system_argv(name: str, workload: str, a, work: Path, model: str) -> list[str
             "--accum", str(system.get("accum", 1)), "--gc", str(system["gc"]), "--gpus", str(system["gpus"]),
             "--shim", str(system.get("shim", False)), "--profile", str(system.get("profile", False)),
             "--graphs", str(system.get("graphs", True)), "--lora-passes", str(system.get("lora_passes", True)),
+            "--attention", system.get("attention", "auto"),
             "--long-tokens", str(a.long_tokens), "--exactness", str(a.exactness),
             "--result", str(work / f"result_{name}.json")]
     if system["runner"] == "unsloth" and system["gpus"] > 1:
@@ -169,6 +173,7 @@ def record_for(name: str, workload: str, raw: dict, data: dict, a, launched: flo
         "startup_s": raw["first_step_end_unix"] - launched if raw.get("first_step_end_unix") else None,
         "probe_s": (budget or {}).get("probe_seconds") if isinstance(budget, dict) else None,
         "rewards_margins": raw.get("rewards_margins"), "tiled_mlp": raw.get("tiled_mlp"),
+        "attention": raw.get("attention"),  # {requested, kernel, reason}: HyperSloth's setting or Unsloth's own rule
         "salvaged_after_timeout": raw.get("salvaged_after_timeout", False),
     }
 
@@ -342,6 +347,7 @@ def main() -> None:
     p.add_argument("--profile", type=lambda s: s == "True", default=False)
     p.add_argument("--graphs", type=lambda s: s == "True", default=True)
     p.add_argument("--lora-passes", type=lambda s: s == "True", default=True)
+    p.add_argument("--attention", choices=["auto", "fa4", "flash", "sdpa"], default="auto")
     a = p.parse_args()
     if a.render:
         render(Path(a.render), Path(a.out))

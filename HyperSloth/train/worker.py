@@ -23,6 +23,7 @@ from HyperSloth.outputs.startup import StartupTimeline, process_start_unix
 from HyperSloth.plan.batching import int_column
 from HyperSloth.plan.run import RunDescription, read_run
 from HyperSloth.train import dist
+from HyperSloth.train.attention import settle_attention
 from HyperSloth.train.budget import settle as budget
 from HyperSloth.train.budget import cache as probe_cache
 
@@ -82,8 +83,8 @@ def run(description: RunDescription, info: dist.DistInfo, timeline: StartupTimel
             logger.info(description.batch_line())
             for note in description.resume_notes:
                 logger.info(note)
-        if description.backend == "unsloth":
-            _prepare_unsloth(info.rank)  # before transformers/trl are imported below
+        if description.backend == "unsloth":  # before transformers/trl are imported below
+            _prepare_unsloth(info.rank, varlen=description.hyper_config.fast_model_args.attention != "sdpa")
             timeline.mark("unsloth_import")
         dist.setup(info, timeout_s=description.nccl_timeout_s)
         timeline.mark("dist_init")
@@ -95,8 +96,9 @@ def run(description: RunDescription, info: dist.DistInfo, timeline: StartupTimel
         dist.teardown()
 
 
-def _prepare_unsloth(rank: int) -> None:
-    """Import Unsloth first (it patches transformers/trl), with a compile cache of this rank's own."""
+def _prepare_unsloth(rank: int, varlen: bool = True) -> None:
+    """Import Unsloth first (it patches transformers/trl), with a compile cache of this rank's own; `varlen`:
+    packed rows through torch's varlen flash kernel (off for fast_model_args.attention='sdpa')."""
     from HyperSloth.train import model as model_lib
     from HyperSloth.train.patches import enable_unsloth_torch_varlen, pad_unsloth_loss_rows
 
@@ -104,7 +106,7 @@ def _prepare_unsloth(rank: int) -> None:
     os.environ.setdefault("UNSLOTH_COMPILE_LOCATION", run_files.compile_cache_dir(rank))
     os.environ.setdefault("UNSLOTH_DISABLE_AUTO_PADDING_FREE", "1")  # HyperSloth plans the batches
     model_lib.import_backend("unsloth")
-    if enable_unsloth_torch_varlen():
+    if varlen and enable_unsloth_torch_varlen():
         logger.info("packed rows use torch's varlen flash kernel (GQA shim for torch 2.11, see patches.py)")
     if pad_unsloth_loss_rows():
         logger.info("the fused loss's last row chunk is rounded to 256 rows for cuBLAS (see patches.py)")
@@ -143,10 +145,13 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path, time
                                                                lengths, setup, local_ranks=info.local_world_size)
     timeline.mark("budget_probe")
     logger.info(f"model {description.hyper_config.fast_model_args.model_name} loaded with {loaded_model.backend} ({loaded_model.dtype})")
+    # After the budget (checkpointing and tiling settled: whether the decoder is graphed), before any graph capture.
+    attention = settle_attention(description, loaded_model, int(lengths.max()) if len(lengths) else 0)
     if info.is_main:
         run_files.atomic_write_json(run_files.resolved_file(out_dir), {
             "token_budget": budget_decision.as_record(),
-            "gradient_checkpointing": description.gradient_checkpointing, "tiled_mlp": description.tiled_mlp})
+            "gradient_checkpointing": description.gradient_checkpointing, "tiled_mlp": description.tiled_mlp,
+            "attention": attention.as_record()})
     # A hold-out leaves the training rows; the eval rows are checked against the resolved fingerprint.
     dataset, eval_dataset = split_for_run(full_dataset, description.eval_set)
     trainer, setup = _builder(description.method)(description, loaded_model, dataset, info, eval_dataset=eval_dataset)
@@ -171,6 +176,7 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path, time
     summary["cuda_graphs"] = trainer.graphs_summary()
     summary["gradient_checkpointing"] = description.gradient_checkpointing
     summary["tiled_mlp"] = description.tiled_mlp
+    summary["attention"] = attention.as_record()  # the kernel packed rows ran on, what was asked and why
     summary["startup"] = timeline.record()  # launch to the end of step 1, phase by phase (outputs/startup.py)
     summary.update(eval_summary(trainer.state.log_history, description.eval_set, out_dir))
     run_files.atomic_write_json(out_dir / run_files.SUMMARY_FILE, summary)

@@ -1,0 +1,201 @@
+"""fast_model_args.attention (HyperSloth.train.attention): the resolution rule, what is activated in torch's
+flash-impl registry when (a fake registry here), and where the choice is recorded. No flash_attn needed."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from HyperSloth.config import FastModelArgs, HyperConfig, TrainingArgsConfig, runtime_problems
+from HyperSloth.train import attention as att
+
+# Qwen3-0.6B on an H200 with flash-attn-4 installed, CUDA graphs on, short chats.
+H200 = att.AttentionFacts(cuda=True, backend="unsloth", capability_major=9, fa4_installed=True, registry=True,
+                          head_dims=(128,), attention_dropout=0.0, graphed=True, longest_sample=4096)
+
+
+def kernel(requested: str, **facts) -> att.AttentionChoice:
+    return att.resolve_attention(requested, replace(H200, **facts))
+
+
+def test_auto_picks_fa4_where_graphs_remove_its_host_time_or_rows_are_long():
+    assert kernel("auto").kernel == "fa4" and "CUDA-graphed" in kernel("auto").reason
+    long_eager = kernel("auto", graphed=False, longest_sample=att.LONG_ROW_TOKENS)
+    assert long_eager.kernel == "fa4" and "16,384-token sample" in long_eager.reason
+    short_eager = kernel("auto", graphed=False, longest_sample=att.LONG_ROW_TOKENS - 1)
+    assert short_eager.kernel == "flash" and "eager decoder" in short_eager.reason
+    assert kernel("auto", capability_major=10).kernel == "fa4"  # Blackwell (B200) too
+
+
+@pytest.mark.parametrize("facts, why", [
+    ({"fa4_installed": False}, "flash-attn-4 is not installed (pip install -e .[fa4])"),
+    ({"capability_major": 8}, "SM90/SM100 GPUs, this one is SM8x"),
+    ({"registry": False}, "torch >= 2.11"),
+    ({"head_dims": (96, 100)}, "head_dim [100]"),
+    ({"capability_major": 10, "head_dims": (192,)}, "head_dim [192] is not one FA4 has on SM10x"),
+    ({"attention_dropout": 0.1}, "attention dropout 0.1"),
+])
+def test_where_fa4_cannot_run_auto_keeps_bundled_flash_and_says_why(facts, why):
+    choice = kernel("auto", **facts)
+    assert choice.kernel == "flash" and why in choice.reason and choice.reason.startswith("FA4 cannot run here")
+    named = kernel("fa4", **facts)  # asked for by name: the same fallback, the same reason
+    assert (named.kernel, named.reason) == ("flash", choice.reason)
+
+
+def test_settings_by_name_and_the_machines_without_a_flash_path():
+    assert (kernel("flash").kernel, kernel("sdpa").kernel, kernel("fa4").kernel) == ("flash", "sdpa", "fa4")
+    cpu = kernel("auto", cuda=False, capability_major=None, fa4_installed=False)
+    assert (cpu.kernel, cpu.reason) == ("sdpa", "no CUDA device")
+    assert kernel("fa4", cuda=False).kernel == "sdpa"
+    transformers = kernel("auto", backend="transformers")
+    assert transformers.kernel == "sdpa" and "transformers backend" in transformers.reason
+    assert kernel("fa4", backend="transformers").kernel == "fa4"  # torch's flash ops where SDPA picks them
+    assert kernel("fa4", backend="transformers", fa4_installed=False).kernel == "sdpa"
+    with pytest.raises(ValueError, match="attention='fa3'"):
+        kernel("fa3")
+
+
+def test_fa4_head_dims_per_architecture():
+    assert [d for d in (8, 64, 96, 128, 192, 256, 264, 100) if att.head_dim_supported(9, d)] == [8, 64, 96, 128, 192, 256]
+    assert [d for d in (64, 128, 192, 256) if att.head_dim_supported(10, d)] == [64, 128, 256]
+
+
+class FakeRegistry:
+    """torch.nn.attention's registry as far as HyperSloth uses it, recording the calls."""
+
+    def __init__(self, fails: Exception | None = None, active: str | None = None):
+        self.calls: list[tuple[str, ...]] = []
+        self.active, self.fails = active, fails
+
+    def activate_flash_attention_impl(self, impl):
+        self.calls.append(("activate", impl))
+        if self.fails is not None:
+            raise self.fails
+        self.active = impl
+
+    def current_flash_attention_impl(self):
+        return self.active
+
+    def restore_flash_attention_impl(self, _raise_warn=True):
+        self.calls.append(("restore",))
+        self.active = None
+
+
+def test_fa4_is_activated_only_when_chosen_and_bundled_flash_restored_otherwise():
+    registry = FakeRegistry()
+    fa4 = kernel("auto")
+    assert att.apply_attention(fa4, registry) == fa4 and registry.calls == [("activate", "FA4")]
+    assert registry.active == "FA4"
+    flash = kernel("flash")
+    assert att.apply_attention(flash, registry) == flash and registry.calls[-1] == ("restore",)
+    quiet = FakeRegistry()
+    att.apply_attention(flash, quiet)
+    assert quiet.calls == []  # nothing active: nothing to restore
+    assert att.apply_attention(fa4, None) == fa4  # a torch without the registry (resolve_attention said so first)
+
+
+def test_a_failed_activation_trains_on_bundled_flash_and_says_why_in_one_line():
+    registry = FakeRegistry(fails=ImportError("libcute_dsl_runtime.so: cannot open shared object file\nmore"))
+    choice = att.apply_attention(kernel("fa4"), registry)
+    assert choice.kernel == "flash" and choice.requested == "fa4" and registry.active is None
+    assert choice.reason == "FA4 activation failed (ImportError: libcute_dsl_runtime.so: cannot open shared object file)"
+    assert "\n" not in choice.line()
+    silent = FakeRegistry()
+    silent.activate_flash_attention_impl = lambda impl: None  # returns, but nothing became active
+    assert "reports None active" in att.apply_attention(kernel("auto"), silent).reason
+
+
+def _description(attention: str) -> types.SimpleNamespace:
+    fast = types.SimpleNamespace(attention=attention)
+    return types.SimpleNamespace(hyper_config=types.SimpleNamespace(fast_model_args=fast, lora_args=None))
+
+
+def _loaded(**config) -> types.SimpleNamespace:
+    config = {"hidden_size": 1024, "num_attention_heads": 16, "head_dim": 128, "attention_dropout": 0.0, **config}
+    return types.SimpleNamespace(model=types.SimpleNamespace(config=types.SimpleNamespace(**config)), backend="transformers")
+
+
+def test_on_cpu_the_worker_resolves_sdpa_and_never_imports_flash_attn(monkeypatch):
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    monkeypatch.setenv(att.UNSLOTH_IMPL_ENV, "fa4")
+    registry = FakeRegistry()
+    choice = att.settle_attention(_description("auto"), _loaded(), 512, registry=registry)
+    assert choice.as_record() == {"requested": "auto", "kernel": "sdpa", "reason": "no CUDA device"}
+    assert registry.calls == [] and "flash_attn" not in sys.modules
+    assert att.os.environ[att.UNSLOTH_IMPL_ENV] == "off"  # Unsloth's own rule never flips the choice in train()
+
+
+def test_the_worker_activates_fa4_with_its_compile_cache_in_the_hypersloth_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("HYPERSLOTH_CACHE_DIR", str(tmp_path))
+    for name in (att.FA4_CACHE_ENABLED_ENV, att.FA4_CACHE_DIR_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(att, "gather_facts", lambda description, loaded, longest: H200)
+    registry = FakeRegistry()
+    choice = att.settle_attention(_description("auto"), _loaded(), 512, registry=registry)
+    assert choice.kernel == "fa4" and registry.calls == [("activate", "FA4")]
+    assert att.os.environ[att.FA4_CACHE_DIR_ENV] == str(tmp_path / "fa4")
+    assert att.os.environ[att.FA4_CACHE_ENABLED_ENV] == "1"
+    monkeypatch.setenv(att.FA4_CACHE_DIR_ENV, "/mine")  # the user's own setting wins
+    att.fa4_cache_env(tmp_path)
+    assert att.os.environ[att.FA4_CACHE_DIR_ENV] == "/mine"
+
+
+def test_model_head_dims_from_the_config():
+    assert att.model_head_dims(_loaded().model.config) == ((128,), 0.0)
+    derived = types.SimpleNamespace(hidden_size=4096, num_attention_heads=32, attention_dropout=0.1)
+    assert att.model_head_dims(derived) == ((128,), 0.1)
+
+
+def test_fa4_installed_finds_flash_attn_cute_without_importing_it(monkeypatch, tmp_path):
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    fa2 = tmp_path / "fa2" / "flash_attn"
+    fa2.mkdir(parents=True)
+    (fa2 / "__init__.py").write_text("raise ImportError('FlashAttention-2 would load its CUDA extension here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "fa2"))
+    assert att.fa4_installed() is False and "flash_attn" not in sys.modules
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(tmp_path / "fa2")])
+    fa4 = tmp_path / "fa4" / "flash_attn" / "cute"  # flash-attn-4: a namespace package holding cute/
+    fa4.mkdir(parents=True)
+    (fa4 / "interface.py").write_text("raise ImportError('not imported by the check')\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "fa4"))
+    assert att.fa4_installed() is True and "flash_attn" not in sys.modules
+
+
+def test_the_setting_in_the_config(tmp_path):
+    assert FastModelArgs(model_name="m").attention == "auto"
+    with pytest.raises(ValueError, match="attention"):
+        FastModelArgs(model_name="m", attention="fa3")
+    hyper = HyperConfig(data={"dataset_name": "d"}, fast_model_args={"model_name": "m", "attention": "fa4"})
+    problems = runtime_problems(hyper, TrainingArgsConfig(), cuda_device_count=0, unsloth_available=False)
+    assert any("attention='fa4' needs CUDA" in p for p in problems)
+    assert not runtime_problems(hyper, TrainingArgsConfig(), cuda_device_count=1, unsloth_available=True)
+
+
+def test_benchmark_records_carry_the_attention_choice(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import bench_systems
+    import benchmark
+
+    record = {"requested": "fa4", "kernel": "fa4", "reason": "asked for by name"}
+    out = tmp_path / "out_hypersloth-1-fa4"
+    (out / "logs").mkdir(parents=True)
+    (out / "train_summary.json").write_text(json.dumps({"step_seconds": [0.3], "step_losses": [1.0],
+                                                        "attention": record}))
+    (out / "logs" / "rank0.final.json").write_text(json.dumps({"peak_gpu_gb": 1.0}))
+    raw = bench_systems.hypersloth_result(out, 1)
+    a = types.SimpleNamespace(warmup=0, long_tokens=131072)
+    data = {"step_tokens": [1000], "order": list(range(32)), "lengths": [10] * 32}
+    assert benchmark.record_for("hypersloth-1-fa4", "short-0.6b", raw, data, a, 0.0, 1.0)["attention"] == record
+    argv = benchmark.system_argv("hypersloth-1-flash", "short-0.6b", types.SimpleNamespace(
+        ckpt_dir=None, work="/w", token_budget="auto", warmup=3, steps=20, long_tokens=131072, exactness=False),
+        Path("/w/short-0.6b"), "0.6b")
+    assert argv[argv.index("--attention") + 1] == "flash"
+    config = bench_systems.hypersloth_config(types.SimpleNamespace(
+        workload="short-0.6b", long_tokens=131072, gpus=1, work=str(tmp_path), profile=False, graphs=True,
+        lora_passes=True, token_budget="auto", checkpoint="/ckpt", gc=False, attention="fa4", steps=3), out)
+    assert "attention='fa4'" in config.read_text()
