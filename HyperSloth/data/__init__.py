@@ -7,6 +7,7 @@ skip counts (records), tokenise + length policy + save (build), the build summar
 process that only reads the registry should not pay for.
 """
 
+from pathlib import Path
 from typing import Any
 
 from HyperSloth.data.formats import DataInputError, RecordError, detect_format, to_messages
@@ -22,6 +23,12 @@ __all__ = [
     "remove",
     "to_messages",
 ]
+
+#: The shipped sample data, as package data (pyproject.toml), so an install without the checkout has it too:
+#: byte copies of the checkout's data/sample_chat.jsonl and data/sample_preference.jsonl (tests/unit/test_sample_data.py).
+SAMPLES_DIR = Path(__file__).resolve().parent / "samples"
+SAMPLE_CHAT_PATH = SAMPLES_DIR / "sample_chat.jsonl"
+SAMPLE_PREFERENCE_PATH = SAMPLES_DIR / "sample_preference.jsonl"
 
 
 def __getattr__(name: str) -> Any:

@@ -23,6 +23,7 @@ from filelock import FileLock
 from loguru import logger
 from pydantic import BaseModel, ConfigDict, Field
 
+from HyperSloth.data import SAMPLE_CHAT_PATH
 from HyperSloth.outputs import run_files
 
 if TYPE_CHECKING:  # heavy imports stay lazy: the CLI and the launcher import this module
@@ -43,7 +44,7 @@ CHATML_TEMPLATE: str = (
     "{%- endif %}"
 )
 
-DEFAULT_DATA_PATH: Path = Path(__file__).resolve().parents[2] / "data" / "sample_chat.jsonl"
+DEFAULT_DATA_PATH: Path = SAMPLE_CHAT_PATH  # package data: found by a non-editable install too
 ARGS_FILE = "tiny_model_args.json"
 # Weight init std. With Qwen3's default 0.02 the random 64-wide model is nearly the identity map
 # on its tied embedding, and LoRA on it barely learns: on held-out sample chats, the demo's run

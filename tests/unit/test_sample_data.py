@@ -156,3 +156,22 @@ def test_cli_rejects_reasoning_pairs(tmp_path: Path) -> None:
                              str(tmp_path / "x.jsonl")], capture_output=True, text=True)  # fmt: skip
     assert result.returncode == 2 and "--reasoning applies to chats only" in result.stderr
     assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_the_sample_data_is_package_data_equal_to_the_checkouts() -> None:
+    """A non-editable install (pip install .) has no data/ folder: the package ships copies, and the defaults
+    (hypersloth-tiny-model's tokenizer data, hypersloth-init's commands) name them."""
+    import fnmatch
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    from HyperSloth.data import SAMPLE_CHAT_PATH, SAMPLE_PREFERENCE_PATH
+    from HyperSloth.train.tiny_model import DEFAULT_DATA_PATH
+
+    package = REPO / "HyperSloth"
+    globs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["HyperSloth"]
+    for shipped, original in ((SAMPLE_CHAT_PATH, COMMITTED), (SAMPLE_PREFERENCE_PATH, REPO / "data" / "sample_preference.jsonl")):
+        inside = shipped.relative_to(package).as_posix()
+        assert any(fnmatch.fnmatch(inside, glob) for glob in globs), f"{inside} is not package data"
+        assert shipped.read_bytes() == original.read_bytes(), f"cp {original.relative_to(REPO)} {shipped.relative_to(REPO)}"
+    assert DEFAULT_DATA_PATH == SAMPLE_CHAT_PATH
