@@ -20,6 +20,7 @@ import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -214,6 +215,48 @@ class DataConfig(BaseModel):
         return path if path.is_absolute() else Path(self.data_dir) / path
 
 
+class GrpoArgs(BaseModel):
+    """GRPO's settings (method='grpo'), with TRL's `GRPOConfig` names, meanings and defaults (docs/grpo.md).
+
+    The global batch is TRL's: per_device_train_batch_size x gradient_accumulation_steps x len(gpus) counts
+    completions, so an optimizer step trains on that many / num_generations prompts, each with num_generations
+    completions (all on one rank)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_generations: int = Field(8, ge=2, description="Completions sampled per prompt (its group), >= 2: the "
+                                 "advantage of a completion is its reward against its group's.")
+    max_completion_length: int = Field(256, gt=0, description="Longest completion in tokens (longer ones are cut: "
+                                       "'clipped'). prompt + completion must fit fast_model_args.max_seq_length.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature; the loss's log-probabilities use the "
+                               "same (as TRL's).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: keep the smallest set of tokens of this "
+                         "cumulative probability; 1 = all.")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens when sampling; 0 = all.")
+    beta: float = Field(0.0, ge=0, description="KL coefficient against the reference (the model with the adapter "
+                        "switched off, or the initial adapter); 0 (TRL's default) computes no reference.")
+    epsilon: float = Field(0.2, gt=0, description="Clipping of the probability ratio: [1 - epsilon, 1 + epsilon_high].")
+    epsilon_high: float | None = Field(None, gt=0, description="Upper clip; None = epsilon (DAPO recommends 0.28).")
+    loss_type: Literal["dapo", "grpo", "dr_grpo"] = Field(
+        "dapo", description="How token losses are summed into the step's loss (TRL's names; 'dapo', TRL 1.15's "
+        "default: over every completion token of the global batch; 'grpo': per completion, then over completions; "
+        "'dr_grpo': over the global batch's completions x max_completion_length).",
+    )
+    scale_rewards: Literal["group", "batch", "none"] | bool = Field(
+        "group", description="Divide advantages by the std of the group's rewards ('group', True), of the global "
+        "batch's ('batch'), or not at all ('none', False).",
+    )
+    num_iterations: int = Field(1, ge=1, description="Optimizer steps per generated batch (TRL's mu); > 1 keeps "
+                                "the generation's log-probabilities as the ratio's denominator.")
+    reward_weights: list[float] | None = Field(None, description="One weight per reward function (reward_funcs in "
+                                               "the config file); None = 1.0 each.")
+
+    @property
+    def scale(self) -> str:
+        """scale_rewards as TRL normalises it: True -> 'group', False -> 'none'."""
+        return {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)  # type: ignore[arg-type]
+
+
 class TrainingConfig(BaseModel):
     """How HyperSloth spreads the work: processes, loss masking and batching."""
 
@@ -259,13 +302,15 @@ class TrainingConfig(BaseModel):
         "LoRA; otherwise Unsloth's own, with one log line saying why). Same math, fewer memory passes.",
     )
 
-    method: Literal["sft", "dpo"] = Field(
+    method: Literal["sft", "dpo", "grpo"] = Field(
         "sft",
         description="'sft' trains on conversations (a dataset built from chats); 'dpo' on preference pairs (a "
         "dataset built from prompt/chosen/rejected rows) with DPO's sigmoid loss against the reference model: "
         "the base model with the LoRA adapter disabled, or the initial adapter with lora_args.init_adapter_path "
-        "(docs/dpo.md).",
+        "(docs/dpo.md); 'grpo' on prompts (a dataset built with --kind prompt), sampling completions and scoring "
+        "them with the config file's reward_funcs (docs/grpo.md).",
     )
+    grpo: GrpoArgs = Field(default_factory=GrpoArgs, description="method='grpo': GRPO's settings (GrpoArgs).")
     dpo_beta: float = Field(
         0.1,
         description="method='dpo': beta of the DPO loss, > 0; larger keeps the policy closer to the reference "
@@ -300,6 +345,19 @@ class TrainingConfig(BaseModel):
             raise ValueError("method='dpo' packs each pair's two sequences padding-free: set batching='packed'")
         if self.method == "dpo" and self.loss_type == "all":
             raise ValueError("method='dpo' scores the completions only (the prompt is context): leave loss_type "
+                             "at 'response_only'")
+        return self
+
+    @model_validator(mode="after")
+    def _grpo_settings(self) -> TrainingConfig:
+        # Against the defaults, not model_fields_set: a run.json's config holds every field, grpo included.
+        if self.method != "grpo" and self.grpo != GrpoArgs():
+            raise ValueError(f"grpo settings are given but method is '{self.method}': set method='grpo' to train "
+                             "with them, or remove grpo=")
+        if self.method == "grpo" and self.batching != "packed":
+            raise ValueError("method='grpo' packs each prompt's completions padding-free: set batching='packed'")
+        if self.method == "grpo" and self.loss_type == "all":
+            raise ValueError("method='grpo' trains on the completions only (the prompt is context): leave loss_type "
                              "at 'response_only'")
         return self
 
@@ -404,6 +462,9 @@ class HyperConfig(BaseModel):
                     "fine-tuning, or full_finetuning=False to train a LoRA adapter"
                 )
             self.lora_args = None  # full_finetuning=True with lora_args left at its default means "no LoRA"
+        if self.lora_args is None and self.training.method == "grpo":
+            raise ValueError("method='grpo' needs a LoRA adapter (the reference for beta > 0 is the same weights with "
+                             "the adapter switched off): give lora_args")
         if self.lora_args is None and self.training.method == "dpo":
             raise ValueError("method='dpo' needs a LoRA adapter (the reference model is the same weights with the "
                              "adapter disabled, no second copy): give lora_args, or use method='sft' for full "
@@ -426,6 +487,8 @@ class LoadedConfig:
     hyper: HyperConfig
     training_args: TrainingArgsConfig
     path: Path
+    # method='grpo': the file's module-level `reward_funcs`, each f(prompts, completions, **columns) -> list[float]
+    reward_funcs: tuple[Callable[..., Any], ...] = ()
 
 
 # Where each model sits in a config file, so that errors name e.g. 'training.gpu' even when the user
@@ -436,11 +499,12 @@ _MODEL_PREFIX: dict[str, tuple[str, ...]] = {
     "TrainingConfig": ("training",),
     "FastModelArgs": ("fast_model_args",),
     "LoraArgs": ("lora_args",),
+    "GrpoArgs": ("training", "grpo"),
     "TrainingArgsConfig": (),
 }
 _MODELS: dict[str, type[BaseModel]] = {
     cls.__name__: cls
-    for cls in (HyperConfig, DataConfig, TrainingConfig, FastModelArgs, LoraArgs, TrainingArgsConfig)
+    for cls in (HyperConfig, DataConfig, TrainingConfig, FastModelArgs, LoraArgs, GrpoArgs, TrainingArgsConfig)
 }
 _FILE_NAMES = {"HyperConfig": "hyper_config_model", "TrainingArgsConfig": "training_config_model"}
 _HYPER_CHILDREN = {"data": DataConfig, "training": TrainingConfig, "fast_model_args": FastModelArgs, "lora_args": LoraArgs}
@@ -568,7 +632,58 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
             "for the defaults"
         )
     training_args = _validate(path, ("training_config_model", "training_config"), namespace, TrainingArgsConfig)
-    return LoadedConfig(hyper=hyper, training_args=training_args or TrainingArgsConfig(), path=path)
+    rewards = _reward_funcs(path, namespace.get(REWARD_FUNCS), hyper.training)
+    return LoadedConfig(hyper=hyper, training_args=training_args or TrainingArgsConfig(), path=path,
+                        reward_funcs=rewards)
+
+
+REWARD_FUNCS = "reward_funcs"  # the module-level name of a GRPO config's reward functions
+
+
+def reward_name(func: Callable[..., Any]) -> str:
+    """A reward function's name as TRL logs it (`rewards/NAME/mean`): its __name__ (a partial's function's)."""
+    inner = getattr(func, "func", func)
+    return str(getattr(inner, "__name__", type(inner).__name__))
+
+
+def _reward_funcs(path: Path, value: Any, training: TrainingConfig) -> tuple[Callable[..., Any], ...]:
+    """The file's `reward_funcs`, checked against the method and GrpoArgs.reward_weights (ConfigError otherwise)."""
+    if value is None:
+        if training.method == "grpo":
+            raise ConfigError(f"{path}: method='grpo' but the file defines no `reward_funcs`: add a module-level list "
+                              "of functions f(prompts, completions, **columns) -> list[float], e.g. "
+                              "`reward_funcs = [format_reward, answer_reward]` (docs/grpo.md)")
+        return ()
+    if training.method != "grpo":
+        raise ConfigError(f"{path}: the file defines `reward_funcs` but training.method is '{training.method}': "
+                          "set method='grpo' to train against them, or remove reward_funcs")
+    funcs = list(value) if isinstance(value, (list, tuple)) else [value]
+    bad = [repr(f)[:40] for f in funcs if not callable(f)]
+    if bad or not funcs:
+        raise ConfigError(f"{path}: reward_funcs must be a non-empty list of functions f(prompts, completions, "
+                          f"**columns) -> list[float]; not callable: {', '.join(bad) or '(the list is empty)'}")
+    names = [reward_name(f) for f in funcs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(f"{path}: reward_funcs has two functions named {twice[0]!r}: their logs (rewards/NAME/mean) "
+                          "would mix; give each its own name")
+    weights = training.grpo.reward_weights
+    if weights is not None and len(weights) != len(funcs):
+        raise ConfigError(f"{path}: training.grpo.reward_weights has {len(weights)} weight(s) for {len(funcs)} reward "
+                          "function(s): give one weight per function, in the order of reward_funcs, or None")
+    return tuple(funcs)
+
+
+def load_reward_funcs(path: str | os.PathLike, names: tuple[str, ...]) -> tuple[Callable[..., Any], ...]:
+    """The reward functions of a GRPO config, for a worker: the file executed again (its functions cannot
+    travel in run.json, and one defined in the file has no importable module), checked to be the ones the
+    launcher resolved (`names`, from run.json); ConfigError naming what changed."""
+    loaded = load_config(path)
+    found = tuple(reward_name(f) for f in loaded.reward_funcs)
+    if found != tuple(names):
+        raise ConfigError(f"{path}: reward_funcs are now {list(found)}, but the run was started with {list(names)} "
+                          "(the file changed after launch): start the run again")
+    return loaded.reward_funcs
 
 
 def config_to_dict(loaded: LoadedConfig) -> dict[str, Any]:

@@ -79,7 +79,8 @@ them; everything else is -100.
 
 Records with "chosen" and "rejected" (and usually "prompt"; text or chat messages, as TRL's DPO data)
 are built as preference pairs instead: prompt_input_ids, chosen_input_ids, rejected_input_ids
-(docs/dpo.md). --kind forces either reading.""",
+(docs/dpo.md). Records with a "prompt" and nothing answering it are built as prompts for GRPO:
+prompt_input_ids, every other column kept for the reward functions (docs/grpo.md). --kind forces a reading.""",
     flags=(
         Flag("hf_dataset", "source: a Hugging Face Hub dataset id (needs the Hub; offline, use --local_path)",
              value="ID"),
@@ -107,8 +108,9 @@ are built as preference pairs instead: prompt_input_ids, chosen_input_ids, rejec
         Flag("history_rewrite", "when the template renders earlier replies differently once later turns follow "
              "(Qwen3 drops their <think> reasoning): split (default: one sample per reply, trained on that "
              "reply), last (the final reply only) or skip", value="MODE"),
-        Flag("kind", "auto (default: preference when the records have chosen and rejected), sft (chats) or "
-             "preference (chosen/rejected pairs for DPO)", value="KIND"),
+        Flag("kind", "auto (default: preference when the records have chosen and rejected, prompt when they have "
+             "a prompt and no answer), sft (chats), preference (chosen/rejected pairs for DPO) or prompt (prompts "
+             "for GRPO)", value="KIND"),
     ),
     examples=(
         "hypersloth-build-dataset --hf_dataset mlabonne/FineTome-100k -n 1000 --split train \\",

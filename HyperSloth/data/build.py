@@ -34,7 +34,7 @@ import numpy as np
 from loguru import logger
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from HyperSloth.data import formats, masking, pairs, preference, records, registry, summary
+from HyperSloth.data import formats, masking, pairs, preference, prompts, records, registry, summary
 from HyperSloth.data.formats import DataInputError, RawRecord, RecordError
 from HyperSloth.data.records import Collected
 from HyperSloth.outputs import run_files
@@ -83,8 +83,8 @@ class BuildOptions(BaseModel):
     history_rewrite: Literal["split", "last", "skip"] = Field(
         "split", description="a template that rewrites earlier replies: one sample per reply, the last reply, or skip"
     )
-    kind: Literal["auto", "sft", "preference"] = Field(
-        "auto", description="what the rows are: chats (sft) or chosen/rejected pairs; auto detects it"
+    kind: Literal["auto", "sft", "preference", "prompt"] = Field(
+        "auto", description="what the rows are: chats (sft), chosen/rejected pairs, or prompts (GRPO); auto detects it"
     )
 
 
@@ -121,7 +121,12 @@ def build_dataset(
     _check_local_paths(opts)  # cheap checks first: the source load below can take minutes
     where, source = _resolve_source(source, source_type)
     raw = formats.read_local(source, opts.split) if where == "local" else load_hub_dataset(source, opts.split)
-    kind = pairs.detect_kind(raw) if opts.kind == "auto" else opts.kind
+    kind = _detect_kind(raw) if opts.kind == "auto" else opts.kind
+    if kind == prompts.PROMPT_KIND and opts.fmt != "auto":
+        raise DataInputError(f"--format {opts.fmt} applies to chats, but these are prompts (docs/grpo.md): leave "
+                             "--format out, or pass --kind sft")
+    if opts.kind == "auto" and kind == prompts.PROMPT_KIND:
+        logger.info("the records have a 'prompt' and no answer: building prompts for GRPO (--kind sft overrides)")
     if kind == "preference" and opts.fmt != "auto":
         raise DataInputError(f"--format {opts.fmt} applies to chats, but these are preference pairs, read per row "
                              "(docs/dpo.md): leave --format out, or pass --kind sft")  # fmt: skip
@@ -132,11 +137,12 @@ def build_dataset(
     built, kept, collected, statuses, stats = _build_rows(kind, raw, tok, opts, source)
     entry = _entry(opts, source, tok, len(built), stats, kind)
     _save_and_register(built, entry, opts)
-    unit = "pair" if kind == "preference" else "sample"
+    unit = {"preference": "pair", prompts.PROMPT_KIND: "prompt"}.get(kind, "sample")
     summary.log_summary(collected, statuses, stats, unit=unit)
     logger.info(f"built {opts.name}: {len(built)} {unit}s -> {registry.entry_dir(entry, opts.data_dir)}")
     if opts.print_samples:
-        show = preference.show_pairs if kind == "preference" else summary.show_samples
+        show = {"preference": preference.show_pairs, prompts.PROMPT_KIND: prompts.show_prompts}.get(
+            kind, summary.show_samples)
         show(kept, tok, opts.print_samples, color=sys.stdout.isatty())
     return entry
 
@@ -146,6 +152,13 @@ def _build_rows(
 ) -> tuple[datasets.Dataset, datasets.Dataset, Collected, Counter, dict[str, Any]]:
     """Normalise, tokenise and apply the length policy: (saved rows, kept rows with their sample
     info, what was collected, row statuses, stats)."""
+    if kind == prompts.PROMPT_KIND:
+        collected = prompts.collect_prompts(raw, n=opts.n, seed=opts.seed, strict=opts.strict)
+        _check_records(collected, source, "prompt")
+        kept, statuses = prompts.encode_dataset(collected, tok, max_seq_length=opts.max_seq_length, strict=opts.strict)
+        _check_kept(kept, collected, statuses, source, "prompt")
+        stats = prompts.compute_stats(kept, collected, statuses) | _build_settings(opts)
+        return kept.select_columns(list(prompts.COLUMNS)), kept, collected, statuses, stats
     if kind == "preference":
         collected = pairs.collect_pairs(raw, n=opts.n, seed=opts.seed, strict=opts.strict)
         _check_records(collected, source, "pair")
@@ -163,6 +176,12 @@ def _build_rows(
     _check_kept(kept, collected, statuses, source, "conversation")
     stats = compute_stats(kept, collected, statuses, opts)
     return kept.select_columns(list(COLUMNS)), kept, collected, statuses, stats
+
+
+def _detect_kind(raw: Any) -> str:
+    """What the records hold: preference pairs (chosen/rejected), prompts (a prompt, nothing answering it), or chats."""
+    kind = pairs.detect_kind(raw)
+    return prompts.PROMPT_KIND if kind == "sft" and prompts.detect_prompts(raw) else kind
 
 
 def _check_records(collected: Collected, source: str, unit: str) -> None:

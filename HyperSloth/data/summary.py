@@ -69,7 +69,7 @@ def log_summary(collected: Collected, statuses: Counter, stats: dict, unit: str 
                 logger.warning(f"    {example}")
     if stats:
         keys = ("total_tokens", "mean_tokens", "p50_tokens", "p95_tokens", "max_tokens", "fraction_trainable")
-        logger.info("tokens: " + ", ".join(f"{k.removesuffix('_tokens')}={stats[k]}" for k in keys))
+        logger.info("tokens: " + ", ".join(f"{k.removesuffix('_tokens')}={stats[k]}" for k in keys if k in stats))
 
 
 #: Row statuses after the length policy that the summary reports (a pair build never has "no trainable"

@@ -32,12 +32,14 @@ from HyperSloth.config import (
     LoadedConfig,
     TrainingArgsConfig,
     TrainingConfig,
+    reward_name,
     runtime_problems,
 )
 from HyperSloth.outputs import checkpoints, run_files
 from HyperSloth.plan.batching import int_column
 from HyperSloth.plan.eval_set import EvalSet, resolve_eval_set
 from HyperSloth.plan.pairs import PREFERENCE_KIND, REQUIRED_PAIR_COLUMNS, dataset_kind, kind_problem, longest_sequence
+from HyperSloth.plan.prompts import PROMPT_KIND, REQUIRED_PROMPT_COLUMNS, grpo_problems, prompt_kind_problem
 from HyperSloth.plan.trl_args import extra_args_problems, report_to_problems
 
 REQUIRED_COLUMNS = ("input_ids", "labels", "length", "num_trainable")
@@ -121,7 +123,8 @@ class DatasetFacts(BaseModel):
     num_samples: int
     built_max_length: int = Field(description="Longest sample in tokens (the registry's stats.max_tokens); "
                                   "preference pairs: the longest prompt + completion.")
-    kind: Literal["sft", "preference"] = Field("sft", description="Chats, or preference pairs (docs/dpo.md).")
+    kind: Literal["sft", "preference", "prompt"] = Field(
+        "sft", description="Chats, preference pairs (docs/dpo.md) or prompts (docs/grpo.md).")
     fingerprint: str = Field(description="Identifies the built data: a resume must train on the same.")
 
 
@@ -139,8 +142,11 @@ class RunDescription(BaseModel):
     dtype: Literal["bfloat16", "float16", "float32"]
     batching: Literal["packed", "sorted-pad"]
     loss_type: Literal["all", "response_only"]
-    method: Literal["sft", "dpo"] = Field("sft", description="training.method: the loss and the dataset kind.")
+    method: Literal["sft", "dpo", "grpo"] = Field("sft", description="training.method: the loss and the dataset kind.")
     dpo_beta: float | None = Field(None, description="training.dpo_beta of a DPO run; None for SFT.")
+    reward_funcs: tuple[str, ...] = Field(
+        (), description="GRPO: the names of the config file's reward_funcs, which each worker loads from it again "
+        "(config.load_reward_funcs) and checks against these.")
     micro_batch_size: int = Field(gt=0, description="per_device_train_batch_size.")
     samples_per_rank_per_step: int = Field(gt=0, description="per_device_train_batch_size x gradient_accumulation_steps.")
     global_batch_size: int = Field(gt=0, description="Samples per optimizer step over all workers.")
@@ -205,8 +211,12 @@ class RunDescription(BaseModel):
         per_step = (f"packed into micro-batches of <= {budget}"
                     if self.micro_batches_per_step is None else
                     f"{self.micro_batches_per_step} micro-batch{'es' if self.micro_batches_per_step != 1 else ''}")
-        unit = "pairs" if self.method == "dpo" else "samples"
+        unit = {"dpo": "pairs", "grpo": "completions"}.get(self.method, "samples")
         method = f"; DPO, beta {self.dpo_beta}" if self.method == "dpo" else ""
+        if self.method == "grpo":
+            grpo = self.hyper_config.training.grpo
+            method = (f"; GRPO, {self.global_batch_size // grpo.num_generations} prompts x {grpo.num_generations} "
+                      f"generations, rewards {', '.join(self.reward_funcs)}")
         return (f"world size {self.world_size}, micro-batch {self.micro_batch_size} {unit}, "
                 f"{self.samples_per_rank_per_step} {unit} per rank per step ({per_step}), "
                 f"global batch {self.global_batch_size} {unit} per optimizer step; {self.batching} batching, "
@@ -293,12 +303,12 @@ def dataset_facts(hyper: HyperConfig, problems: list[str]) -> DatasetFacts | Non
                         f"rebuild it with `{rebuild}`")
         return None
     kind = dataset_kind(entry)
-    problem = kind_problem(kind, hyper.training.method, name)
+    problem = prompt_kind_problem(kind, hyper.training.method, name) or kind_problem(kind, hyper.training.method, name)
     if problem:
         problems.append(problem)
         return None
     columns = tuple((info.get("features") or {}).keys())
-    required = REQUIRED_PAIR_COLUMNS if kind == PREFERENCE_KIND else REQUIRED_COLUMNS
+    required = {PREFERENCE_KIND: REQUIRED_PAIR_COLUMNS, PROMPT_KIND: REQUIRED_PROMPT_COLUMNS}.get(kind, REQUIRED_COLUMNS)
     missing = [c for c in required if c not in columns]
     if missing:
         problems.append(f"dataset '{name}' ({folder}) has no column(s) {missing}: rebuild it with `{rebuild}`")
@@ -355,6 +365,11 @@ def resolve_run(loaded: LoadedConfig, *, world_size: int, machine: MachineFacts,
     facts = dataset_facts(hyper, problems)
     problems.append(_json_problem(targs))
     eval_set = _eval_set(hyper, targs, facts, problems)
+    if training.method == "grpo":
+        global_batch = batch_numbers(targs.per_device_train_batch_size, targs.gradient_accumulation_steps, world_size,
+                                     training.batching)["global_batch_size"]
+        problems += grpo_problems(training.grpo, global_batch, facts.built_max_length if facts else None,
+                                  fast.max_seq_length)
     problems = [p for p in problems if p]
     if problems:
         listed = f" {problems[0]}" if len(problems) == 1 else "".join(f"\n  - {p}" for p in problems)
@@ -374,6 +389,7 @@ def resolve_run(loaded: LoadedConfig, *, world_size: int, machine: MachineFacts,
         loss_type=training.loss_type,
         method=training.method,
         dpo_beta=training.dpo_beta if training.method == "dpo" else None,
+        reward_funcs=tuple(reward_name(f) for f in loaded.reward_funcs),
         **batch_numbers(targs.per_device_train_batch_size, targs.gradient_accumulation_steps, world_size,
                         training.batching),
         **token_budget(training, targs.per_device_train_batch_size, fast.max_seq_length, cuda),

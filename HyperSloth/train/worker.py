@@ -135,6 +135,8 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path, time
     # then the minimum), and a longest sample that fits only with checkpointing reloads the model with it.
     full_dataset = load_from_disk(description.dataset.path)  # memory-mapped: read once, split below
     lengths = int_column(full_dataset, "length")
+    if description.method == "grpo":  # a prompt's longest sequence: the prompt and the longest completion
+        lengths = lengths + description.hyper_config.training.grpo.max_completion_length
     timeline.mark("dataset")
     lora = description.hyper_config.lora_args
     setup = probe_cache.ProbeSetup(fast=description.hyper_config.fast_model_args.model_dump(mode="json"),
@@ -172,6 +174,8 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path, time
     summary = _summary(trainer, setup, result, time.perf_counter() - started, info)
     if description.method == "dpo":  # TRL's names, one value per step (a mean over the step's global pairs)
         summary.update(method="dpo", dpo_beta=description.dpo_beta, step_rewards=trainer.step_rewards)
+    if description.method == "grpo":  # TRL's names, one value per step (over the step's global batch)
+        summary.update(method="grpo", reward_funcs=list(description.reward_funcs), step_metrics=trainer.step_metrics)
     summary["token_budget"] = budget_decision.as_record()  # the budget planned with, and what it came from
     summary["cuda_graphs"] = trainer.graphs_summary()
     summary["gradient_checkpointing"] = description.gradient_checkpointing
@@ -204,7 +208,11 @@ def _refuse_corrupt(checkpoint: str, problems: list[str]) -> None:
 
 
 def _builder(method: str):
-    """The trainer factory of a training method: SFT (`trainer.build_trainer`) or DPO (`dpo_trainer`)."""
+    """The trainer factory of a training method: SFT (`sft.trainer`), DPO (`dpo.trainer`) or GRPO (`grpo.trainer`)."""
+    if method == "grpo":
+        from HyperSloth.train.grpo.trainer import build_grpo_trainer
+
+        return build_grpo_trainer
     if method == "dpo":
         from HyperSloth.train.dpo.trainer import build_dpo_trainer
 

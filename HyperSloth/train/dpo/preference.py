@@ -60,6 +60,15 @@ def collate_pairs(pairs: Sequence[Pair], *, pad_token_id: int = 0, with_lengths:
     lengths, never past `bucket_limit` unless the row already is); the padding segments have no target.
     """
     segments = [seg for pair in pairs for seg in pair_segments(*pair)]
+    return collate_segments(segments, pad_token_id=pad_token_id, with_lengths=with_lengths, bucket=bucket,
+                            bucket_limit=bucket_limit)
+
+
+def collate_segments(segments: Sequence[tuple[np.ndarray, np.ndarray]], *, pad_token_id: int = 0,
+                     with_lengths: bool = False, bucket: bool = False, bucket_limit: int | None = None
+                     ) -> dict[str, torch.Tensor]:
+    """(input_ids, labels) segments as one packed row plus its targets on the host (`target_index`,
+    `target_ids`, `target_segment`: the module docstring); DPO's pairs and GRPO's completions both."""
     pad_to = packed_row_tokens(sum(len(ids) for ids, _ in segments), bucket_limit) if bucket else None
     batch = collate_packed(segments, with_lengths=with_lengths, pad_to=pad_to, pad_token_id=pad_token_id)
     segment_of = np.repeat(np.arange(len(segments), dtype=np.int64), [len(ids) for ids, _ in segments])
@@ -72,18 +81,20 @@ def collate_pairs(pairs: Sequence[Pair], *, pad_token_id: int = 0, with_lengths:
 
 
 def _chunk_logps(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap: float | None,
-                 scale: float) -> torch.Tensor:
+                 scale: float, temperature: float = 1.0) -> torch.Tensor:
     logits = hidden @ weight.t()
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 logits: softmax in fp32
     if scale != 1.0:
         logits = logits * scale
     if softcap:
         logits = softcap * torch.tanh(logits / softcap)
+    if temperature != 1.0:  # GRPO scores completions at the temperature they were sampled with (TRL's order)
+        logits = logits / temperature
     return logits.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
 
 
 def token_logps(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, softcap: float | None = None,
-                scale: float = 1.0, chunk: int = LOGP_CHUNK_TOKENS) -> torch.Tensor:
+                scale: float = 1.0, temperature: float = 1.0, chunk: int = LOGP_CHUNK_TOKENS) -> torch.Tensor:
     """log softmax(hidden @ weight.T)[target] per row of `hidden` ([N, H] -> [N], at least float32), in chunks.
 
     With gradients on, each chunk's logits are recomputed in the backward instead of kept (only [N]
@@ -91,7 +102,7 @@ def token_logps(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tenso
     """
     parts = []
     for start in range(0, hidden.shape[0], chunk):
-        args = (hidden[start:start + chunk], weight, targets[start:start + chunk], softcap, scale)
+        args = (hidden[start:start + chunk], weight, targets[start:start + chunk], softcap, scale, temperature)
         if torch.is_grad_enabled() and hidden.requires_grad:
             parts.append(checkpoint(_chunk_logps, *args, use_reentrant=False))
         else:
@@ -111,8 +122,8 @@ def _head_factors(config) -> tuple[float | None, float]:
     return getattr(text, "final_logit_softcapping", None), 1.0 if scale is None else float(scale)
 
 
-def segment_logps(model, batch: dict[str, torch.Tensor], num_segments: int) -> torch.Tensor:
-    """Sum of the target tokens' log-probabilities of each of the row's first `num_segments` segments.
+def target_logps(model, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
+    """The log-probability of every target of the packed row (`batch["target_ids"]`, at least float32).
 
     The backbone runs on the packed row (`input_ids`, `position_ids`, and `packed_seq_lengths` for
     Unsloth's varlen path); the LM head runs only at target positions (`token_logps`).
@@ -122,8 +133,13 @@ def segment_logps(model, batch: dict[str, torch.Tensor], num_segments: int) -> t
     hidden = lm.base_model(**inputs, use_cache=False).last_hidden_state[0]
     head = lm.get_output_embeddings()
     softcap, scale = _head_factors(lm.config)
-    logps = token_logps(hidden.index_select(0, batch["target_index"]), head.weight, batch["target_ids"],
-                        softcap=softcap, scale=scale)
+    return token_logps(hidden.index_select(0, batch["target_index"]), head.weight, batch["target_ids"],
+                       softcap=softcap, scale=scale, temperature=temperature)
+
+
+def segment_logps(model, batch: dict[str, torch.Tensor], num_segments: int) -> torch.Tensor:
+    """Sum of the target tokens' log-probabilities of each of the row's first `num_segments` segments."""
+    logps = target_logps(model, batch)
     return logps.new_zeros(num_segments).index_add(0, batch["target_segment"], logps)
 
 
