@@ -14,4 +14,7 @@ hypersloth-plan "$config"
 hypersloth-train "$config" --overwrite   # the demo starts clean each time
 echo
 echo "demo done: outputs/tiny-demo holds the adapter, checkpoints, report.md/report.png and per-rank logs."
-echo "next: hypersloth-export outputs/tiny-demo --merge   (a merged Hugging Face model in outputs/tiny-demo/export)"
+echo "next, in your shell (the hypersloth-* commands are in .venv):"
+echo "  source .venv/bin/activate"
+echo "  hypersloth-export outputs/tiny-demo --merge   # a merged Hugging Face model in outputs/tiny-demo/export"
+echo "  hypersloth-init my_config.py                  # your own config (README: First run on a CPU)"

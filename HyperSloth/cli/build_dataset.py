@@ -114,7 +114,7 @@ prompt_input_ids, every other column kept for the reward functions (docs/grpo.md
     ),
     examples=(
         "hypersloth-build-dataset --hf_dataset mlabonne/FineTome-100k -n 1000 --split train \\",
-        "    --name finetom-1k --tokenizer Qwen/Qwen3-8B --print_samples",
+        "    --name finetome-1k --tokenizer Qwen/Qwen3-8B --print_samples",
         "hypersloth-build-dataset --local_path FILE_OR_DIR --name NAME --tokenizer TOKENIZER_NAME_OR_PATH",
         "hypersloth-build-dataset --local_path data/sample_preference.jsonl --name sample-pref \\",
         "    --tokenizer build/tiny-qwen3 --print_samples 1",

@@ -7,6 +7,7 @@ from importlib import resources
 from pathlib import Path
 
 from HyperSloth.cli.command import Command, Flag, Positional
+from HyperSloth.data import SAMPLE_CHAT_PATH, SAMPLE_PREFERENCE_PATH
 
 # Template name on the command line -> file under HyperSloth/templates/.
 TEMPLATES: dict[str, str] = {
@@ -14,26 +15,29 @@ TEMPLATES: dict[str, str] = {
     "lora-2gpu": "lora_2gpu.py",
     "qlora-2gpu": "qlora_2gpu.py",
     "dpo-2gpu": "dpo_2gpu.py",
+    "tiny-dpo-cpu": "tiny_dpo_cpu.py",
 }
 # What must exist before training with each template (its model and its registered dataset).
 PREPARE: dict[str, list[str]] = {
-    "tiny-cpu": ["hypersloth-tiny-model", "hypersloth-build-dataset --local_path data/sample_chat.jsonl --name sample-chat --tokenizer build/tiny-qwen3 --max_seq_length 1024"],
+    "tiny-cpu": ["hypersloth-tiny-model", "hypersloth-build-dataset --local_path data/sample_chat.jsonl --name sample-chat --tokenizer build/tiny-qwen3 --max_seq_length 1024 --overwrite"],
     "lora-2gpu": ["hypersloth-build-dataset --local_path FILE_OR_DIR --tokenizer MODEL --name my-chat   # your data, named as in the config"],
     "qlora-2gpu": ["hypersloth-build-dataset --local_path FILE_OR_DIR --tokenizer MODEL --name my-chat   # your data, named as in the config"],
     "dpo-2gpu": ["hypersloth-build-dataset --local_path FILE_OR_DIR --tokenizer MODEL --name my-pairs   # prompt/chosen/rejected rows"],
+    "tiny-dpo-cpu": ["hypersloth-tiny-model", "hypersloth-build-dataset --local_path data/sample_preference.jsonl --name sample-pairs --tokenizer build/tiny-qwen3 --max_seq_length 1024 --overwrite"],
 }
 
 
-SAMPLE_CHAT = "data/sample_chat.jsonl"  # as the templates spell it: relative to a HyperSloth checkout
+# The sample data as the templates spell it (relative to a HyperSloth checkout) -> the installed package's copy.
+SAMPLES = {"data/sample_chat.jsonl": SAMPLE_CHAT_PATH, "data/sample_preference.jsonl": SAMPLE_PREFERENCE_PATH}
 
 
 def _for_this_folder(text: str, target: Path) -> str:
     """The template's text with commands that work from any folder: the config named as written (not
-    hypersloth_config.py) and the shipped sample chats by their absolute path (when this install has them)."""
-    from HyperSloth.train.tiny_model import DEFAULT_DATA_PATH
-
+    hypersloth_config.py) and the shipped sample data by its absolute path (package data: any install has it)."""
     text = text.replace("hypersloth_config.py", str(target))
-    return text.replace(SAMPLE_CHAT, str(DEFAULT_DATA_PATH)) if DEFAULT_DATA_PATH.is_file() else text
+    for spelled, installed in SAMPLES.items():
+        text = text.replace(spelled, str(installed))
+    return text
 
 
 def _template_key(template: str) -> str:
@@ -62,6 +66,7 @@ def init(path: str = "hypersloth_config.py", template: str = "tiny-cpu", force: 
       lora-2gpu   16-bit LoRA of unsloth/Qwen3-0.6B on GPUs [0, 1]
       qlora-2gpu  4-bit QLoRA of unsloth/Qwen3-8B-bnb-4bit on GPUs [0, 1]
       dpo-2gpu    DPO (preference pairs) of a LoRA adapter of unsloth/Qwen3-0.6B on GPUs [0, 1]
+      tiny-dpo-cpu  DPO of the tiny random Qwen3 on the sample pairs, 2 CPU worker processes
 
     Args:
       path: where to write the config file.
@@ -96,7 +101,8 @@ templates:
   tiny-cpu          tiny random Qwen3 on 2 CPU worker processes (no GPU, no download); the default
   lora-2gpu         16-bit LoRA of unsloth/Qwen3-0.6B on GPUs [0, 1]
   qlora-2gpu        4-bit QLoRA of unsloth/Qwen3-8B-bnb-4bit on GPUs [0, 1]
-  dpo-2gpu          DPO on preference pairs: LoRA of unsloth/Qwen3-0.6B on GPUs [0, 1] (docs/dpo.md)""",
+  dpo-2gpu          DPO on preference pairs: LoRA of unsloth/Qwen3-0.6B on GPUs [0, 1] (docs/dpo.md)
+  tiny-dpo-cpu      DPO of the tiny random Qwen3 on the sample pairs, 2 CPU worker processes (no GPU)""",
     positionals=(Positional("path", "PATH", "where to write the config (default hypersloth_config.py)", required=False),),
     flags=(
         Flag("template", "one of the templates above (underscores work too: tiny_cpu)", value="NAME"),

@@ -3,7 +3,7 @@
 Before training, build the two local inputs this file names:
     hypersloth-tiny-model                                 # random-weight tiny Qwen3 -> build/tiny-qwen3
     hypersloth-build-dataset --local_path data/sample_chat.jsonl --name sample-chat \
-        --tokenizer build/tiny-qwen3 --max_seq_length 1024   # registers 'sample-chat' in data/
+        --tokenizer build/tiny-qwen3 --max_seq_length 1024 --overwrite   # registers 'sample-chat' in data/
 Then:
     hypersloth-plan hypersloth_config.py                  # show the batch plan, no training
     hypersloth-train hypersloth_config.py
@@ -37,7 +37,7 @@ hyper_config_model = HyperConfig(
 )
 
 training_config_model = TrainingArgsConfig(
-    output_dir="outputs/tiny-demo",
+    output_dir="outputs/tiny-cpu",  # `make demo` trains into outputs/tiny-demo (examples/tiny_cpu_demo.py)
     per_device_train_batch_size=4,  # samples per micro-batch on each process
     gradient_accumulation_steps=2,  # micro-batches per optimizer step on each process
     max_steps=30,  # optimizer steps; overrides num_train_epochs

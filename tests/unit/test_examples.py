@@ -32,7 +32,8 @@ def test_tiny_demo_example_matches_template():
     example = load_config(ROOT / "examples/tiny_cpu_demo.py")
     template = load_config(ROOT / "HyperSloth/templates/tiny_cpu.py")
     assert example.hyper == template.hyper
-    assert example.training_args == template.training_args
+    differs = {"output_dir": "outputs/tiny-demo"}  # make demo's run and an init-written config's never share a folder
+    assert example.training_args == template.training_args.model_copy(update=differs)
 
 
 def test_tiny_cpu_template_values():
@@ -45,7 +46,7 @@ def test_tiny_cpu_template_values():
     assert (hyper.lora_args.r, hyper.lora_args.lora_alpha) == (16, 16)
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.max_steps) == (4, 2, 30)
     assert (args.learning_rate, args.warmup_steps, args.logging_steps, args.save_steps) == (1e-2, 2, 1, 10)
-    assert (args.report_to, args.output_dir) == ("none", "outputs/tiny-demo")
+    assert (args.report_to, args.output_dir) == ("none", "outputs/tiny-cpu")
     assert batch_numbers(args.per_device_train_batch_size, args.gradient_accumulation_steps, len(hyper.training.gpus),
                          hyper.training.batching)["global_batch_size"] == 16
 
@@ -67,3 +68,4 @@ def test_tiny_cpu_example_is_the_init_template():
     source = (ROOT / "examples/tiny_cpu_demo.py").read_text()
     assert "from HyperSloth.templates.tiny_cpu import hyper_config_model, training_config_model" in source
     assert "HyperConfig(" not in source and "TrainingArgsConfig(" not in source
+    assert load_config(ROOT / "examples/tiny_cpu_demo.py").training_args.output_dir == "outputs/tiny-demo"

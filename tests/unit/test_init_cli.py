@@ -80,3 +80,16 @@ def test_help_lists_templates(tmp_path):
     shown = result.stdout + result.stderr  # fire prints help to stderr
     for name in TEMPLATES:
         assert name in shown
+
+
+def test_the_cpu_templates_name_the_shipped_sample_data_and_a_folder_apart_from_the_demo(tmp_path):
+    from HyperSloth.data import SAMPLE_CHAT_PATH, SAMPLE_PREFERENCE_PATH
+
+    for template, sample in (("tiny-cpu", SAMPLE_CHAT_PATH), ("tiny-dpo-cpu", SAMPLE_PREFERENCE_PATH)):
+        result = run_init(tmp_path, f"{template}.py", "--template", template)
+        assert result.returncode == 0, result.stderr
+        # Rebuilding the sample data the demo registered works too (--overwrite), from any folder.
+        assert f"--local_path {sample} " in result.stdout and sample.is_file() and "--overwrite" in result.stdout
+        loaded = load_config(tmp_path / f"{template}.py")
+        assert loaded.training_args.output_dir == f"outputs/{template}"  # make demo trains into outputs/tiny-demo
+    assert load_config(tmp_path / "tiny-dpo-cpu.py").hyper.training.method == "dpo"
