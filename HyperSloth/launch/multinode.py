@@ -251,7 +251,8 @@ def refuse_reason(me: int, run: NodeRun, published: Mapping[str, str]) -> str | 
     if _sha256(seen) != published["sha256"]:
         return f"node {me} reads another {path} than the one node 0 wrote: {shared}"
     ours, theirs = json.loads(run.run_json), json.loads(seen)
-    differ = sorted(key for key in set(ours) | set(theirs) if ours.get(key) != theirs.get(key))
+    # Where each node keeps its copy of the config does not matter; what it resolves to does.
+    differ = sorted(key for key in (set(ours) | set(theirs)) - {"config_path"} if ours.get(key) != theirs.get(key))
     if differ:
         return (f"node {me} resolved another run than node 0 (they differ in {', '.join(differ)}): run every node "
                 "with the same config file, the same number of gpus, dataset and output_dir")
@@ -422,7 +423,7 @@ def train_node(layout: NodeLayout, run: NodeRun, watch: NodeWatch, grace_s: floa
 
 
 def explain(layout: NodeLayout, run: NodeRun, end: NodeEnd, verdict: Verdict | None) -> tuple[int, list[str]]:
-    """This node's exit code and what it prints: success; a lost node (named); the rank that failed first
+    """This node's exit code and what it prints: success; a lost or stopped node (named); the rank that failed first
     (from the shared failure records), with its node; a peer's own reason; or this node's stop signal."""
     me, local = layout.node_rank, len(run.gpus)
     stopped = f"stopped node {me}'s {local} worker(s)"
@@ -509,8 +510,11 @@ def _run_node(layout: NodeLayout, board: NodeBoard, watch: NodeWatch, prepare: C
         _say(f"node {me}: received {err.sigval.name}; nothing started")
         return 128 + int(err.sigval)
     board.end(end)
-    if not end.ok or layout.is_master:  # node 0 keeps its store up until every node has said how it ended
+    if end.code <= 128 and (not end.ok or layout.is_master):  # not after a Ctrl-C: nothing to learn then
+        # Node 0 keeps its store up until every node has said how it ended; a failed node learns why.
         watch.wait_settled(watch.lost_after_s + 2 * watch.beat_s)
+    if layout.is_master and not end.ok:
+        time.sleep(2 * watch.beat_s)  # the others read node 0's end record before its store goes
     code, lines = explain(layout, run, end, watch.verdict)
     for line in lines:
         (_say(line) if not line.startswith("    ") else print(line, file=sys.stderr, flush=True))

@@ -68,7 +68,7 @@ class Verdict:
     """Why this node must stop: node `node` failed (it said why) or was lost (it went silent)."""
 
     node: int
-    kind: str  # "failed", "lost", "never joined"
+    kind: str  # "failed", "stopped" (by a signal: Ctrl-C, SIGTERM from a scheduler), "lost", "never joined"
     detail: str
     code: int = 1  # the exit code to give: a peer that refused the run before training (2) passes it on
     root: bool = True  # False: that node itself stopped because of another one
@@ -76,6 +76,8 @@ class Verdict:
     def describe(self) -> str:
         if self.kind == "failed":
             return f"node {self.node} failed: {self.detail}"
+        if self.kind == "stopped":
+            return f"node {self.node} was {self.detail}"
         if self.kind == "never joined":
             return f"node {self.node} did not join the run: {self.detail}"
         return f"node {self.node} was lost: {self.detail}"
@@ -154,7 +156,8 @@ def judge(me: int, nnodes: int, clock: PeerClock, ended: Mapping[int, NodeEnd], 
     failed = sorted((not end.root, end.time, n) for n, end in ended.items() if n != me and not end.ok)
     if failed:
         end = ended[failed[0][2]]
-        return Verdict(end.node, "failed", end.reason or f"exit code {end.code}", code=end.code, root=end.root)
+        kind = "stopped" if end.root and end.code > 128 else "failed"
+        return Verdict(end.node, kind, end.reason or f"exit code {end.code}", code=end.code, root=end.root)
     silent = now - clock.store_ok_at
     if me != 0 and silent >= lost_after_s:
         where = f" at {store_address}" if store_address else ""

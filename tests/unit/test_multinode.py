@@ -87,6 +87,8 @@ def test_a_node_that_cannot_see_node_zeros_run_is_refused_naming_the_shared_fold
     assert "reads another" in refuse_reason(1, run, {**published, "sha256": "0" * 64})
     other = NodeRun(run.run_path, json.dumps({"world_size": 2, "output_dir": str(tmp_path)}), (0,), False)
     assert "they differ in world_size" in refuse_reason(1, other, published)
+    elsewhere = json.loads(run.run_json) | {"config_path": "/node1/copy/config.py"}  # each node's own copy
+    assert refuse_reason(1, NodeRun(run.run_path, json.dumps(elsewhere), (0,), False), published) is None
 
 
 def test_preflight_node_zero_publishes_and_a_refusing_node_raises(tmp_path):
@@ -120,6 +122,8 @@ def test_the_end_names_a_lost_node_before_any_worker_error(tmp_path):
     end = NodeEnd(0, False, 1, "rank 0 failed", root=True)
     code, lines = explain(layout, run, end, Verdict(1, "lost", "no heartbeat for 31 s"))
     assert code == 1 and lines == ["node 1 was lost: no heartbeat for 31 s; stopped node 0's 1 worker(s)."]
+    code, lines = explain(layout, run, end, Verdict(1, "stopped", "stopped by SIGTERM", code=143))
+    assert code == 1 and lines == ["node 1 was stopped by SIGTERM; stopped node 0's 1 worker(s)."]
 
 
 def test_the_end_names_the_rank_that_failed_first_and_its_node(tmp_path):

@@ -58,6 +58,8 @@ def test_a_peer_that_ended_is_not_lost_and_one_that_failed_is_named_root_cause_f
     verdict = judge(0, 3, clock, ended, now=1.0)
     assert (verdict.node, verdict.kind, verdict.root) == (2, "failed", True)
     assert verdict.describe() == "node 2 failed: rank 5 (gpu 1) failed with RuntimeError: boom on node 2"
+    stopped = judge(0, 2, clock, {1: NodeEnd(1, False, 130, "stopped by SIGINT")}, now=1.0)
+    assert stopped.describe() == "node 1 was stopped by SIGINT"  # named as it is, not as a failure
     refused = judge(1, 2, clock, {0: NodeEnd(0, False, 2, "refused the run: no dataset")}, now=1.0)
     assert (refused.node, refused.code) == (0, 2)  # a refusal before training passes its exit code 2 on
 
