@@ -50,6 +50,8 @@ class EvalSet(BaseModel):
     fingerprint: str = Field(description="SHA-256 over the evaluated rows' indices and token ids.")
     fraction: float | None = Field(None, description="eval_fraction of a hold-out.")
     seed: int | None = Field(None, description="Seed of the hold-out permutation.")
+    unit: Literal["conversations", "pairs"] = Field(
+        "conversations", description="What a row is: a conversation (SFT) or a preference pair (DPO).")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe form."""
@@ -62,11 +64,12 @@ class EvalSet(BaseModel):
 
     def describe(self) -> str:
         """One line for logs and the plan preview."""
+        rows = self.unit
         if self.source == "holdout":
-            where = (f"{self.num_rows:,} conversations held out of '{self.dataset_name}' "
+            where = (f"{self.num_rows:,} {rows} held out of '{self.dataset_name}' "
                      f"(eval_fraction {self.fraction}, seed {self.seed})")
         else:
-            where = f"dataset '{self.dataset_name}', {self.num_rows:,} conversations"
+            where = f"dataset '{self.dataset_name}', {self.num_rows:,} {rows}"
         return f"{where}; {self.tokens:,} tokens, {self.target_tokens:,} scored; fingerprint {self.fingerprint[:12]}"
 
 
@@ -156,7 +159,8 @@ def resolve_holdout(dataset_name: str, dataset_path: Path, *, fraction: float, s
     _check_targets(targets, f"the {held.size} held-out conversations", loss_type)
     return EvalSet(source="holdout", dataset_name=dataset_name, dataset_path=str(dataset_path),
                    num_rows=int(held.size), tokens=tokens, target_tokens=targets,
-                   fingerprint=rows_fingerprint(dataset, held), fraction=float(fraction), seed=int(seed))
+                   fingerprint=rows_fingerprint(dataset, held), fraction=float(fraction), seed=int(seed),
+                   unit="pairs" if set(PAIR_COLUMNS) <= set(dataset.column_names) else "conversations")
 
 
 def resolve_eval_dataset(name: str, path: Path, registry_entry: dict[str, Any], *, model_name: str,
@@ -186,7 +190,8 @@ def resolve_eval_dataset(name: str, path: Path, registry_entry: dict[str, Any], 
     tokens, targets = _token_counts(dataset, rows, loss_type)
     _check_targets(targets, f"eval dataset '{name}'", loss_type)
     return EvalSet(source="dataset", dataset_name=name, dataset_path=str(path), num_rows=len(dataset),
-                   tokens=tokens, target_tokens=targets, fingerprint=rows_fingerprint(dataset, rows))
+                   tokens=tokens, target_tokens=targets, fingerprint=rows_fingerprint(dataset, rows),
+                   unit="pairs" if kind == PREFERENCE_KIND else "conversations")
 
 
 def resolve_eval_set(hyper, *, seed: int, train_path: Path) -> EvalSet | None:

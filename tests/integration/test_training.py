@@ -124,6 +124,7 @@ def test_every_rank_ends_with_the_saved_adapter(runs, name):
     assert records[0]["sha256"] == _digest_of_saved_adapter(run.adapter())
     card = (run.out / "README.md").read_text()  # the base model is a local folder: named, not linked as None
     assert "huggingface.co/None" not in card and "fine-tuned version of the local model `" in card
+    assert 'model="None"' not in card and f'model="{run.out.resolve()}"' in card  # its quick start loads this run
 
 
 # ---------------------------------------------------------------- 3. response_only

@@ -104,6 +104,7 @@ def test_an_eval_dataset_of_the_other_kind_is_refused(tmp_path, data):
 def test_a_pair_holdout_is_fingerprinted_by_its_token_ids(tmp_path, data):
     run = _resolve(_config(tmp_path, "pairs", data_extra=", eval_fraction=0.1"))
     assert (run.eval_set.num_rows, run.eval_set.source) == (4, "holdout")
+    assert run.eval_set.describe().startswith("4 pairs held out of 'pairs'")  # the plan counts pairs, not chats
     _register(data, "pairs", "preference", seed=1)  # other token ids, same shape
     other = _resolve(_config(tmp_path, "pairs", data_extra=", eval_fraction=0.1", name="again.py"))
     assert other.eval_set.fingerprint != run.eval_set.fingerprint

@@ -309,16 +309,21 @@ class HyperSlothTrainer(SFTTrainer):
     def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
                           tags: str | list[str] | None = None) -> None:
         """TRL's card, which links the base model on the Hub: for a local base folder TRL passes None and the
-        card read "a fine-tuned version of [None](https://huggingface.co/None)" (trl 1.15). Rank 0 writes
-        it, naming the local folder instead."""
+        card read "a fine-tuned version of [None](https://huggingface.co/None)" (trl 1.15), and its quick start
+        loaded `model="None"` (the Hub id of a push that never happens). Rank 0 writes it, naming the local base
+        folder and loading the saved output folder instead."""
         if self.rank != 0:
             return
         super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
-        card, broken = Path(self.args.output_dir) / "README.md", "[None](https://huggingface.co/None)"
+        card = Path(self.args.output_dir) / "README.md"
         text = card.read_text() if card.is_file() else ""
-        if broken in text:
-            base = getattr(self.model.config, "_name_or_path", "") or "a local model"
-            card.write_text(text.replace(broken, f"the local model `{base}`"))
+        base = getattr(self.model.config, "_name_or_path", "") or "a local model"
+        fixes = {"[None](https://huggingface.co/None)": f"the local model `{base}`",
+                 'model="None"': f'model="{Path(self.args.output_dir).resolve()}"'}
+        if any(broken in text for broken in fixes):
+            for broken, named in fixes.items():
+                text = text.replace(broken, named)
+            card.write_text(text)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:
