@@ -24,7 +24,7 @@ from HyperSloth.launch.local import (
 )
 from HyperSloth.launch.model_source import hub_problem
 from HyperSloth.launch.multinode import NodeLayout, NodeRun, launch_multinode
-from HyperSloth.launch.tmux import check_tmux_session, launch_tmux
+from HyperSloth.launch.tmux import check_tmux_session, launch_node_tmux, launch_tmux
 from HyperSloth.outputs import checkpoints, run_files
 from HyperSloth.outputs.startup import StartupTimeline
 from HyperSloth.plan.run import MachineFacts, RunDescription, resolve_run, write_run
@@ -260,6 +260,22 @@ def _start_tmux(run: CheckedRun, session: str, replace: bool, timeline: StartupT
     return 0
 
 
+def _start_node_tmux(config_path: str, layout: NodeLayout, overwrite: bool, session: str, replace: bool) -> int:
+    """This node of a multi-node run in a tmux session: the node's own command runs in window `main`."""
+    loaded = load_config(config_path)
+    local = len(loaded.hyper.training.gpus)
+    command = [sys.executable, "-m", "HyperSloth.cli.train", str(Path(config_path).resolve()), "--nnodes",
+               str(layout.nnodes), "--node-rank", str(layout.node_rank), "--master-addr", layout.master_addr,
+               "--master-port", str(layout.master_port), *(["--overwrite"] if overwrite else [])]
+    logs_dir = run_files.logs_dir(Path(loaded.training_args.output_dir).resolve())
+    ranks = layout.ranks_of(layout.node_rank, local)
+    attach = launch_node_tmux(command, session, logs_dir, ranks, replace=replace)
+    print(f"hypersloth-train: started node {layout.node_rank} in tmux session '{session}' (windows: main, "
+          f"{run_files.rank_name(ranks[0])}..{run_files.rank_name(ranks[-1])}); logs in {logs_dir}")
+    print(f"hypersloth-train: attach with: {attach}")
+    return 0
+
+
 def train(config: str, tmux: str | None = None, y: bool = False, dry_run: bool = False,
           overwrite: bool = False, nnodes: int | None = None, node_rank: int | None = None,
           master_addr: str | None = None, master_port: int | None = None) -> None:
@@ -281,6 +297,8 @@ def train(config: str, tmux: str | None = None, y: bool = False, dry_run: bool =
                                               timeline=timeline))
         # tmux is checked first: a refused command writes nothing (no run.json that would then refuse the retry).
         replace = _tmux_replace(str(tmux), bool(y)) if tmux is not None else False
+        if layout is not None:
+            raise SystemExit(_start_node_tmux(config_path, layout, bool(overwrite), str(tmux), replace))
         run = check_run(config_path, overwrite=bool(overwrite))
         timeline.mark("launcher_checks")
         if tmux is not None:

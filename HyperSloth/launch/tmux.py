@@ -165,6 +165,26 @@ def launch_tmux(
     return f"tmux {socket}attach -t {shlex.quote(session)}"
 
 
+def launch_node_tmux(command: Sequence[str], session: str, logs_dir: str | os.PathLike, ranks: Sequence[int], *,
+                     replace: bool = False, socket_name: str | None = None) -> str:
+    """One machine of a multi-node run in tmux session `session` (HyperSloth.launch.multinode): window `main`
+    runs `command` (this node's `hypersloth-train ... --nnodes ...`, the elastic agent: it stops this node's
+    workers when a peer fails, and shows rank 0's output on node 0), and one window per global rank of
+    `ranks` follows that rank's log (`tail -F`). Returns the `tmux attach` command once the session exists."""
+    server = check_tmux_session(session, replace=replace, socket_name=socket_name)
+    if server.has_session(session):
+        server.kill_session(session)
+    main = _env_command(os.environ, command) + '\necho "[press Enter to close this window]"\nread _'
+    tmux_session = server.new_session(session_name=session, window_name="main", start_directory=os.getcwd(),
+                                      window_command=_window_command(main), attach=False)
+    for rank in ranks:
+        log = shlex.quote(str(rank_file_in(Path(logs_dir).resolve(), rank, "log")))
+        tmux_session.new_window(window_name=run_files.rank_name(rank), start_directory=os.getcwd(),
+                                window_shell=_window_command(f"exec tail -n +1 -F {log} 2>/dev/null"), attach=False)
+    socket = f"-L {shlex.quote(socket_name)} " if socket_name else ""
+    return f"tmux {socket}attach -t {shlex.quote(session)}"
+
+
 def _wait_for_port(port_file: Path, tmux_session, timeout_s: float = PORT_WAIT_S) -> int:
     """The port the `main` window's monitor bound; LaunchError with its window's text if it never comes."""
     def main_pane() -> list[str]:

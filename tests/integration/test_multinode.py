@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import sys
+import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -125,3 +129,28 @@ def test_a_lost_node_stops_the_other_naming_it_and_leaves_no_worker(workdir, mod
     out = workdir / "outputs" / spec.name
     assert not (out / run_files.SUMMARY_FILE).exists()
     assert processes_mentioning(str(run_files.run_file(out))) == []
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="the tmux binary is not installed")
+def test_one_node_in_tmux_runs_its_command_in_main_and_follows_its_ranks_logs(tmp_path, monkeypatch):
+    libtmux = pytest.importorskip("libtmux")
+    from HyperSloth.launch.tmux import launch_node_tmux
+
+    socket_name, session = f"hs-test-{uuid.uuid4().hex[:8]}", f"hs-{uuid.uuid4().hex[:8]}"
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    run_files.rank_file_in(logs, 2, "log").write_text("rank 2 says hello\n")
+    command = [sys.executable, "-c", "import os; print('agent of node 1,', os.environ.get('NCCL_DEBUG'))"]
+    monkeypatch.setenv("NCCL_DEBUG", "WARN")  # the window gets the launcher's environment, not the tmux server's
+    try:
+        attach = launch_node_tmux(command, session, logs, [2, 3], socket_name=socket_name)
+        assert attach == f"tmux -L {socket_name} attach -t {session}"
+        tmux = libtmux.Server(socket_name=socket_name).sessions.get(session_name=session)
+        assert [w.window_name for w in tmux.windows] == ["main", "rank2", "rank3"]
+        pane = lambda name: "\n".join(tmux.windows.get(window_name=name).active_pane.capture_pane())  # noqa: E731
+        deadline = time.monotonic() + 20
+        while ("agent of node 1, WARN" not in pane("main") or "hello" not in pane("rank2")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "agent of node 1, WARN" in pane("main") and "rank 2 says hello" in pane("rank2")
+    finally:
+        libtmux.Server(socket_name=socket_name).kill()
