@@ -59,7 +59,7 @@ def alive(pid: int) -> bool:
         return False
 
 
-def wait_for(predicate, timeout: float = 10.0) -> None:
+def wait_for(predicate, timeout: float = 60.0) -> None:  # polls: generous costs nothing when it happens
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
@@ -213,7 +213,8 @@ def test_failing_rank_stops_the_others_and_is_reported(fake, tmp_path, capfd):
     code = launch("cfg.py", [0, 3], tmp_path / "out", worker_argv=fake.argv("fail"), cuda=False)
     elapsed = time.monotonic() - start
     assert code == 1
-    assert elapsed < 10, f"took {elapsed:.1f}s to notice a failed rank and stop the other"
+    # The other rank sleeps 60 s: ending well before that is stopping it, on a loaded machine too.
+    assert elapsed < 45, f"took {elapsed:.1f}s to notice a failed rank and stop the other"
     err = capfd.readouterr().err
     assert "rank 1 (gpu 3) failed with exit code 1" in err
     assert "RuntimeError: boom from rank 1: CUDA out of memory (pretend)" in err
