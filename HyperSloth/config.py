@@ -103,9 +103,6 @@ class FastModelArgs(BaseModel):
         return "bfloat16" if cuda_available else "float32"
 
 
-_ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
 class LoraArgs(BaseModel):
     """LoRA adapter settings (PEFT `LoraConfig` / Unsloth `get_peft_model`)."""
 
@@ -114,9 +111,12 @@ class LoraArgs(BaseModel):
     r: int = Field(8, gt=0, description="Adapter rank: more = more trainable parameters.")
     lora_alpha: int = Field(8, gt=0, description="Scale numerator: the update is multiplied by lora_alpha / r.")
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter input, in [0, 1).")
-    target_modules: list[str] = Field(
-        default_factory=lambda: list(_ALL_PROJECTIONS), min_length=1,
-        description="Names of the linear layers that get adapters (default: all attention + MLP projections).",
+    target_modules: list[str] | None = Field(
+        None, min_length=1,
+        description="Names of the layers that get adapters. Unset (the default): read from the model, every linear "
+        "projection of the decoder (fused ones such as Phi-3's qkv_proj too) and the experts of a mixture-of-experts "
+        "layer, never the LM head, the embeddings or the router. A list is checked against the model; on an MoE "
+        "model gate_proj / up_proj / down_proj also select the experts' fused tensors, as in Unsloth.",
     )
     bias: Literal["none", "all", "lora_only"] = Field("none", description="Which biases to train.")
     use_rslora: bool = Field(False, description="Rank-stabilised LoRA: scale by lora_alpha / sqrt(r).")
@@ -425,6 +425,11 @@ class TrainingArgsConfig(BaseModel):
         clashes = sorted(set(self.extra_args) & set(type(self).model_fields))
         if clashes:
             raise ValueError(f"extra_args repeats {clashes}: set them as fields of TrainingArgsConfig instead")
+        if self.extra_args.get("router_aux_loss_coef"):
+            raise ValueError(
+                f"extra_args router_aux_loss_coef={self.extra_args['router_aux_loss_coef']}: HyperSloth trains MoE "
+                "models without the router's load-balancing loss (the router is frozen, and transformers computes that "
+                "loss per micro-batch, so N GPUs would differ from one; docs/models.md): remove it from extra_args")
         return self
 
     def to_sft_kwargs(self) -> dict[str, Any]:

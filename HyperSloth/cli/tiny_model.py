@@ -15,21 +15,24 @@ import sys
 from pathlib import Path
 
 from HyperSloth.cli.command import Command, Flag, Positional
+from HyperSloth.train.tiny_architectures import ARCHITECTURES
 from HyperSloth.train.tiny_model import build_tiny_model
 
 DEFAULT_OUT_DIR = "build/tiny-qwen3"
 
 
-def tiny_model(out_dir: str = DEFAULT_OUT_DIR, data_path: str | None = None, force: bool = False) -> None:
+def tiny_model(out_dir: str = DEFAULT_OUT_DIR, data_path: str | None = None, force: bool = False,
+               architecture: str = "qwen3") -> None:
     """Build (or reuse) the tiny random-weight Qwen3 in OUT_DIR and print what is there.
 
     Args:
         out_dir: folder to write the Hugging Face model + tokenizer into.
         data_path: OpenAI-messages JSONL to train the tokenizer on (default: data/sample_chat.jsonl).
         force: replace a non-empty OUT_DIR that holds something else.
+        architecture: the transformers architecture at the tiny shape (qwen3, qwen3_moe, phi3, ...).
     """
     try:
-        path = build_tiny_model(out_dir, data_path=data_path, force=force)
+        path = build_tiny_model(out_dir, data_path=data_path, force=force, architecture=architecture)
     except (FileNotFoundError, FileExistsError, ValueError) as error:
         print(f"hypersloth-tiny-model: {error}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -72,9 +75,12 @@ ChatML tokenizer in OUT_DIR, for offline runs and tests, and print what is there
         Flag("data_path", "OpenAI-messages JSONL to train the tokenizer on (default data/sample_chat.jsonl)",
              value="FILE"),
         Flag("force", "replace a non-empty OUT_DIR that holds something else"),
+        Flag("architecture", f"the architecture at the tiny shape: {', '.join(ARCHITECTURES)} (default qwen3; "
+             "qwen3_moe has 4 fused experts, 2 active)", value="NAME"),
     ),
     examples=("hypersloth-tiny-model                             # build/tiny-qwen3",
-              "hypersloth-tiny-model models/tiny --data_path my_chats.jsonl"),
+              "hypersloth-tiny-model models/tiny --data_path my_chats.jsonl",
+              "hypersloth-tiny-model build/tiny-moe --architecture qwen3_moe"),
     notes="exit codes: 0 built or reused, 2 nothing built (a wrong flag, OUT_DIR holds something else)",
 )
 

@@ -16,7 +16,9 @@ from typing import Any
 import torch
 from loguru import logger
 
-from HyperSloth.config import ConfigError, FastModelArgs, LoraArgs
+from HyperSloth.config import FastModelArgs, LoraArgs
+from HyperSloth.train.lora.targets import LoraTargets, check_expert_settings, resolve_targets
+from HyperSloth.train.lora.targets import describe as describe_targets
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -30,6 +32,8 @@ class LoadedModel:
     # When the base model (with its tokenizer) was loaded and the adapters attached (time.time(); no "adapter"
     # for full fine-tuning): the worker's start-up timeline (HyperSloth.outputs.startup).
     stamps: dict[str, float] = field(default_factory=dict)
+    # What got adapters and the trainable share (HyperSloth.train.lora.targets.describe; run_resolved.json).
+    lora_targets: dict[str, Any] | None = None
 
 
 def resolve_backend(args: FastModelArgs) -> str:
@@ -57,22 +61,26 @@ def load_model(fast: FastModelArgs, lora: LoraArgs | None, lora_passes: bool = F
     dtype = resolve_dtype(fast)
     native = _checkpoint_config(fast)
     stamps: dict[str, float] = {}
+    record: dict[str, Any] = {}
     if backend == "unsloth":
-        model, tokenizer = _load_unsloth(fast, lora, dtype, stamps)
+        model, tokenizer = _load_unsloth(fast, lora, dtype, stamps, record)
         if lora is not None and lora_passes:
             _install_lora_passes(model)
             stamps["adapter"] = time.time()  # the adapters are attached once their passes are in place
     else:
-        model, tokenizer = _load_transformers(fast, lora, dtype, stamps, native)
+        model, tokenizer = _load_transformers(fast, lora, dtype, stamps, native, record)
+    _no_router_loss(model)
     line = describe_rope(native, model.config, fast.max_seq_length, backend) if native is not None else None
     if line:
         logger.warning(line)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return LoadedModel(model=model, tokenizer=tokenizer, backend=backend, dtype=dtype, stamps=stamps)
+    return LoadedModel(model=model, tokenizer=tokenizer, backend=backend, dtype=dtype, stamps=stamps,
+                       lora_targets=record or None)
 
 
-def _load_unsloth(fast: FastModelArgs, lora: LoraArgs | None, dtype: torch.dtype, stamps: dict[str, float]):
+def _load_unsloth(fast: FastModelArgs, lora: LoraArgs | None, dtype: torch.dtype, stamps: dict[str, float],
+                  record: dict[str, Any] | None = None):
     from unsloth import FastLanguageModel
 
     # use_gradient_checkpointing goes to from_pretrained too: its default ("unsloth") patches torch's
@@ -100,8 +108,9 @@ def _load_unsloth(fast: FastModelArgs, lora: LoraArgs | None, dtype: torch.dtype
         # get_peft_model would otherwise have applied.
         model = FastLanguageModel.patch_peft_model(model, fast.use_gradient_checkpointing)
     elif lora is not None:
-        check_target_modules(model, lora.target_modules)
-        model = _unsloth_lora(FastLanguageModel, model, fast, lora)
+        targets = _targets(model, lora)
+        model = _unsloth_lora(FastLanguageModel, model, fast, lora, targets)
+        _log_targets(model, targets, record if record is not None else {})
     _allow_packed_rows(model)
     if lora is not None:
         stamps["adapter"] = time.time()
@@ -126,11 +135,14 @@ def _allow_packed_rows(model) -> None:
     mark_allow_overlength(model)
 
 
-def _unsloth_lora(FastLanguageModel, model, fast: FastModelArgs, lora: LoraArgs):
+def _unsloth_lora(FastLanguageModel, model, fast: FastModelArgs, lora: LoraArgs, targets: LoraTargets):
+    # target_parameters given explicitly (an empty list too): Unsloth fills None from the MLP names itself
+    # (get_moe_target_parameters), and HyperSloth's resolution already did that, checked against the model.
     return FastLanguageModel.get_peft_model(
         model,
         r=lora.r,
-        target_modules=list(lora.target_modules),
+        target_modules=list(targets.modules),
+        target_parameters=list(targets.parameters),
         lora_alpha=lora.lora_alpha,
         lora_dropout=lora.lora_dropout,
         bias=lora.bias,
@@ -142,7 +154,7 @@ def _unsloth_lora(FastLanguageModel, model, fast: FastModelArgs, lora: LoraArgs)
 
 
 def _load_transformers(fast: FastModelArgs, lora: LoraArgs | None, dtype: torch.dtype, stamps: dict[str, float],
-                       native=None):
+                       native=None, record: dict[str, Any] | None = None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # Remote model code runs only when the config asks for it (trust_remote_code, default False).
@@ -173,44 +185,62 @@ def _load_transformers(fast: FastModelArgs, lora: LoraArgs | None, dtype: torch.
     stamps["model_load"] = time.time()
     if lora is None:
         return model, tokenizer
-    model = _attach_peft(model, lora)
+    model = _attach_peft(model, lora, record if record is not None else {})
     stamps["adapter"] = time.time()
     return model, tokenizer
 
 
-def _attach_peft(model, lora: LoraArgs):
+def _attach_peft(model, lora: LoraArgs, record: dict[str, Any]):
     from peft import LoraConfig, PeftModel, get_peft_model
 
     if lora.init_adapter_path:
         return PeftModel.from_pretrained(model, lora.init_adapter_path, is_trainable=True)
-    check_target_modules(model, lora.target_modules)
+    targets = _targets(model, lora)
     config = LoraConfig(
         r=lora.r,
         lora_alpha=lora.lora_alpha,
         lora_dropout=lora.lora_dropout,
-        target_modules=list(lora.target_modules),
+        target_modules=list(targets.modules) or None,
+        target_parameters=list(targets.parameters) or None,
         bias=lora.bias,
         use_rslora=lora.use_rslora,
         task_type="CAUSAL_LM",
     )
     # Seeded so every rank (and the 1-GPU reference run) starts from the same adapter weights.
     torch.manual_seed(lora.random_state)
-    return get_peft_model(model, config)
+    model = get_peft_model(model, config)
+    _log_targets(model, targets, record)
+    return model
 
 
-def check_target_modules(model, targets: list[str]) -> None:
-    """ConfigError naming every entry of `targets` that matches no module of `model`, and the model's
-    linear layers. PEFT refuses a list that matches nothing, but trains silently with fewer adapters
-    when only some entries match (a typo such as "q_prj" next to "v_proj")."""
-    names = [name for name, _ in model.named_modules() if name]
-    # PEFT's rule for a list of names: the module's full name equals the entry or ends with "." + entry.
-    unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
-    if not unmatched:
-        return
-    linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                     if isinstance(module, torch.nn.Linear)})
-    raise ConfigError(f"lora_args.target_modules {unmatched} match no module of this model: its linear layers "
-                      f"are {', '.join(linear)}; drop or correct {'them' if len(unmatched) > 1 else 'it'}")
+def _targets(model, lora: LoraArgs) -> LoraTargets:
+    """The adapters this model gets (read from it, or the config's list checked against it). PEFT refuses a
+    list that matches nothing, but trains silently with fewer adapters when only some entries match (a typo
+    such as "q_prj" next to "v_proj"): every entry must match."""
+    targets = resolve_targets(model, lora.target_modules)
+    check_expert_settings(targets, lora.lora_dropout)
+    return targets
+
+
+def _log_targets(model, targets: LoraTargets, record: dict[str, Any]) -> None:
+    line, described = describe_targets(model, targets)
+    logger.info(line)
+    record.update(described)
+
+
+def _no_router_loss(model) -> None:
+    """Train without an MoE router's load-balancing loss, whatever the checkpoint's config says.
+
+    With `output_router_logits`, transformers adds `router_aux_loss_coef` x a load-balancing loss computed per
+    forward (a mean over that micro-batch's tokens) to the loss: a sum over micro-batches then depends on how the
+    step's tokens were cut into micro-batches and GPUs, so N GPUs would no longer train what one does. The router
+    is frozen (it gets no adapter), so the loss would only push the adapters below it towards balanced routing.
+    Off is the default of Qwen3-MoE, Mixtral and gpt-oss configs; a config that turns it on is told in one line."""
+    config = getattr(model, "config", None)
+    if getattr(config, "output_router_logits", False):
+        config.output_router_logits = False
+        logger.info("MoE router load-balancing loss: not added (the checkpoint's config has output_router_logits="
+                    "True; the router is frozen and the loss must not depend on how a step is split over GPUs)")
 
 
 # ---------------------------------------------------------------- RoPE past the checkpoint's context

@@ -137,7 +137,7 @@ def synthetic_row(rows: int, layout: GraphLayout, pad_token_id: int) -> dict[str
 
 
 def graph_unavailable(*, enabled: bool, cuda: bool, backend: str, mode: str, lora: bool, lora_dropout: float,
-                      checkpointing: bool | str, tiled_mlp: bool = False) -> str | None:
+                      checkpointing: bool | str, tiled_mlp: bool = False, experts: int = 0) -> str | None:
     """Why this run's decoder runs eagerly (None: it replays CUDA graphs over its packed rows)."""
     if not enabled:
         return "CUDA graphs are switched off (training.cuda_graphs=False)"
@@ -155,6 +155,12 @@ def graph_unavailable(*, enabled: bool, cuda: bool, backend: str, mode: str, lor
         return "gradient checkpointing recomputes layers inside the backward (CUDA graphs need it off)"
     if tiled_mlp:
         return "Unsloth's tiled MLP sizes its tiles from each row on the host (CUDA graphs need it off)"
+    if experts:
+        # Unsloth's MoE path (unsloth_zoo temporary_patches/moe_utils.py, 2026.10.9) reads the tokens routed to
+        # each expert on the host to size its grouped GEMMs and dequantisation plans: a capture would freeze one
+        # step's routing into every replay.
+        return (f"mixture of experts ({experts} experts): the experts' grouped GEMMs are sized on the host from each "
+                "step's routing (a graph would replay one routing)")
     return None
 
 

@@ -79,6 +79,7 @@ class TinyModelArgs(BaseModel):
     intermediate_size: int = Field(gt=0)
     max_position_embeddings: int = Field(gt=0)
     seed: int
+    architecture: str = Field("qwen3", description="transformers architecture (tiny_architectures.ARCHITECTURES)")
 
 
 def build_tiny_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
@@ -130,6 +131,7 @@ def build_tiny_model(
     max_position_embeddings: int = 4096,
     seed: int = 0,
     force: bool = False,
+    architecture: str = "qwen3",
 ) -> Path:
     """Build (or reuse) a tiny random-weight Qwen3 + ChatML tokenizer in ``out_dir``; return its path.
 
@@ -157,6 +159,7 @@ def build_tiny_model(
         intermediate_size=intermediate_size,
         max_position_embeddings=max_position_embeddings,
         seed=seed,
+        architecture=architecture,
     )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out_dir) + ".lock"):
@@ -221,9 +224,12 @@ def _resolve_data_path(data_path: str | Path | None) -> Path:
 
 def _stored_args(out_dir: Path) -> dict | None:
     try:
-        return json.loads((out_dir / ARGS_FILE).read_text(encoding="utf-8"))
+        stored = json.loads((out_dir / ARGS_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
+    if isinstance(stored, dict):
+        stored.setdefault("architecture", "qwen3")  # folders built before architectures were a choice
+    return stored
 
 
 def _is_complete_build(out_dir: Path, args: TinyModelArgs) -> bool:
@@ -255,28 +261,28 @@ def _check_can_write(out_dir: Path, args: TinyModelArgs, force: bool) -> None:
 def _write_model(folder: Path, data_file: Path, args: TinyModelArgs) -> None:
     """Train the tokenizer, initialise the model and save both into ``folder``."""
     import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import GenerationConfig
+
+    from HyperSloth.train.tiny_architectures import tiny_causal_lm, tiny_config
 
     tokenizer = build_tiny_tokenizer(_tokenizer_texts(data_file), vocab_size=args.vocab_size)
     tokenizer.model_max_length = args.max_position_embeddings
-    config = Qwen3Config(
+    config = tiny_config(
+        args.architecture,
         vocab_size=len(tokenizer),
         hidden_size=args.hidden_size,
         intermediate_size=args.intermediate_size,
-        num_hidden_layers=args.num_layers,
-        num_attention_heads=args.num_heads,
-        num_key_value_heads=args.num_kv_heads,
+        num_layers=args.num_layers,
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
         head_dim=args.head_dim,
         max_position_embeddings=args.max_position_embeddings,
-        tie_word_embeddings=True,
         initializer_range=INITIALIZER_RANGE,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        dtype="float32",
     )
     torch.manual_seed(args.seed)
-    model = Qwen3ForCausalLM(config).to(torch.float32)
+    model = tiny_causal_lm(config).to(torch.float32)
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )

@@ -18,6 +18,7 @@ from HyperSloth.plan.run import RunDescription, rank_seed
 from HyperSloth.train.collate import packed_row_tokens
 from HyperSloth.train.dist import DistInfo, GradientSync
 from HyperSloth.train.evaluation import Evaluator, eval_callbacks, eval_sft_kwargs
+from HyperSloth.train.lora.targets import num_experts
 from HyperSloth.train.model import trainable_parameters
 from HyperSloth.train.plan_loader import PlanSteps
 from HyperSloth.train.step_graph import DecoderGraphs, graph_layout, graph_unavailable, rows_to_capture
@@ -50,6 +51,13 @@ def sft_config_for(targs: TrainingArgsConfig, dtype: torch.dtype, rank: int,
         bf16=cuda and dtype == torch.bfloat16,
         fp16=cuda and dtype == torch.float16,
     )
+    # An MoE model's load-balancing loss: TRL 1.15 turns it on with the architecture's coefficient (0.001 on
+    # Qwen3-MoE) unless told 0. transformers computes it per forward, over that micro-batch's tokens only: the
+    # step's sum would depend on how its tokens were cut into micro-batches and GPUs, so N GPUs would not train
+    # what one does. The router is frozen, so it would only steer the adapters below it. Off (a non-zero
+    # coefficient in extra_args is refused by the config; docs/models.md).
+    if "router_aux_loss_coef" in getattr(SFTConfig, "__dataclass_fields__", {}):  # trl >= 1.x
+        kwargs["router_aux_loss_coef"] = 0.0
     if backend != "unsloth":  # the loader already applied the configured checkpointing (model.py)
         kwargs.setdefault("gradient_checkpointing", False)  # extra_args may still set it
     if kwargs.get("dataloader_num_workers") is None:  # collate ahead in a worker process when on GPUs
@@ -73,7 +81,8 @@ def decoder_graphs(description: RunDescription, loaded_model, steps: PlanSteps, 
     reason = graph_unavailable(
         enabled=description.cuda_graphs, cuda=torch.cuda.is_available(), backend=loaded_model.backend,
         mode=spec.mode, lora=lora is not None, lora_dropout=lora.lora_dropout if lora else 0.0,
-        checkpointing=description.gradient_checkpointing, tiled_mlp=description.tiled_mlp is True)
+        checkpointing=description.gradient_checkpointing, tiled_mlp=description.tiled_mlp is True,
+        experts=num_experts(getattr(loaded_model.model, "config", None)))
     if reason is not None:
         logger.info(f"eager decoder forward+backward: {reason}")
         return {"graphs_off": reason}

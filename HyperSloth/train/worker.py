@@ -153,7 +153,7 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path, time
         run_files.atomic_write_json(run_files.resolved_file(out_dir), {
             "token_budget": budget_decision.as_record(),
             "gradient_checkpointing": description.gradient_checkpointing, "tiled_mlp": description.tiled_mlp,
-            "attention": attention.as_record()})
+            "attention": attention.as_record(), "lora_targets": loaded_model.lora_targets})
     # A hold-out leaves the training rows; the eval rows are checked against the resolved fingerprint.
     dataset, eval_dataset = split_for_run(full_dataset, description.eval_set)
     trainer, setup = _builder(description.method)(description, loaded_model, dataset, info, eval_dataset=eval_dataset)
@@ -180,6 +180,7 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path, time
     summary["cuda_graphs"] = trainer.graphs_summary()
     summary["gradient_checkpointing"] = description.gradient_checkpointing
     summary["tiled_mlp"] = description.tiled_mlp
+    summary["lora_targets"] = loaded_model.lora_targets
     summary["attention"] = attention.as_record()  # the kernel packed rows ran on, what was asked and why
     summary["startup"] = timeline.record()  # launch to the end of step 1, phase by phase (outputs/startup.py)
     summary.update(eval_summary(trainer.state.log_history, description.eval_set, out_dir))

@@ -87,6 +87,8 @@ class RunSpec:
     kill_in_save: bool = False  # rank 1 is killed while saving the checkpoint of the last step
     lora_dropout: float = 0.0
     profile: bool = False  # training.profile: phase timing and the kernel profile of steps 4-6
+    model_subdir: str | None = None  # a model in this folder of the pool's model_dir (other architectures)
+    default_targets: bool = False  # leave lora_args.target_modules unset (read from the model) and dropout out
 
     def hyper_config(self, model_dir: Path) -> dict[str, Any]:
         return {
@@ -99,9 +101,10 @@ class RunSpec:
                 "tokens_per_micro_batch": 512,
                 "profile": self.profile,
             },
-            "fast_model_args": {"model_name": str(model_dir), "max_seq_length": MAX_SEQ_LENGTH,
-                                "dtype": "float32", "backend": "transformers"},
-            "lora_args": {"r": 8, "lora_alpha": 16, "lora_dropout": self.lora_dropout},
+            "fast_model_args": {"model_name": str(model_dir / self.model_subdir if self.model_subdir else model_dir),
+                                "max_seq_length": MAX_SEQ_LENGTH, "dtype": "float32", "backend": "transformers"},
+            "lora_args": {"r": 8, "lora_alpha": 16} if self.default_targets else
+            {"r": 8, "lora_alpha": 16, "lora_dropout": self.lora_dropout},
         }
 
     def training_config(self) -> dict[str, Any]:

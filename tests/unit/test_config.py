@@ -266,7 +266,7 @@ def test_lora_dropout_range_and_defaults():
     assert "lora_args.lora_dropout" in validation_message(lambda: LoraArgs(lora_dropout=1.0))
     lora = LoraArgs()
     assert (lora.r, lora.lora_alpha, lora.bias, lora.random_state) == (8, 8, "none", 3407)
-    assert lora.target_modules == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert lora.target_modules is None  # read from the model (HyperSloth.train.lora.targets)
 
 
 def test_extra_args_may_not_repeat_fields():
@@ -419,3 +419,9 @@ def test_config_module_does_not_import_torch():
 
     code = "import sys, HyperSloth.config; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_router_load_balancing_loss_is_refused_with_what_to_change():
+    message = validation_message(lambda: TrainingArgsConfig(extra_args={"router_aux_loss_coef": 0.001}))
+    assert "router_aux_loss_coef=0.001" in message and "remove it from extra_args" in message
+    assert TrainingArgsConfig(extra_args={"router_aux_loss_coef": 0.0}).extra_args == {"router_aux_loss_coef": 0.0}

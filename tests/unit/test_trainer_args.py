@@ -108,3 +108,9 @@ def test_step_history_is_kept_in_the_checkpoint_state_and_read_back_on_resume():
     older = StepHistory(trainer([], []))
     older.on_train_begin(None, TrainerState(global_step=3), TrainerControl())  # an older checkpoint: no record
     assert older.earlier == {}
+
+
+def test_trl_never_adds_the_moe_router_loss(tmp_path):
+    """TRL 1.15 turns an MoE model's load-balancing loss on with the architecture's coefficient unless told 0."""
+    args = trainer_args.sft_config_for(TrainingArgsConfig(output_dir=str(tmp_path)), torch.float32, rank=0)
+    assert args.router_aux_loss_coef == 0.0

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from HyperSloth.train.budget import cache as probe_cache
+from HyperSloth.train.lora.targets import num_experts
 from HyperSloth.train.budget.choice import (
     ROUND_TO,
     SAFETY_FRACTION,
@@ -48,13 +49,20 @@ def probe_segments(longest: Sequence[int], tokens: int) -> list[int]:
 
 
 def probe_batch(tokens: int, longest: Sequence[int], vocab_size: int, seed: int = 0,
-                with_lengths: bool = True) -> dict[str, Any]:
+                with_lengths: bool = True, one_route: bool = False) -> dict[str, Any]:
     """A packed row of `tokens` random tokens cut as `probe_segments`, as the trainer feeds it (restarting
-    position ids, `packed_seq_lengths` for Unsloth's varlen path, labels = inputs)."""
+    position ids, `packed_seq_lengths` for Unsloth's varlen path, labels = inputs).
+
+    `one_route` (mixture-of-experts models): every token is the same one. Each position then carries the same
+    hidden state through every layer (attention averages identical values), so every token goes to the same
+    experts: the most unbalanced routing a row can have, the worst case for kernels that size their work per
+    expert (random tokens spread almost evenly). Grouped GEMMs hold tokens x active experts rows either way."""
     from HyperSloth.train.collate import collate_packed
 
     rng = np.random.default_rng(seed)
-    rows = (rng.integers(0, vocab_size, size=n) for n in probe_segments(longest, tokens))
+    token = int(rng.integers(0, vocab_size)) if one_route else 0
+    rows = (np.full(n, token) if one_route else rng.integers(0, vocab_size, size=n)
+            for n in probe_segments(longest, tokens))
     samples = [(ids, ids.copy()) for ids in rows]
     return collate_packed(samples, with_lengths=with_lengths)
 
@@ -72,9 +80,10 @@ def peak_of_forward_backward(model, longest: Sequence[int], vocab_size: int, wit
     import torch
 
     device = next(model.parameters()).device
+    one_route = num_experts(getattr(model, "config", None)) > 0
 
     def peak(tokens: int) -> int:
-        batch = probe_batch(tokens, longest, vocab_size, with_lengths=with_lengths)
+        batch = probe_batch(tokens, longest, vocab_size, with_lengths=with_lengths, one_route=one_route)
         batch = {k: v if k == "packed_seq_lengths" else v.to(device) for k, v in batch.items()}
         release_memory(model)
         torch.cuda.reset_peak_memory_stats(device)

@@ -155,6 +155,8 @@ def _layer_refusal(layer: nn.Module) -> str | None:
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if attn is None or mlp is None:
         return "no self_attn / mlp"
+    if hasattr(mlp, "experts"):
+        return "mlp is a mixture of experts (its adapters run on Unsloth's MoE LoRA path)"
     hooks = (_hook_name(attn.__dict__.get("apply_qkv")), _hook_name(attn.__dict__.get("apply_o")))
     if hooks != (UNSLOTH_QKV, UNSLOTH_O):
         return f"attention has no Unsloth {UNSLOTH_QKV} / {UNSLOTH_O} hook"

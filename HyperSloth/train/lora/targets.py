@@ -1,0 +1,189 @@
+"""Which parts of a model get LoRA adapters: read from the model itself, not from a list of names.
+
+With `lora_args.target_modules` unset, every linear projection of the decoder gets an adapter (fused ones too:
+Phi-3's `qkv_proj` / `gate_up_proj`) and so do the experts of a mixture-of-experts layer; never the LM head, the
+embeddings or a router. transformers 5 stores an MoE layer's experts as fused 3-D parameters
+(`mlp.experts.gate_up_proj`, `mlp.experts.down_proj` on Qwen3-MoE, Mixtral, Qwen2-MoE, gpt-oss), which no
+module name matches: they go to PEFT's `target_parameters` (PEFT >= 0.17), which Unsloth's `get_peft_model`
+takes too (its MoE LoRA path then runs the experts as grouped GEMMs without building the per-expert delta).
+
+An explicit list wins and is checked: each entry must name a module or an expert tensor of the model. As in
+Unsloth (`get_moe_target_parameters`, unsloth 2026.10.9), the MLP names `gate_proj` / `up_proj` / `down_proj`
+also select an MoE layer's fused expert tensors, so the classic seven-name list adapts the experts too.
+
+Knows nothing of backends or ranks: model.py passes the result to PEFT or Unsloth.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from HyperSloth.config import ConfigError
+
+# A decoder layer's path: "...layers.3." (Llama family, Qwen, Gemma, Phi-3, MoE), "...h.3." (GPT-2 style).
+_LAYER = re.compile(r"(^|\.)(layers|h|blocks)\.\d+\.")
+# Parts of a multimodal model that are not the text decoder.
+_NOT_TEXT = ("vision", "visual", "audio", "multi_modal_projector", "mm_projector")
+# The MLP names that select an MoE layer's fused expert tensors (as Unsloth maps them).
+_EXPERT_ALIASES = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "gate_up_proj": "gate_up_proj",
+                   "down_proj": "down_proj"}
+
+
+@dataclass(frozen=True)
+class LoraTargets:
+    """What gets adapters: PEFT's `target_modules` (leaf names of linear layers) and `target_parameters`
+    (expert tensors, as suffixes such as "mlp.experts.gate_up_proj"); `source` is "model" or "config"."""
+
+    modules: tuple[str, ...]
+    parameters: tuple[str, ...]
+    source: str
+
+    def record(self) -> dict[str, Any]:
+        return {"source": self.source, "target_modules": list(self.modules),
+                "target_parameters": list(self.parameters)}
+
+
+def num_experts(config: Any) -> int:
+    """The number of routed experts of an MoE config (text config included), 0 for a dense model."""
+    for cfg in (config, getattr(config, "text_config", None)):
+        for attr in ("num_experts", "num_local_experts", "n_routed_experts"):
+            value = getattr(cfg, attr, None) if cfg is not None else None
+            if isinstance(value, int) and value > 1:
+                return value
+    return 0
+
+
+def resolve_targets(model: nn.Module, requested: list[str] | None) -> LoraTargets:
+    """The adapters `model` gets: from the model when `requested` is None, else the checked list (ConfigError
+    naming the entries that match nothing, with what the model has)."""
+    linear = decoder_linears(model)
+    experts = expert_tensors(model)
+    if requested is None:
+        modules = _leaf_names(linear)
+        if not modules and not experts:
+            raise ConfigError("found no linear projection in this model's decoder layers to adapt: set "
+                              "lora_args.target_modules to the names of the layers to train")
+        return LoraTargets(modules=modules, parameters=tuple(sorted(set(experts.values()))), source="model")
+    all_names = [name for name, _ in model.named_modules() if name]
+    matched_modules, matched_params, unmatched = [], set(), []
+    for entry in requested:
+        hits_module = any(n == entry or n.endswith("." + entry) for n in all_names)
+        params = _experts_named(entry, experts)
+        if hits_module:
+            matched_modules.append(entry)
+        matched_params |= params
+        if not hits_module and not params:
+            unmatched.append(entry)
+    if unmatched:
+        raise ConfigError(_unmatched_message(unmatched, linear, experts))
+    return LoraTargets(modules=tuple(matched_modules), parameters=tuple(sorted(matched_params)), source="config")
+
+
+def decoder_linears(model: nn.Module) -> list[str]:
+    """Full names of the linear layers inside the text decoder's layers, routers and gates excluded."""
+    experts = num_experts(getattr(model, "config", None))
+    names = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or not _LAYER.search(name) or _outside_text(name):
+            continue
+        if "lora_" in name or name.endswith(".base_layer"):
+            continue  # an adapter's own layers (an already wrapped model)
+        leaf = name.rsplit(".", 1)[-1]
+        if _is_router(leaf, module, experts):
+            continue
+        names.append(name)
+    return names
+
+
+def expert_tensors(model: nn.Module) -> dict[str, str]:
+    """Every fused expert tensor of the decoder: full parameter name -> its suffix for `target_parameters`
+    (the path below the layer index, e.g. "mlp.experts.gate_up_proj"). 3-D parameters with one slice per
+    expert; their biases (2-D) and the router stay frozen."""
+    experts = num_experts(getattr(model, "config", None))
+    if not experts:
+        return {}
+    found = {}
+    for name, param in model.named_parameters():
+        if param.ndim != 3 or param.shape[0] != experts or _outside_text(name) or "lora_" in name:
+            continue
+        match = list(_LAYER.finditer(name))
+        if match:
+            suffix = name[match[-1].end():].replace(".base_layer", "").replace(".parametrizations", "")
+            found[name] = suffix.removesuffix(".original")
+    return found
+
+
+def _is_router(leaf: str, module: nn.Linear, experts: int) -> bool:
+    """A router or gate (not a gated projection such as gate_proj): Mixtral-style `gate`, `router`,
+    Qwen2-MoE's `shared_expert_gate`, or any linear layer with one output per expert."""
+    if leaf in ("gate", "router") or leaf.endswith("_gate") or leaf.endswith("router"):
+        return True
+    return bool(experts) and module.out_features == experts
+
+
+def _outside_text(name: str) -> bool:
+    return any(part in name for part in _NOT_TEXT)
+
+
+def _leaf_names(full_names: list[str]) -> tuple[str, ...]:
+    """Leaf names in first-seen order (PEFT matches a leaf name against every module's name suffix)."""
+    return tuple(dict.fromkeys(name.rsplit(".", 1)[-1] for name in full_names))
+
+
+def _experts_named(entry: str, experts: dict[str, str]) -> set[str]:
+    """The expert suffixes an explicit entry selects: a suffix itself ("mlp.experts.down_proj") or an MLP name."""
+    wanted = _EXPERT_ALIASES.get(entry)
+    picked = set()
+    for suffix in experts.values():
+        leaf = suffix.rsplit(".", 1)[-1]
+        if suffix == entry or suffix.endswith("." + entry) or leaf == wanted:
+            picked.add(suffix)
+        elif wanted == "gate_up_proj" and leaf == entry:  # unfused 3-D gate_proj / up_proj stacks
+            picked.add(suffix)
+    return picked
+
+
+def _unmatched_message(unmatched: list[str], linear: list[str], experts: dict[str, str]) -> str:
+    names = ", ".join(_leaf_names(linear)) or "none"
+    expert_part = f"; its expert tensors are {', '.join(sorted(set(experts.values())))}" if experts else ""
+    return (f"lora_args.target_modules {unmatched} match no module of this model: its decoder's linear layers are "
+            f"{names}{expert_part}; drop or correct {'them' if len(unmatched) > 1 else 'it'}, or leave "
+            "target_modules unset to adapt every projection (and the experts) the model has")
+
+
+def check_expert_settings(targets: LoraTargets, lora_dropout: float) -> None:
+    """PEFT adapts a 3-D expert tensor through a parametrization of the whole weight, where dropout on the
+    input cannot be applied (peft 0.21 `ParamWrapper` raises): say what to change before PEFT does."""
+    if targets.parameters and lora_dropout > 0:
+        raise ConfigError(
+            f"lora_dropout={lora_dropout} cannot apply to the experts' adapters ({', '.join(targets.parameters)}: "
+            "PEFT's target_parameters have no input dropout): set lora_args.lora_dropout=0, or list "
+            "lora_args.target_modules without the expert projections")
+
+
+def describe(model: nn.Module, targets: LoraTargets) -> tuple[str, dict[str, Any]]:
+    """One log line and its record: how many modules and expert tensors got adapters, the trainable share."""
+    wrapped = [m for _, m in model.named_modules() if hasattr(m, "lora_A") and not hasattr(m, "parameter_name")]
+    param_wrapped = [m for _, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "parameter_name")]
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(_numel(p) for p in model.parameters())
+    share = trainable / total if total else 0.0
+    what = "from the model" if targets.source == "model" else "from lora_args.target_modules"
+    experts = (f" + experts {', '.join(targets.parameters)}" if targets.parameters else "")
+    line = (f"LoRA targets ({what}): {', '.join(targets.modules) or 'no linear layer'}{experts} -> "
+            f"{len(wrapped)} modules, {len(param_wrapped)} expert tensors; trainable {trainable:,} of {total:,} "
+            f"parameters ({100 * share:.3g}%)")
+    record = {**targets.record(), "adapted_modules": len(wrapped), "adapted_expert_tensors": len(param_wrapped),
+              "trainable_parameters": trainable, "trainable_share": round(share, 8)}
+    return line, record
+
+
+def _numel(param: torch.Tensor) -> int:
+    """Elements of the weight as loaded: a bitsandbytes 4-bit weight packs two values per byte."""
+    quant = getattr(param, "quant_state", None)
+    return int(quant.shape.numel()) if quant is not None and hasattr(quant, "shape") else param.numel()

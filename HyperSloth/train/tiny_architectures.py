@@ -1,0 +1,52 @@
+"""The tiny model's architectures: the same tiny shape as a Qwen3, Qwen3-MoE, Phi-3, Llama, Mistral, Qwen2 or
+Gemma 3 config, so every architecture HyperSloth claims to train is trained in the tests (and by anyone, with
+`hypersloth-tiny-model --architecture NAME`) without the Hub.
+
+The MoE shape keeps transformers 5's fused experts (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) with
+few experts and two active per token, so a short step routes tokens to every expert.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ARCHITECTURES = ("qwen3", "qwen3_moe", "phi3", "llama", "mistral", "qwen2", "gemma3")
+# Experts of the tiny MoE and how many are active per token.
+TINY_EXPERTS, TINY_ACTIVE_EXPERTS = 4, 2
+
+
+def tiny_config(architecture: str, *, vocab_size: int, hidden_size: int, intermediate_size: int, num_layers: int,
+                num_heads: int, num_kv_heads: int, head_dim: int, max_position_embeddings: int,
+                initializer_range: float, pad_token_id: int, eos_token_id: int):
+    """The transformers config of `architecture` at this shape (float32, tied embeddings, no BOS)."""
+    import transformers
+
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"unknown tiny-model architecture {architecture!r}: choose one of {', '.join(ARCHITECTURES)}")
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings, tie_word_embeddings=True,
+        initializer_range=initializer_range, pad_token_id=pad_token_id, eos_token_id=eos_token_id,
+        bos_token_id=None, dtype="float32")
+    if architecture != "phi3":  # Phi-3 derives head_dim = hidden_size / heads
+        common["head_dim"] = head_dim
+    extra: dict[str, Any] = {}
+    if architecture == "qwen3_moe":
+        extra = dict(num_experts=TINY_EXPERTS, num_experts_per_tok=TINY_ACTIVE_EXPERTS,
+                     moe_intermediate_size=intermediate_size // 2, decoder_sparse_step=1, mlp_only_layers=[],
+                     norm_topk_prob=True, output_router_logits=False)
+    elif architecture == "gemma3":
+        extra = dict(query_pre_attn_scalar=head_dim, sliding_window=max_position_embeddings,
+                     hidden_activation="gelu_pytorch_tanh")
+    classes = {"qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig", "phi3": "Phi3Config",
+               "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
+               "gemma3": "Gemma3TextConfig"}
+    return getattr(transformers, classes[architecture])(**common, **extra)
+
+
+def tiny_causal_lm(config):
+    """A random-weight causal LM of `config` (the caller seeds torch)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(config)

@@ -1,0 +1,96 @@
+"""Architectures beyond Qwen3 train at defaults through the real CLI (CPU, gloo): a tiny Qwen3-MoE with
+transformers 5's fused experts gets adapters on its experts and 1 and 2 workers give the same adapter; a tiny
+Phi-3 gets its fused qkv_proj / gate_up_proj. lora_args.target_modules is left unset in every run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from training_fixtures import (
+    DATASET,
+    MAX_SEQ_LENGTH,
+    MAX_STEPS,
+    SAMPLE_CHAT,
+    RunSpec,
+    flat_adapter,
+    needs,
+    pool_fixtures,
+    relative_error,
+)
+
+from HyperSloth.train.tiny_architectures import TINY_EXPERTS
+
+pytestmark = pytest.mark.slow
+
+RTOL = 1e-5
+NUM_CONVERSATIONS = 128
+SPECS = [
+    RunSpec("moe-2w", model_subdir="qwen3_moe", default_targets=True),
+    RunSpec("moe-1w", gpus=1, per_device=8, model_subdir="qwen3_moe", default_targets=True),
+    RunSpec("phi3-2w", model_subdir="phi3", default_targets=True),
+]
+
+
+def build_models(workdir: Path, tiny_model_dir: Path) -> Path:
+    """Tiny Qwen3-MoE and Phi-3 (the tiny Qwen3's tokenizer and shape) and the sample chats built with it."""
+    from HyperSloth.data.build import build_dataset
+    from HyperSloth.train.tiny_model import build_tiny_model
+
+    models = workdir / "models"
+    for architecture in ("qwen3_moe", "phi3"):
+        build_tiny_model(models / architecture, architecture=architecture)
+    source = workdir / "chat.jsonl"
+    with SAMPLE_CHAT.open() as lines:
+        source.write_text("".join(line for _, line in zip(range(NUM_CONVERSATIONS), lines)))
+    build_dataset(str(source), name=DATASET, tokenizer=str(models / "qwen3_moe"), data_dir=str(workdir / "data"),
+                  max_seq_length=MAX_SEQ_LENGTH, num_proc=1)
+    return models
+
+
+workdir, model_dir, runs, dataset = pool_fixtures("architectures", SPECS, build=build_models)
+
+
+def resolved_targets(run) -> dict:
+    return json.loads((run.out / "run_resolved.json").read_text())["lora_targets"]
+
+
+@needs("moe-2w", "moe-1w")
+def test_moe_two_workers_match_one_and_every_expert_is_trained(runs):
+    multi, single = runs.get("moe-2w").check_ok(), runs.get("moe-1w").check_ok()
+    assert multi.summary["steps"] == single.summary["steps"] == MAX_STEPS
+    losses_multi, losses_single = multi.summary["step_losses"], single.summary["step_losses"]
+    assert np.max(np.abs(np.subtract(losses_multi, losses_single)) / np.abs(losses_single)) <= RTOL
+    weights_multi, weights_single = multi.adapter(), single.adapter()
+    assert sorted(weights_multi) == sorted(weights_single)
+    error = relative_error(flat_adapter(weights_multi), flat_adapter(weights_single))
+    assert error <= RTOL, f"final adapters differ: relative error {error:.3g}"
+    experts_b = {name: w for name, w in weights_multi.items() if "experts" in name and "lora_B" in name}
+    assert len(experts_b) == 2 * 2  # gate_up_proj and down_proj, in each of the 2 layers
+    for name, weight in experts_b.items():  # (out, r * experts): expert e owns columns e, e + E, ...
+        per_expert = weight.reshape(weight.shape[0], -1, TINY_EXPERTS)
+        assert all(np.abs(per_expert[:, :, e]).max() > 0 for e in range(TINY_EXPERTS)), name
+    assert not any(".gate." in name or "lm_head" in name for name in weights_multi)  # the router stays frozen
+
+
+@needs("moe-2w")
+def test_moe_targets_are_recorded_and_logged(runs):
+    run = runs.get("moe-2w").check_ok()
+    targets = resolved_targets(run)
+    assert targets["source"] == "model"
+    assert targets["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert targets["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+    assert (targets["adapted_modules"], targets["adapted_expert_tensors"]) == (8, 4)
+    assert "-> 8 modules, 4 expert tensors; trainable" in (run.out / "logs" / "rank0.log").read_text()
+
+
+@needs("phi3-2w")
+def test_phi3_trains_its_fused_projections_at_defaults(runs):
+    run = runs.get("phi3-2w").check_ok()
+    targets = resolved_targets(run)
+    assert set(targets["target_modules"]) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    losses = run.summary["step_losses"]
+    assert len(losses) == MAX_STEPS and losses[-1] < losses[0]
+    assert any("qkv_proj" in name for name in run.adapter())

@@ -1,0 +1,156 @@
+"""LoRA targets read from the model (HyperSloth.train.lora.targets) on every tiny architecture, and the MoE experts'
+adapters through PEFT's target_parameters: what gets adapters, what is refused, and that each routed expert's
+adapter moves after a step while the others stay put."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from HyperSloth.config import ConfigError, LoraArgs
+from HyperSloth.train.lora.targets import describe, expert_tensors, resolve_targets
+from HyperSloth.train.model import _attach_peft
+from HyperSloth.train.tiny_architectures import TINY_EXPERTS, tiny_causal_lm, tiny_config
+
+SHAPE = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+             head_dim=8, max_position_embeddings=512, initializer_range=0.1, pad_token_id=0, eos_token_id=1)
+DENSE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def tiny(architecture: str, seed: int = 0):
+    torch.manual_seed(seed)
+    return tiny_causal_lm(tiny_config(architecture, **SHAPE)).float()
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "llama", "mistral", "qwen2", "gemma3"])
+def test_dense_models_get_all_seven_projections(architecture):
+    targets = resolve_targets(tiny(architecture), None)
+    assert set(targets.modules) == set(DENSE) and targets.parameters == () and targets.source == "model"
+
+
+def test_phi3_gets_its_fused_projections():
+    targets = resolve_targets(tiny("phi3"), None)
+    assert set(targets.modules) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+
+
+def test_moe_gets_attention_and_the_fused_experts_never_the_router_or_head():
+    model = tiny("qwen3_moe")
+    targets = resolve_targets(model, None)
+    assert set(targets.modules) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert targets.parameters == ("mlp.experts.down_proj", "mlp.experts.gate_up_proj")
+    peft = get_peft_model(model, LoraConfig(r=2, target_modules=list(targets.modules),
+                                            target_parameters=list(targets.parameters)))
+    adapted = {name for name, _ in peft.named_parameters() if "lora_A" in name}
+    assert not any(".gate." in name or "lm_head" in name or "embed" in name for name in adapted)
+    assert sum("experts" in name for name in adapted) == 2 * SHAPE["num_layers"]  # gate_up and down, per layer
+    line, record = describe(peft, targets)
+    assert record["adapted_modules"] == 4 * SHAPE["num_layers"]
+    assert record["adapted_expert_tensors"] == 2 * SHAPE["num_layers"]
+    assert "8 modules, 4 expert tensors" in line and 0 < record["trainable_share"] < 0.5
+
+
+def test_an_explicit_list_wins_and_the_mlp_names_select_the_experts():
+    model = tiny("qwen3_moe")
+    attention_only = resolve_targets(model, ["q_proj", "v_proj"])
+    assert attention_only.modules == ("q_proj", "v_proj") and attention_only.parameters == ()
+    classic = resolve_targets(model, list(DENSE))  # the old default list, as Unsloth reads it on an MoE model
+    assert classic.modules == ("q_proj", "k_proj", "v_proj", "o_proj") and classic.source == "config"
+    assert classic.parameters == ("mlp.experts.down_proj", "mlp.experts.gate_up_proj")
+    assert resolve_targets(model, ["down_proj"]).parameters == ("mlp.experts.down_proj",)
+
+
+def test_an_unknown_name_is_refused_with_what_the_model_has():
+    with pytest.raises(ConfigError) as err:
+        resolve_targets(tiny("qwen3_moe"), ["q_proj", "q_prj"])
+    message = str(err.value)
+    assert "['q_prj'] match no module" in message
+    assert "q_proj, k_proj, v_proj, o_proj" in message and "mlp.experts.gate_up_proj" in message
+    with pytest.raises(ConfigError, match=r"\['gate_proj'\] match no module"):
+        resolve_targets(tiny("phi3"), ["gate_proj"])
+
+
+def test_dropout_on_expert_adapters_is_refused_before_peft():
+    with pytest.raises(ConfigError, match="lora_dropout=0.1 cannot apply to the experts' adapters"):
+        _attach_peft(tiny("qwen3_moe"), LoraArgs(lora_dropout=0.1), {})
+    _attach_peft(tiny("qwen3_moe"), LoraArgs(lora_dropout=0.1, target_modules=["q_proj"]), {})  # no experts: fine
+
+
+def test_each_routed_expert_adapter_moves_and_the_others_stay():
+    """One SGD step on a few tokens: the lora_B slice of every expert the step routed to changes (B starts at 0,
+    so its gradient is x A^T...), and an expert no token reached keeps exactly its initial adapter."""
+    record: dict = {}
+    model = _attach_peft(tiny("qwen3_moe", seed=1), LoraArgs(r=2, lora_alpha=4), record)
+    assert record["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+    routed = _routed_experts(model, torch.tensor([[5, 9, 13, 200, 31]]))
+    before = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    ids = torch.tensor([[5, 9, 13, 200, 31]])
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    checked = 0
+    for name, param in model.named_parameters():
+        if "experts" not in name or "lora_B" not in name:
+            continue
+        layer = int(name.split(".layers.")[1].split(".")[0])
+        per_expert = (param.detach() - before[name]).reshape(param.shape[0], -1, TINY_EXPERTS)  # (out, r, experts)
+        for expert in range(TINY_EXPERTS):
+            moved = per_expert[:, :, expert].abs().max().item()
+            assert (moved > 0) == (expert in routed[layer]), (name, expert, moved)
+            checked += 1
+    assert checked == 2 * SHAPE["num_layers"] * TINY_EXPERTS
+    assert any(len(r) < TINY_EXPERTS for r in routed.values())  # the data leaves an expert out somewhere
+
+
+def _routed_experts(model, ids: torch.Tensor) -> dict[int, set[int]]:
+    """Which experts each layer's router picks for the tokens that have a target (all but the last: the last
+    position's output reaches no loss, and causal attention keeps it out of the others), by a hook on the router."""
+    routed: dict[int, set[int]] = {}
+    hooks = []
+    for name, module in model.named_modules():
+        if name.endswith("mlp.gate"):
+            layer = int(name.split(".layers.")[1].split(".")[0])
+            hooks.append(module.register_forward_hook(
+                lambda mod, args, out, layer=layer: routed.setdefault(layer, set()).update(out[2][:-1].flatten().tolist())))
+    with torch.no_grad():
+        model(input_ids=ids)
+    for hook in hooks:
+        hook.remove()
+    return routed
+
+
+def test_expert_tensors_are_found_by_shape_not_name():
+    names = expert_tensors(tiny("qwen3_moe"))
+    assert sorted(set(names.values())) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+    assert expert_tensors(tiny("qwen3")) == {}
+
+
+def test_the_moe_budget_probe_sends_every_token_to_the_same_experts():
+    """The probe's worst case for an MoE model: one token repeated, so each layer's router picks the same experts
+    for every position (random tokens spread over all of them)."""
+    from HyperSloth.train.budget.probe import probe_batch
+
+    model = tiny("qwen3_moe").eval()
+    batch = probe_batch(48, [20, 16], vocab_size=SHAPE["vocab_size"], one_route=True)
+    assert len(set(batch["input_ids"].flatten().tolist())) == 1
+    routed = _routed_experts(model, batch["input_ids"])
+    assert all(len(experts) == 2 for experts in routed.values())  # top-2 of 4: the same two for every token
+    spread = _routed_experts(model, probe_batch(48, [20, 16], vocab_size=SHAPE["vocab_size"])["input_ids"])
+    assert all(len(experts) == TINY_EXPERTS for experts in spread.values())
+
+
+def test_graphs_step_aside_for_mixture_of_experts():
+    from HyperSloth.train.step_graph import graph_unavailable
+
+    why = graph_unavailable(enabled=True, cuda=True, backend="unsloth", mode="packed", lora=True, lora_dropout=0.0,
+                            checkpointing=False, experts=128)
+    assert why.startswith("mixture of experts (128 experts)")
+    assert graph_unavailable(enabled=True, cuda=True, backend="unsloth", mode="packed", lora=True,
+                             lora_dropout=0.0, checkpointing=False) is None
+
+
+def test_our_lora_passes_step_aside_for_an_moe_layer_naming_why():
+    from HyperSloth.train.lora.install import install_lora_passes
+
+    model = get_peft_model(tiny("qwen3_moe"), LoraConfig(r=2, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    assert install_lora_passes(model) == "layer 0 mlp is a mixture of experts (its adapters run on Unsloth's MoE LoRA path)"
