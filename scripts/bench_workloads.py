@@ -22,8 +22,13 @@ SHAPES = {  # hidden, layers, heads, kv heads, intermediate, tied embeddings (Qw
                  intermediate_size=6144, tie_word_embeddings=True),
     "8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                intermediate_size=12288, tie_word_embeddings=False),
+    # Qwen3-30B-A3B's layer (its public config: 32 / 4 heads, 128 experts, 8 active, expert width 768, untied
+    # embeddings), 12 of its 48 layers: the MoE workloads' model, bf16 (issue 32).
+    "30b-a3b-12l": dict(hidden_size=2048, num_hidden_layers=12, num_attention_heads=32, num_key_value_heads=4,
+                        intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                        norm_topk_prob=True, tie_word_embeddings=False),
 }
-FOUR_BIT = {"0.6b": False, "1.7b": False, "8b": True}
+FOUR_BIT = {"0.6b": False, "1.7b": False, "8b": True, "30b-a3b-12l": False}
 VOCAB, HEAD_DIM, PEAK_FLOPS = 151936, 128, 989e12
 LR, SEED, GLOBAL_BATCH = 2e-4, 3407, 32
 MAX_POSITIONS = 131072  # room for the longest-sample measurement; compute does not depend on it
@@ -53,7 +58,8 @@ class Workload:
 
     @property
     def model_label(self) -> str:
-        return f"Qwen3-{self.model} " + ("4-bit" if self.four_bit else "bf16")
+        name = "Qwen3-30B-A3B shape, 12 layers" if self.model == "30b-a3b-12l" else f"Qwen3-{self.model}"
+        return f"{name} " + ("4-bit" if self.four_bit else "bf16")
 
 
 LONG_TOKENS = 131072  # the long-context workloads' long sample; --long-tokens overrides (32k, 131k, 262k)
@@ -66,6 +72,8 @@ WORKLOADS = {
     # One very long chat among 31 short ones in step 1 (its length: --long-tokens).
     "longctx-0.6b": Workload("0.6b", *SHORT, long_sample=LONG_TOKENS),
     "longctx-8b": Workload("8b", *SHORT, long_sample=LONG_TOKENS),
+    # A mixture-of-experts model (Qwen3-30B-A3B's shape, 12 layers) on the short chats.
+    "moe-short": Workload("30b-a3b-12l", *SHORT),
     # Preference pairs, global batch 32 pairs: HyperSloth's DPO against TRL's DPOTrainer (scripts/bench_dpo.py).
     "dpo-0.6b": Workload("0.6b", *vars(bench_dpo.COMPLETION).values(), pairs=True),
 }
@@ -86,17 +94,19 @@ def build_checkpoint(model: str, folder: Path) -> None:
     """Random-weight Qwen3 of the given shape (bf16, built on the GPU) and a locally trained tokenizer.
     Runs in a child process (`--as-system build`), so the benchmark's parent never holds GPU memory."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
     from HyperSloth.train.tiny_model import build_tiny_tokenizer
 
     if (folder / "config.json").exists():
         return
-    config = Qwen3Config(vocab_size=VOCAB, head_dim=HEAD_DIM, max_position_embeddings=MAX_POSITIONS,
-                         rope_theta=1e6, rms_norm_eps=1e-6, **SHAPES[model])
+    shape = SHAPES[model]
+    config_class = Qwen3MoeConfig if "num_experts" in shape else Qwen3Config
+    config = config_class(vocab_size=VOCAB, head_dim=HEAD_DIM, max_position_embeddings=MAX_POSITIONS,
+                          rope_theta=1e6, rms_norm_eps=1e-6, **shape)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        net = Qwen3ForCausalLM(config).to(torch.bfloat16)
+        net = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     net.save_pretrained(folder)
     texts = [f"sample {i} text for the tokenizer" for i in range(200)]
     build_tiny_tokenizer(texts, vocab_size=512).save_pretrained(folder)
@@ -138,7 +148,11 @@ def flops_per_step(model: str, step_lengths: list[int], dpo: bool = False) -> fl
     d, layers, ff = s["hidden_size"], s["num_hidden_layers"], s["intermediate_size"]
     attn = s["num_attention_heads"] * HEAD_DIM
     kv = s["num_key_value_heads"] * HEAD_DIM
-    per_layer = d * (attn + 2 * kv) + attn * d + 3 * d * ff
+    if "num_experts" in s:  # the active experts' MLPs and the router, per token
+        per_layer = d * (attn + 2 * kv) + attn * d + 3 * d * s["moe_intermediate_size"] * s["num_experts_per_tok"]
+        per_layer += d * s["num_experts"]
+    else:
+        per_layer = d * (attn + 2 * kv) + attn * d + 3 * d * ff
     n = layers * per_layer + d * VOCAB
     if dpo:
         return float(sum(6 * n * L + 8 * layers * attn * L * L for L in step_lengths))

@@ -1,0 +1,112 @@
+"""The fast path per architecture (issue 32 item 4): for each tiny architecture (HyperSloth.train.tiny_architectures),
+`hypersloth-train` at defaults on the GPU (Unsloth backend, lora_args.target_modules unset), once with CUDA graphs
+(the default) and once eager (training.cuda_graphs=False), 6 steps each; what the logs say about HyperSloth's LoRA
+passes and the graphs, and how far the graphed losses are from eager's. One JSON record per architecture.
+
+    python scripts/arch_check.py --out $OUT/arch [--architectures qwen3,phi3,...] [--parallel 4]
+
+Runs where Unsloth and a GPU are; the tiny models are built here on the CPU (random weights, bf16 at load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from HyperSloth.train.tiny_architectures import ARCHITECTURES  # noqa: E402
+
+SHAPE = dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=512)
+LINES = ("LoRA projections:", "LoRA targets", "eager decoder", "CUDA graphs for", "budget:", "Unsloth")
+
+
+def config_text(work: Path, arch: str, graphs: bool, out: Path) -> str:
+    return f'''
+from HyperSloth.config import *
+hyper_config_model = HyperConfig(
+    data=DataConfig(dataset_name="chat", data_dir="{work}/data"),
+    training=TrainingConfig(gpus=[0], loss_type="all", cuda_graphs={graphs}, tokens_per_micro_batch=16384),
+    fast_model_args=FastModelArgs(model_name="{work}/models/{arch}", max_seq_length=2048, backend="unsloth"),
+    lora_args=LoraArgs(r=16, lora_alpha=16),
+)
+training_config_model = TrainingArgsConfig(
+    output_dir="{out}", per_device_train_batch_size=32, gradient_accumulation_steps=1, learning_rate=2e-4,
+    max_steps=6, logging_steps=1, save_steps=100000, report_to="none", seed=3407, num_train_epochs=None,
+    extra_args={{"save_strategy": "no"}},
+)
+'''
+
+
+def prepare(work: Path, archs: list[str]) -> None:
+    from HyperSloth.data.build import build_dataset
+    from HyperSloth.train.tiny_model import build_tiny_model
+
+    for arch in archs:
+        build_tiny_model(work / "models" / arch, architecture=arch, **SHAPE)
+    if not (work / "data" / "data_config.json").exists():
+        build_dataset(str(ROOT / "data" / "sample_chat.jsonl"), name="chat", tokenizer=str(work / "models" / archs[0]),
+                      data_dir=str(work / "data"), max_seq_length=2048, num_proc=1)
+
+
+def run_one(work: Path, out_dir: Path, arch: str, graphs: bool) -> dict:
+    name = f"{arch}-{'graphs' if graphs else 'eager'}"
+    out = work / "runs" / name
+    cfg = work / "configs" / f"{name}.py"
+    cfg.parent.mkdir(parents=True, exist_ok=True)
+    cfg.write_text(config_text(work, arch, graphs, out))
+    started = time.time()
+    done = subprocess.run([sys.executable, "-m", "HyperSloth.cli.train", str(cfg), "--overwrite"],
+                          capture_output=True, text=True, timeout=420)
+    (out_dir / f"{name}.log").write_text(done.stdout[-20000:] + "\n--- stderr\n" + done.stderr[-20000:])
+    record = {"run": name, "exit": done.returncode, "seconds": round(time.time() - started, 1)}
+    log = out / "logs" / "rank0.log"
+    if log.is_file():
+        record["lines"] = [re.sub(r"^.*? \| ", "", ln)[:300] for ln in log.read_text().splitlines()
+                           if any(key in ln for key in LINES)][:12]
+    summary = out / "train_summary.json"
+    if summary.is_file():
+        s = json.loads(summary.read_text())
+        record.update(losses=s.get("step_losses"), cuda_graphs=s.get("cuda_graphs"), step_seconds=s.get("step_seconds"),
+                      lora_targets=s.get("lora_targets"))
+    return record
+
+
+def compare(graphed: dict, eager: dict) -> dict:
+    a, b = graphed.get("losses"), eager.get("losses")
+    if not a or not b or len(a) != len(b):
+        return {"max_rel_loss_diff": None}
+    return {"max_rel_loss_diff": max(abs(x - y) / abs(y) for x, y in zip(a, b))}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--work", default="/tmp/hs_arch")
+    p.add_argument("--architectures", default=",".join(ARCHITECTURES))
+    p.add_argument("--parallel", type=int, default=4)
+    a = p.parse_args()
+    archs = [x for x in a.architectures.split(",") if x]
+    work, out_dir = Path(a.work), Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    prepare(work, archs)
+    jobs = [(arch, graphs) for arch in archs for graphs in (True, False)]
+    with ThreadPoolExecutor(a.parallel) as pool:
+        results = dict(zip(jobs, pool.map(lambda job: run_one(work, out_dir, *job), jobs)))
+    records = []
+    for arch in archs:
+        graphed, eager = results[(arch, True)], results[(arch, False)]
+        records.append({"architecture": arch, "graphed": graphed, "eager": eager, **compare(graphed, eager)})
+        print(json.dumps(records[-1])[:1500], flush=True)
+    (out_dir / "arch_check.json").write_text(json.dumps(records, indent=1))
+
+
+if __name__ == "__main__":
+    main()
