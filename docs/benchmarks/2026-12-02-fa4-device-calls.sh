@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Issue 33, FlashAttention-4 inside our CUDA graphs: one H200 (kind nvidia-h200). Prepared on the CPU machine, not
+# run yet. Before the calls, on this machine, from the repository root:
+#   bash ../shared/device/wheelhouse.sh   # .whl/ (unsloth, trl, ...: 25 MB), if not there yet
+#   bash scripts/fa4_wheels.sh            # .fa4/part1 (the DSL's 193 MB compiler library as xz), .fa4/part2 (the rest)
+# Then three calls, each right after the one before (the machine keeps .fa4/site only while warm, 30 s):
+#   callA  carry [".fa4/part1"]          part 1 into .fa4/site (~10 s once the machine is up)
+#   callB  carry [".whl", ".fa4/part2"]  part 2 beside it; the smoke test (scripts/fa4_smoke.py: FA4's varlen forward
+#                                        and backward on Qwen3-0.6B heads vs bundled flash, the JIT time, a CUDA-graph
+#                                        replay); then short-0.6b: hypersloth-1-fa4, hypersloth-1-flash, unsloth-best
+#   callC  carry []                      (.whl, .fa4 and /tmp/site are still there) long-0.6b: the same three; the
+#                                        smoke test on Qwen3-8B heads and on one 32k-token segment
+# Each `bash docs/benchmarks/2026-12-02-fa4-device-calls.sh callX`. Records (tag 2026-12-02-fa4) and logs in $OUT.
+set -u
+
+el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
+T0=$(date +%s)
+
+callA() {  # part 1 alone (no .whl in this call: the GPU environment is set up in callB)
+  python3 scripts/fa4_pack.py unpack .fa4/part1 --site .fa4/site || exit 3
+  el "part 1 in .fa4/site: $(du -sh .fa4/site | cut -f1)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+}
+
+fa4_ready() {  # the GPU environment (.whl), part 2 beside part 1, FA4 on PYTHONPATH; exit 3 when part 1 is gone
+  source scripts/device_calls_lib.sh  # $W, $L, el (from its own start), left, bench, show, pack
+  [ -f .fa4/site/.part1.done ] || { echo "part 1 is not on this machine (it went cold): run callA, then this call within 30 s"; exit 3; }
+  [ -f .fa4/site/.part2.done ] || python3 scripts/fa4_pack.py unpack .fa4/part2 --site .fa4/site || exit 3
+  source scripts/fa4_env.sh
+  python3 -c "import flash_attn.cute.interface, cutlass; print('flash_attn.cute imports; cutlass', cutlass.__version__)" 2>&1 | tail -2
+}
+
+smoke() {  # NAME ARGS: scripts/fa4_smoke.py ARGS --out $OUT/fa4-smoke-NAME.json; its summary line; rc 2 = FA4 did not run
+  local name=$1; shift
+  timeout 180 python3 scripts/fa4_smoke.py "$@" --out $OUT/fa4-smoke-$name.json > $L/smoke-$name.log 2>&1; local rc=$?
+  tail -1 $L/smoke-$name.log | cut -c1-700; return $rc
+}
+
+attention_lines() {  # WORKLOAD: what each HyperSloth system attended with, its start-up and graphs
+  for d in $W/$1/out_hypersloth-1*; do
+    echo "--- $(basename $d)"; grep -h "attention:\|graphs\|eager decoder\|start-up\|median step" $d/logs/rank0.log | cut -c1-300
+  done
+}
+
+callB() {
+  fa4_ready
+  smoke 0.6b --layout 0.6b; rc=$?
+  el "smoke rc=$rc"
+  if [ $rc -eq 2 ]; then echo "FA4 did not run: benchmark left out (see the smoke log)"; pack; exit 1; fi
+  bench --workloads short-0.6b --slots "hypersloth-1-fa4,hypersloth-1-flash,unsloth-best" --warmup 3 --steps 20 \
+    --tag 2026-12-02-fa4 --budget-s $(left 560) > $L/bench-short.log 2>&1
+  el "short-0.6b done"; show $L/bench-short.log; attention_lines short-0.6b
+  du -sh ~/.cache/hypersloth/fa4 2>/dev/null
+  pack
+}
+
+callC() {
+  fa4_ready
+  bench --workloads long-0.6b --slots "hypersloth-1-fa4,hypersloth-1-flash,unsloth-best" --warmup 3 --steps 20 \
+    --tag 2026-12-02-fa4 --budget-s $(left 480) > $L/bench-long.log 2>&1
+  el "long-0.6b done"; show $L/bench-long.log; attention_lines long-0.6b
+  smoke 8b --layout 8b
+  smoke 0.6b-32k --layout 0.6b --lengths 32768 --reps 5
+  el "smoke tests done"
+  pack
+}
+
+"$@"
