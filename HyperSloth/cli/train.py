@@ -289,9 +289,11 @@ def train(config: str, tmux: str | None = None, y: bool = False, dry_run: bool =
     try:
         if is_torchrun_env(os.environ):
             raise SystemExit(_run_under_torchrun(config_path, bool(overwrite), timeline))
+        if dry_run:  # the plan of --nnodes N needs no node flags
+            if nnodes is not None and not (isinstance(nnodes, int) and nnodes >= 1):
+                raise LaunchError(f"--nnodes {nnodes}: give the number of machines, a whole number")
+            raise SystemExit(_dry_run(config_path, nnodes))
         layout = _node_layout(nnodes, node_rank, master_addr, master_port)
-        if dry_run:
-            raise SystemExit(_dry_run(config_path, None if layout is None else layout.nnodes))
         if layout is not None and tmux is None:
             raise SystemExit(launch_multinode(layout, lambda: _prepare_node(config_path, layout, bool(overwrite)),
                                               timeline=timeline))
