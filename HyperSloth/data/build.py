@@ -139,12 +139,23 @@ def build_dataset(
     _save_and_register(built, entry, opts)
     unit = {"preference": "pair", prompts.PROMPT_KIND: "prompt"}.get(kind, "sample")
     summary.log_summary(collected, statuses, stats, unit=unit)
-    logger.info(f"built {opts.name}: {len(built)} {unit}s -> {registry.entry_dir(entry, opts.data_dir)}")
+    logger.info(f"built {opts.name}: {len(built)} {unit}s -> {registry.entry_dir(entry, opts.data_dir)}"
+                f"{_truncated_note(stats, unit, opts.max_seq_length)}")
     if opts.print_samples:
         show = {"preference": preference.show_pairs, prompts.PROMPT_KIND: prompts.show_prompts}.get(
             kind, summary.show_samples)
         show(kept, tok, opts.print_samples, color=sys.stdout.isatty())
     return entry
+
+
+def _truncated_note(stats: dict[str, Any], unit: str, max_seq_length: int) -> str:
+    """The build line's word on truncated samples: how many, and that each lost its end (end-of-turn included)."""
+    cut = int(stats.get("truncated") or 0)
+    if not cut:
+        return ""
+    return (f" ({cut} of them cut to {max_seq_length:,} tokens, without the end of their reply and its end-of-turn: "
+            "the model is not taught to stop there; --overlength drop leaves them out, a larger --max_seq_length "
+            "keeps them whole)")
 
 
 def _build_rows(

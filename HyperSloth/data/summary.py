@@ -79,7 +79,8 @@ LENGTH_STATUSES: tuple[str, ...] = (
     "dropped_identical_truncated",
 )  # fmt: skip
 _HINTS = {
-    "truncated": " cut to --max_seq_length; their ends are not trained (raise --max_seq_length, or --overlength drop)",
+    "truncated": " cut to --max_seq_length; their ends, end-of-turn included, are not trained (raise --max_seq_length, "
+    "or --overlength drop)",
     "dropped_overlength": " longer than --max_seq_length (--overlength drop)",
     "dropped_prompt_too_long": " whose prompt alone leaves no completion token within --max_seq_length "
     "(truncation never cuts a prompt; raise --max_seq_length)",

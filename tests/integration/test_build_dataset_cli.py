@@ -198,6 +198,9 @@ def test_truncate_and_drop_policies(tmp_path, tok_dirs, logs):
     assert drop["stats"]["overlength_examples"]["dropped_overlength"] == [n.split(", ", 1)[1] for n in named]
     text = "\n".join(logs)
     assert f"truncated: {over} sample(s) cut to --max_seq_length" in text and f"    {named[0]}" in text
+    built_line = next(line for line in logs if line.startswith("built cut: 20 samples"))
+    assert f"({over} of them cut to {limit:,} tokens, without the end of their reply and its end-of-turn" in built_line
+    assert "cut to" not in next(line for line in logs if line.startswith("built full: 20 samples"))
     assert drop["stats"]["dropped_overlength"] == over and drop["num_samples"] == 20 - over
     cut_ds = datasets.load_from_disk(f"{data_dir}/built_dataset/cut")
     tok = AutoTokenizer.from_pretrained(tok_dirs["chatml"])
