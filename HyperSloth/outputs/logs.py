@@ -26,6 +26,14 @@ def _console(record) -> bool:
     return not record["extra"].get(FILE_ONLY)
 
 
+def _above_progress_bars(message) -> None:
+    """The console sink: a log line written through tqdm, which clears the progress bar in progress and draws
+    it again below the line, so a line never lands after a bar's last state on the same terminal line."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(str(message), file=sys.stderr, end="")
+
+
 def log_path(output_dir: str | Path, rank: int) -> Path:
     return run_files.rank_file(output_dir, rank, "log")
 
@@ -55,7 +63,7 @@ def configure(rank: int, output_dir: str | Path, *, console_all_ranks: bool = Fa
     logger.add(path, format=FORMAT, level="DEBUG", enqueue=False, colorize=False, mode="w", diagnose=False)
     logging.getLogger("transformers.training_args").addFilter(_OwnProcessGroupFilter())
     if rank == 0 or console_all_ranks:
-        logger.add(sys.stderr, format=FORMAT, level="INFO", colorize=sys.stderr.isatty(), filter=_console,
+        logger.add(_above_progress_bars, format=FORMAT, level="INFO", colorize=sys.stderr.isatty(), filter=_console,
                    diagnose=False)
     else:
         logger.add(sys.stderr, format=FORMAT, level="ERROR", colorize=False, filter=_console, diagnose=False)
