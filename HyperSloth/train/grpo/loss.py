@@ -7,7 +7,7 @@ dr_grpo, token-level importance sampling):
 
     ratio_t = exp(logp_t - old_t)                    (old = logp detached when num_iterations = 1)
     loss_t  = -min(ratio_t A, clip(ratio_t, 1 - eps, 1 + eps_high) A) + beta KL_t
-    KL_t    = exp(ref_t - logp_t) - (ref_t - logp_t) - 1
+    KL_t    = (exp(ref_t - logp_t) - (ref_t - logp_t) - 1) ratio_t     (TRL's use_bias_correction_kl, its default)
 
 summed over the step's targets with a weight and divided by one number for the whole global batch, so
 N ranks sum to what one process computes on all of it (`Normaliser`): dapo, every completion token of
@@ -97,7 +97,9 @@ def grpo_token_loss(logps: torch.Tensor, advantages: torch.Tensor, grpo: GrpoArg
     loss = -torch.min(ratio * advantages, clipped * advantages)
     kl = torch.zeros_like(logps)
     if grpo.beta != 0.0 and ref is not None:
-        kl = torch.exp(ref - logps) - (ref - logps) - 1
+        # TRL's use_bias_correction_kl (default True): the KL times the ratio, whose value is 1 on-policy but whose
+        # gradient makes the KL's the unbiased reverse-KL gradient (DeepSeek-V3.2).
+        kl = (torch.exp(ref - logps) - (ref - logps) - 1) * ratio
         loss = loss + grpo.beta * kl
     with torch.no_grad():
         low_clip = ((ratio < 1 - grpo.epsilon) & (advantages < 0)).float()
