@@ -8,10 +8,8 @@ restarts). What HyperSloth adds around the agent, on the same store:
 
 1. node 0's `hypersloth-train` binds the store itself (before the agent, which then shares it in-process:
    multi_tenant), so it can speak before training: it prepares the run (checks, output_dir, run.json) and
-   publishes run.json's hash; every other node waits for it, resolves the run from the same config and
-   refuses to start (exit 2, naming the difference) when it cannot see that run.json, reads another one
-   or resolves another run (another world size, dataset, checkpoint). Every node says when it is ready,
-   and node 0 starts training only then;
+   every other node refuses to start (exit 2, naming the difference) when it cannot see that run.json or
+   resolves another run (`node_join`); node 0 starts training once every node is ready;
 2. each node's watch (`node_watch.NodeWatch`) beats on the store and stops its own agent (SIGTERM to
    itself: the agent then stops its workers) when a peer failed or went silent, so a lost node stops every
    other node within `lost_after_s` + a beat, with a message that names it;
@@ -22,18 +20,13 @@ restarts). What HyperSloth adds around the agent, on the same store:
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 from HyperSloth.config import ConfigError
 from HyperSloth.launch import node_watch
@@ -49,87 +42,22 @@ from HyperSloth.launch.local import (
 from HyperSloth.launch.local import _cpu_count as cpu_count  # the same split of the cores as one node's launcher
 from HyperSloth.launch.local import _earliest_failed_rank as earliest_failed_rank
 from HyperSloth.launch.local import _physical_gpu as physical_gpu
+from HyperSloth.launch.node_join import (
+    RENDEZVOUS_TIMEOUT_S,
+    NodeLayout,
+    NodeRun,
+    Stopped,
+    connect_store,
+    host_store,
+    join_store,
+    preflight,
+)
 from HyperSloth.launch.node_watch import NodeBoard, NodeEnd, NodeWatch, Verdict
 from HyperSloth.outputs import run_files
 from HyperSloth.outputs.run_files import TORCHRUN_VARS
 from HyperSloth.outputs.startup import StartupTimeline
 
 RUN_ID = "hypersloth"  # the static rendezvous' key prefix; the store belongs to this one run (its port)
-RENDEZVOUS_TIMEOUT_S = 300  # the agents' own store waits; every node is already up when they start
-STORE_CONNECT_S = 5.0  # one connection attempt to node 0's store (repeated until the join timeout)
-
-
-@dataclass(frozen=True)
-class NodeLayout:
-    """Where this node sits in the run: validated on creation, so every size below comes from one place."""
-
-    nnodes: int
-    node_rank: int
-    master_addr: str
-    master_port: int
-
-    def __post_init__(self) -> None:
-        problems = []
-        if self.nnodes < 2:
-            problems.append(f"--nnodes {self.nnodes}: give the number of machines, 2 or more (one machine "
-                            "needs no --nnodes)")
-        if not 0 <= self.node_rank < max(self.nnodes, 1):
-            problems.append(f"--node-rank {self.node_rank} is not a node of --nnodes {self.nnodes}: give 0 on "
-                            f"the machine of --master-addr and 1..{self.nnodes - 1} on the others")
-        if not 0 < self.master_port < 65536:
-            problems.append(f"--master-port {self.master_port} is not a TCP port: give a free port of node 0, "
-                            "e.g. 29500")
-        if not self.master_addr.strip():
-            problems.append("--master-addr is empty: give node 0's address, reachable from every node")
-        if problems:
-            raise LaunchError("; ".join(problems))
-
-    @classmethod
-    def from_flags(cls, nnodes: Any, node_rank: Any, master_addr: Any, master_port: Any) -> NodeLayout:
-        """The layout of `hypersloth-train`'s flags; LaunchError naming what is missing or wrong."""
-        missing = [flag for flag, value in (("--node-rank", node_rank), ("--master-addr", master_addr),
-                                            ("--master-port", master_port)) if value is None]
-        if missing:
-            raise LaunchError(f"--nnodes {nnodes} also needs {', '.join(missing)} (the same --master-addr and "
-                              "--master-port on every node, --node-rank 0 on node 0's machine)")
-        try:
-            return cls(int(nnodes), int(node_rank), str(master_addr), int(master_port))
-        except (TypeError, ValueError):
-            raise LaunchError(f"--nnodes {nnodes}, --node-rank {node_rank} and --master-port {master_port} must "
-                              "be whole numbers") from None
-
-    @property
-    def is_master(self) -> bool:
-        return self.node_rank == 0
-
-    @property
-    def store_address(self) -> str:
-        return f"{self.master_addr}:{self.master_port}"
-
-    def world_size(self, local_world_size: int) -> int:
-        return self.nnodes * local_world_size
-
-    def ranks_of(self, node: int, local_world_size: int) -> range:
-        """The global ranks of node `node` (the static rendezvous orders them by node rank)."""
-        return range(node * local_world_size, (node + 1) * local_world_size)
-
-
-@dataclass(frozen=True)
-class NodeRun:
-    """What this node resolved: node 0's was checked and written to `run_path`; the others' is compared."""
-
-    run_path: Path  # OUTPUT_DIR/run.json: what every worker reads
-    run_json: str  # the run description as this node resolved it
-    gpus: tuple[int, ...]  # this node's GPUs (the config's training.gpus)
-    cuda: bool
-
-    @property
-    def output_dir(self) -> Path:
-        return self.run_path.parent
-
-
-def _sha256(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def describe_ranks(ranks: range) -> str:
@@ -195,113 +123,6 @@ def launch_config(layout: NodeLayout, local_world_size: int, logs_dir: Path, gra
         max_restarts=0, monitor_interval=0.1, logs_specs=rank_logs(logs_dir),
         shutdown_timeout=max(1, round(grace_s)),
     )
-
-
-# ------------------------------------------------------------------ node 0's store
-
-
-def host_store(layout: NodeLayout):
-    """Node 0: the run's TCPStore on --master-port, multi-tenant so the agent's static rendezvous (same
-    process, same port) shares it; LaunchError when the port is taken."""
-    import torch.distributed as torch_dist
-
-    try:
-        return torch_dist.TCPStore("0.0.0.0", layout.master_port, is_master=True, multi_tenant=True,
-                                   wait_for_workers=False, timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
-    except (RuntimeError, OSError) as err:
-        raise LaunchError(f"cannot listen on --master-port {layout.master_port} on this machine (node 0): "
-                          f"{str(err).splitlines()[0]}; choose another port, the same on every node") from None
-
-
-def connect_store(layout: NodeLayout, timeout_s: float = STORE_CONNECT_S):
-    """A client of node 0's store (one attempt of up to `timeout_s`)."""
-    import torch.distributed as torch_dist
-
-    return torch_dist.TCPStore(layout.master_addr, layout.master_port, is_master=False, wait_for_workers=False,
-                               timeout=timedelta(seconds=timeout_s))
-
-
-def join_store(layout: NodeLayout, join_timeout_s: float):
-    """Nodes 1..N-1: connect to node 0's store, retrying until `join_timeout_s` (node 0 may start later)."""
-    deadline = time.monotonic() + join_timeout_s
-    while True:
-        try:
-            return connect_store(layout)
-        except node_watch.STORE_ERRORS as err:
-            if time.monotonic() >= deadline:
-                raise LaunchError(f"node 0's store at {layout.store_address} did not answer within "
-                                  f"{join_timeout_s:.0f} s ({type(err).__name__}): start `hypersloth-train ... "
-                                  "--node-rank 0` on that machine, and check that this machine reaches that "
-                                  "address and port (firewall)") from None
-            time.sleep(1.0)
-
-
-# ------------------------------------------------------------------ before training: every node sees one run
-
-
-def refuse_reason(me: int, run: NodeRun, published: Mapping[str, str]) -> str | None:
-    """Why node `me` (not 0) may not join the run node 0 published (its run.json's sha256 and path)."""
-    path = Path(published["path"])
-    shared = ("output_dir must be one folder that every node sees at the same path (a shared file system: "
-              "NFS, Lustre, ...)")
-    try:
-        seen = path.read_text()
-    except OSError as err:
-        return f"node {me} cannot read {path}, which node 0 wrote ({err.strerror}): {shared}"
-    if _sha256(seen) != published["sha256"]:
-        return f"node {me} reads another {path} than the one node 0 wrote: {shared}"
-    ours, theirs = json.loads(run.run_json), json.loads(seen)
-    # Where each node keeps its copy of the config does not matter; what it resolves to does.
-    differ = sorted(key for key in (set(ours) | set(theirs)) - {"config_path"} if ours.get(key) != theirs.get(key))
-    if differ:
-        return (f"node {me} resolved another run than node 0 (they differ in {', '.join(differ)}): run every node "
-                "with the same config file, the same number of gpus, dataset and output_dir")
-    return None
-
-
-def _wait_for(what: Callable[[], Any], watch: NodeWatch, timeout_s: float, waiting_for: str):
-    """Poll `what()` until it gives something (returned), the watch has a verdict (LaunchError) or the time
-    is up (LaunchError)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        found = what()
-        if found:
-            return found
-        if watch.verdict is not None:
-            raise _Stopped(watch.verdict)
-        if time.monotonic() >= deadline:
-            raise LaunchError(f"waited {timeout_s:.0f} s for {waiting_for}; nothing started")
-        time.sleep(0.2)
-
-
-class _Stopped(Exception):
-    """A peer failed or was lost before training started."""
-
-    def __init__(self, verdict: Verdict) -> None:
-        super().__init__(verdict.describe())
-        self.verdict = verdict
-
-
-def preflight(layout: NodeLayout, board: NodeBoard, watch: NodeWatch, prepare: Callable[[], NodeRun],
-              join_timeout_s: float) -> NodeRun:
-    """Node 0 prepares and publishes the run, waits for every node to be ready; the others wait for it,
-    check it and say they are ready. Raises ConfigError/LaunchError (this node's problem, posted for the
-    others) or _Stopped (another node's)."""
-    me = layout.node_rank
-    if layout.is_master:
-        run = prepare()
-        board.publish_run(_sha256(run.run_path.read_text()), str(run.run_path))
-        board.ready(me)
-        _wait_for(lambda: board.all_ready(range(layout.nnodes)), watch, join_timeout_s,
-                  f"every node to join ({layout.nnodes} nodes)")
-        return run
-    published = _wait_for(board.published_run, watch, join_timeout_s, "node 0 to prepare the run")
-    run = prepare()
-    reason = refuse_reason(me, run, published)
-    if reason:
-        raise LaunchError(reason)
-    board.ready(me)
-    return run
 
 
 # ------------------------------------------------------------------ training: the elastic agent, watched
@@ -497,25 +318,35 @@ def _run_node(layout: NodeLayout, board: NodeBoard, watch: NodeWatch, prepare: C
     try:
         run = preflight(layout, board, watch, prepare, join_timeout_s)
         end = train_node(layout, run, watch, grace_s, timeline)
-    except _Stopped as stop:
+    except Stopped as stop:
         _say(f"{stop.verdict.describe()}; nothing started on node {me}")
-        board.end(NodeEnd(me, False, 2, f"stopped before training: {stop.verdict.describe()}", time.time(),
-                          root=False))
+        _post_end(layout, board, watch, NodeEnd(me, False, 2, f"stopped before training: {stop.verdict.describe()}",
+                                                 time.time(), root=False))
         return 2
     except (ConfigError, LaunchError) as err:
-        board.end(NodeEnd(me, False, 2, f"refused the run: {err}", time.time()))
+        _post_end(layout, board, watch, NodeEnd(me, False, 2, f"refused the run: {err}", time.time()))
         raise
     except SignalException as err:
-        board.end(NodeEnd(me, False, 128 + int(err.sigval), f"stopped by {err.sigval.name}", time.time()))
         _say(f"node {me}: received {err.sigval.name}; nothing started")
+        _post_end(layout, board, watch, NodeEnd(me, False, 128 + int(err.sigval), f"stopped by {err.sigval.name}",
+                                                 time.time()))
         return 128 + int(err.sigval)
-    board.end(end)
-    if end.code <= 128 and (not end.ok or layout.is_master):  # not after a Ctrl-C: nothing to learn then
-        # Node 0 keeps its store up until every node has said how it ended; a failed node learns why.
-        watch.wait_settled(watch.lost_after_s + 2 * watch.beat_s)
-    if layout.is_master and not end.ok:
-        time.sleep(2 * watch.beat_s)  # the others read node 0's end record before its store goes
+    _post_end(layout, board, watch, end)
     code, lines = explain(layout, run, end, watch.verdict)
     for line in lines:
         (_say(line) if not line.startswith("    ") else print(line, file=sys.stderr, flush=True))
     return code
+
+
+def _post_end(layout: NodeLayout, board: NodeBoard, watch: NodeWatch, end: NodeEnd) -> None:
+    """Tell the others how this node ended. A failed node then waits to learn why (every peer ended, or one
+    is lost), unless a signal stopped it; node 0 also waits for every node's end (its store must outlive
+    their last reads), and after a failure lingers two beats, so every watch reads its end record."""
+    try:
+        board.end(end)
+    except node_watch.STORE_ERRORS:
+        return  # node 0's store is gone: the watch has or will have its verdict; nobody can be told
+    if end.code <= 128 and (not end.ok or layout.is_master):
+        watch.wait_settled(watch.lost_after_s + 2 * watch.beat_s)
+    if layout.is_master and not end.ok:
+        time.sleep(2 * watch.beat_s)

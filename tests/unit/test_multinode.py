@@ -14,7 +14,8 @@ import pytest
 from HyperSloth.cli.train import _node_layout
 from HyperSloth.launch import multinode
 from HyperSloth.launch.local import LaunchError
-from HyperSloth.launch.multinode import NodeLayout, NodeRun, explain, preflight, refuse_reason
+from HyperSloth.launch.multinode import explain
+from HyperSloth.launch.node_join import NodeLayout, NodeRun, Stopped, preflight, refuse_reason, sha256_text
 from HyperSloth.launch.node_watch import NodeBoard, NodeEnd, Verdict
 from HyperSloth.outputs import run_files
 from test_multinode_watch import FakeStore  # same folder: pytest puts it on sys.path, as for training_fixtures
@@ -80,7 +81,7 @@ def test_the_agent_hands_each_worker_this_nodes_gpus_and_no_launcher_variables()
 
 def test_a_node_that_cannot_see_node_zeros_run_is_refused_naming_the_shared_folder(tmp_path):
     run = _run(tmp_path)
-    published = {"sha256": multinode._sha256(run.run_json), "path": str(run.run_path)}
+    published = {"sha256": sha256_text(run.run_json), "path": str(run.run_path)}
     assert refuse_reason(1, run, published) is None
     missing = refuse_reason(1, run, {**published, "path": str(tmp_path / "elsewhere" / "run.json")})
     assert missing.startswith("node 1 cannot read") and "shared file system" in missing
@@ -106,7 +107,7 @@ def test_preflight_node_zero_publishes_and_a_refusing_node_raises(tmp_path):
 
 def test_a_verdict_during_preflight_stops_the_wait(tmp_path):
     watch = SimpleNamespace(verdict=Verdict(1, "failed", "refused the run: no dataset", code=2))
-    with pytest.raises(multinode._Stopped, match="node 1 failed: refused the run"):
+    with pytest.raises(Stopped, match="node 1 failed: refused the run"):
         preflight(_layout(0), NodeBoard(FakeStore()), watch, lambda: _run(tmp_path), 5.0)
 
 
@@ -176,3 +177,15 @@ def test_child_pids_finds_this_process_children():
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_worker_under_the_elastic_agent_knows_its_node_share():
+    """The agent's variables (node 1 of 2, 2 workers each): global rank, and the local world size that splits
+    the node's host memory in the automatic budget (train.budget.settle's local_ranks)."""
+    from HyperSloth.train.dist import DistInfo
+
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
+           "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    info = DistInfo.from_env(env)
+    assert (info.rank, info.world_size, info.local_rank, info.local_world_size) == (3, 4, 1, 2)
+    assert info.launched_by == "torchrun" and not info.is_main
