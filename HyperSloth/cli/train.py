@@ -209,8 +209,10 @@ def _run_under_torchrun(config_path: str, overwrite: bool, timeline: StartupTime
 def _dry_run(config_path: str, nnodes: int | None = None) -> int:
     from HyperSloth.cli.plan import format_summary, preview
 
-    ranks = None if nnodes is None else len(load_config(config_path).hyper.training.gpus) * int(nnodes)
-    print(format_summary(preview(config_path, num_ranks=ranks)))
+    if nnodes is None:
+        print(format_summary(preview(config_path)))
+    else:
+        print(format_summary(preview(config_path, num_ranks=len(load_config(config_path).hyper.training.gpus) * nnodes)))
     return 0
 
 
@@ -341,6 +343,9 @@ rank's last stderr lines are shown. Logs: OUTPUT_DIR/logs/rankN.log and rankN.st
         "hypersloth-train my_config.py --tmux train --y             # one tmux window per GPU",
         "# two machines, the config's gpus on each (run on every node with its K = 0, 1):",
         "hypersloth-train my_config.py --nnodes 2 --node-rank K --master-addr HOST0 --master-port 29500",
+        "# or under torchrun (each process one worker):",
+        "torchrun --nnodes 2 --nproc_per_node N --node_rank K --master_addr HOST0 --master_port 29500 \\",
+        "    -m HyperSloth.cli.train my_config.py",
     ),
     notes="""exit codes: 0 success, 1 a worker failed, 2 nothing started (a problem in the config, setup or
 command line), 130/143/129 stopped by Ctrl-C / SIGTERM / SIGHUP (every worker stopped too).

@@ -142,7 +142,7 @@ def default_worker_argv(config_path: str | os.PathLike) -> list[str]:
     return [sys.executable, "-m", "HyperSloth.train.worker", str(config_path)]
 
 
-def _physical_gpu(gpu: int, parent_visible: str | None) -> str:
+def physical_gpu(gpu: int, parent_visible: str | None) -> str:
     """GPU ids count within the launcher's CUDA_VISIBLE_DEVICES (as torch does), so map through it."""
     if not parent_visible:
         return str(gpu)
@@ -152,7 +152,8 @@ def _physical_gpu(gpu: int, parent_visible: str | None) -> str:
     return entries[gpu]
 
 
-def _cpu_count() -> int:
+def cpu_count() -> int:
+    """The cores this process may use (local and multi-node launchers split them between CPU workers)."""
     # The affinity mask is what this process may really use (containers, taskset); cpu_count is the host's.
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
@@ -173,11 +174,11 @@ def worker_env(
         run_files.ENV_MASTER_PORT: str(port),
     })
     if cuda:
-        env["CUDA_VISIBLE_DEVICES"] = _physical_gpu(gpus[rank], base_env.get("CUDA_VISIBLE_DEVICES"))
+        env["CUDA_VISIBLE_DEVICES"] = physical_gpu(gpus[rank], base_env.get("CUDA_VISIBLE_DEVICES"))
     else:
         env["CUDA_VISIBLE_DEVICES"] = ""
         # W CPU workers with one thread per core each would oversubscribe the cores W times.
-        env.setdefault("OMP_NUM_THREADS", str(max(1, _cpu_count() // len(gpus))))
+        env.setdefault("OMP_NUM_THREADS", str(max(1, cpu_count() // len(gpus))))
     return env
 
 
@@ -309,7 +310,7 @@ class _Supervisor:
         When one rank raises, its peers soon fail too (their collective loses a peer) and may exit first.
         Workers stamp the moment their exception was raised into their `failure.json`, before the
         process group is torn down, so the earliest stamp names the root cause."""
-        first = _earliest_failed_rank(self.logs_dir)
+        first = earliest_failed_rank(self.logs_dir)
         if first is not None and first != spec.rank:
             spec = self.specs[first]
             code = self.procs[first].returncode
@@ -449,7 +450,9 @@ def _supervise(specs: Sequence[WorkerSpec], listener, output_dir: str | os.PathL
     return 0
 
 
-def _earliest_failed_rank(logs_dir: Path) -> int | None:
+def earliest_failed_rank(logs_dir: Path) -> int | None:
+    """The rank whose failure record (its failure.json in `logs_dir`) is stamped first: the root cause (also
+    across the nodes of a multi-node run, whose ranks share one logs folder)."""
     stamps = []
     for path in run_files.rank_files_in(logs_dir, "failure.json"):
         try:

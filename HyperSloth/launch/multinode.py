@@ -34,14 +34,14 @@ from HyperSloth.launch.local import (
     STOP_SIGNALS,
     LaunchError,
     RankFailure,
+    cpu_count,
     default_worker_argv,
+    earliest_failed_rank,
+    physical_gpu,
     recorded_error,
     stamped_env,
     stop_process_groups,
 )
-from HyperSloth.launch.local import _cpu_count as cpu_count  # the same split of the cores as one node's launcher
-from HyperSloth.launch.local import _earliest_failed_rank as earliest_failed_rank
-from HyperSloth.launch.local import _physical_gpu as physical_gpu
 from HyperSloth.launch.node_join import (
     RENDEZVOUS_TIMEOUT_S,
     NodeLayout,
