@@ -23,6 +23,8 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
+import json
+
 import numpy as np
 import torch
 import torch.distributed as torch_dist
@@ -30,6 +32,7 @@ from loguru import logger
 
 from HyperSloth.config import GrpoArgs, load_reward_funcs, reward_name
 from HyperSloth.data.prompts import reward_inputs
+from HyperSloth.outputs import run_files
 from HyperSloth.plan.batching import adaptive_partition_batches, steps_per_epoch
 from HyperSloth.plan.inputs import plan_spec_for
 from HyperSloth.plan.prompts import prompt_plan_inputs, prompt_plan_spec
@@ -52,6 +55,9 @@ from HyperSloth.train.grpo.rollout import (
 from HyperSloth.train.plan_loader import PlanSteps
 from HyperSloth.train.sft.trainer import HyperSlothTrainer, RunSetup, run_setup
 from HyperSloth.train.trainer_args import trainer_arguments
+
+
+COMPLETIONS_LOG = "completions.jsonl"  # per rank, in the run's logs folder
 
 
 class PromptPlanSteps(PlanSteps):
@@ -128,7 +134,18 @@ class HyperSlothGRPOTrainer(HyperSlothTrainer):
             messages = dist.exchange(f"grpo_reward_failure/{step}", failure or "")
             rank, message = next((r, m) for r, m in enumerate(messages) if m)
             raise RewardFailure(message + (f" (on rank {rank})" if self.world_size > 1 else ""))
+        self.record_completions(step, inputs["prompt_rows"], groups, scored)
         return self.micro_batches(model, inputs, groups, scored, totals, longest)
+
+    def record_completions(self, step: int, rows: list[int], groups: list[list[np.ndarray]], scored) -> None:
+        """Append this rank's completions of the step, their token ids and rewards, to logs/rank{r}.completions.jsonl
+        (one line per prompt: what was sampled and how it scored, as TRL's completions table)."""
+        g = self.grpo.num_generations
+        with run_files.rank_file(self.args.output_dir, self.rank, COMPLETIONS_LOG).open("a") as log:
+            for k, (row, group) in enumerate(zip(rows, groups)):
+                rewards = scored.weighted[k * g:(k + 1) * g] if scored is not None else []
+                log.write(json.dumps({"step": step, "row": row, "completion_ids": [c.tolist() for c in group],
+                                      "rewards": [None if np.isnan(r) else float(r) for r in rewards]}) + "\n")
 
     def sample(self, model, inputs: dict[str, Any]) -> list[list[np.ndarray]]:
         """Each prompt's completions, from its own generator (rollout.prompt_seed)."""
