@@ -143,7 +143,7 @@ def unpack(part: Path, site: Path) -> list[str]:
         else:
             with tarfile.open(path, mode="r:xz") as tar:
                 tar.extractall(site, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
-        lines.append(f"{name}: {path.stat().st_size / MIB:.1f} MiB unpacked in {time.perf_counter() - started:.1f} s")
+        lines.append(f"{name} ({path.stat().st_size / MIB:.1f} MiB carried): unpacked in {time.perf_counter() - started:.1f} s")
     (site / f".{part.name}.done").write_text(json.dumps(entry["files"]))
     return lines
 

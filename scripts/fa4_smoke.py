@@ -22,6 +22,7 @@ Verdicts (the record to --out): `ran` (both paths reached FA4: its hooks counted
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import time
 from contextlib import contextmanager
@@ -79,8 +80,10 @@ def shim(torch, q, k, v, cu, max_len, scale, grad):
 
     groups = q.shape[1] // k.shape[1]
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    # causal: torch 2.11 spells it window_size=(-1, 0) (as Unsloth passes it), older ones is_causal=True
+    causal = {"window_size": (-1, 0)} if "window_size" in inspect.signature(varlen_attn).parameters else {"is_causal": True}
     out = varlen_attn(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), cu, cu, max_len, max_len,
-                      scale=scale)
+                      scale=scale, **causal)
     out.backward(grad)
     return out.detach(), q.grad, k.grad, v.grad
 
@@ -148,7 +151,7 @@ def graphed(torch, step, inputs):
         step(*inputs)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):  # as train/step_graph.py
         outputs = step(*inputs)
     return graph.replay, outputs
 

@@ -205,7 +205,7 @@ def apply_attention(choice: AttentionChoice, registry: FlashImplRegistry | None)
     return choice
 
 
-def graphed(description, backend: str) -> bool:
+def decoder_graphed(description, backend: str) -> bool:
     """Whether the run's decoder will replay CUDA graphs (the conditions `trainer_args.decoder_graphs` checks
     first; a layout too small for graphs is found later and leaves the choice made)."""
     import torch
@@ -230,7 +230,7 @@ def gather_facts(description, loaded_model, longest_sample: int) -> AttentionFac
         capability_major=torch.cuda.get_device_capability()[0] if cuda else None,
         fa4_installed=cuda and fa4_installed(), registry=torch_registry() is not None,
         head_dims=head_dims, attention_dropout=dropout,
-        graphed=cuda and graphed(description, loaded_model.backend), longest_sample=int(longest_sample))
+        graphed=cuda and decoder_graphed(description, loaded_model.backend), longest_sample=int(longest_sample))
 
 
 def settle_attention(description, loaded_model, longest_sample: int,

@@ -20,6 +20,8 @@ callA() {  # part 1 alone (no .whl in this call: the GPU environment is set up i
   python3 scripts/fa4_pack.py unpack .fa4/part1 --site .fa4/site || exit 3
   el "part 1 in .fa4/site: $(du -sh .fa4/site | cut -f1)"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import sys, torch, importlib.util as u; print(sys.version.split()[0], torch.__version__, 'cuda.bindings' \
+    if u.find_spec('cuda') and u.find_spec('cuda.bindings') else 'no cuda.bindings')"
 }
 
 fa4_ready() {  # the GPU environment (.whl), part 2 beside part 1, FA4 on PYTHONPATH; exit 3 when part 1 is gone

@@ -199,3 +199,20 @@ def test_benchmark_records_carry_the_attention_choice(tmp_path):
         workload="short-0.6b", long_tokens=131072, gpus=1, work=str(tmp_path), profile=False, graphs=True,
         lora_passes=True, token_budget="auto", checkpoint="/ckpt", gc=False, attention="fa4", steps=3), out)
     assert "attention='fa4'" in config.read_text()
+
+
+def test_graphed_means_what_the_trainer_checks_before_capturing(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    lora = types.SimpleNamespace(lora_dropout=0.0)
+    run = types.SimpleNamespace(cuda_graphs=True, batching="packed", gradient_checkpointing=False, tiled_mlp="auto",
+                                hyper_config=types.SimpleNamespace(lora_args=lora))
+    assert att.decoder_graphed(run, "unsloth") is True
+    assert att.decoder_graphed(run, "transformers") is False
+    assert att.decoder_graphed(replace_ns(run, gradient_checkpointing="unsloth"), "unsloth") is False
+    assert att.decoder_graphed(replace_ns(run, cuda_graphs=False), "unsloth") is False
+
+
+def replace_ns(namespace: types.SimpleNamespace, **changes) -> types.SimpleNamespace:
+    return types.SimpleNamespace(**{**vars(namespace), **changes})
