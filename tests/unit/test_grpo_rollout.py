@@ -1,0 +1,129 @@
+"""GRPO's pieces in one process: prompt datasets, reward scoring and its failures, advantages, packing, the loss."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from HyperSloth.config import GrpoArgs
+from HyperSloth.data.formats import RecordError
+from HyperSloth.data.prompts import looks_like_prompt, to_prompt
+from HyperSloth.train.grpo import loss as grpo_loss
+from HyperSloth.train.grpo.rollout import RewardFailure, advantages, cut_at_eos, prompt_seed, score
+
+
+def test_prompt_rows_keep_every_other_column_and_refuse_what_is_not_a_prompt():
+    (prompt, columns), shape, _ = to_prompt({"prompt": [{"role": "user", "content": "2+3?"}], "answer": 5, "x": [1]})
+    assert shape == "conversational" and prompt == [{"role": "user", "content": "2+3?"}]
+    assert columns == {"answer": 5, "x": [1]}
+    assert to_prompt({"prompt": "Say hi"})[1] == "text"
+    for record, reason in (({"answer": 1}, "missing_fields"), ({"prompt": "  "}, "empty_prompt"),
+                           ({"prompt": [{"role": "assistant", "content": "x"}]}, "prompt_not_user_turn"),
+                           ({"prompt": 3}, "non_string_content"), ([1], "not_an_object")):
+        with pytest.raises(RecordError) as err:
+            to_prompt(record)
+        assert err.value.reason == reason
+    assert looks_like_prompt({"prompt": "q", "answer": "a"})
+    assert not looks_like_prompt({"prompt": "q", "completion": "a"})  # TRL's prompt-completion SFT rows
+    assert not looks_like_prompt({"prompt": "q", "chosen": "a", "rejected": "b"})
+
+
+def test_the_builder_detects_prompts_and_drops_prompts_too_long(tmp_path, tiny_model_dir):
+    from datasets import load_from_disk
+
+    from HyperSloth.data.build import build_dataset
+
+    source = tmp_path / "p.jsonl"
+    rows = [{"prompt": [{"role": "user", "content": "What is two plus three?"}], "answer": "5"},
+            {"prompt": "Say hi", "answer": 7, "level": 2},
+            {"prompt": [{"role": "user", "content": "word " * 200}], "answer": "long"}]
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    entry = build_dataset(str(source), name="p", tokenizer=str(tiny_model_dir), data_dir=str(tmp_path / "data"),
+                          max_seq_length=64, num_proc=1)
+    assert entry["kind"] == "prompt" and entry["num_samples"] == 2
+    assert entry["stats"]["dropped_prompt_too_long"] == 1 and entry["stats"]["reward_columns"] == ["answer", "level"]
+    built = load_from_disk(str(tmp_path / "data" / entry["path"]))
+    assert [json.loads(c) for c in built["columns_json"]] == [{"answer": "5"}, {"answer": 7, "level": 2}]
+    assert json.loads(built["prompt_json"][1]) == "Say hi"
+    assert built["prompt_length"] == [len(ids) for ids in built["prompt_input_ids"]] == built["length"]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    rendered = tok.apply_chat_template(rows[0]["prompt"], add_generation_prompt=True, tokenize=True, return_dict=True)
+    assert built["prompt_input_ids"][0] == list(rendered["input_ids"])  # what TRL generates from
+
+
+def _fmt(prompts, completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+def _answer(prompts, completions, answer, **kwargs):
+    return [None if a is None else float(a in c) for c, a in zip(completions, answer)]
+
+
+def test_scoring_passes_trls_arguments_and_names_a_failing_function_and_the_step():
+    scored = score([_fmt, _answer], [1.0, 2.0], prompts=["p"] * 4, completions=["5", "55", "x", "yy"],
+                   completion_ids=[[1]] * 4, columns=[{"answer": "5"}] * 2 + [{"answer": None}] * 2, step=3)
+    np.testing.assert_allclose(scored.per_func[:, 0], [1, 2, 1, 2])
+    assert np.isnan(scored.per_func[2:, 1]).all()
+    np.testing.assert_allclose(scored.weighted, [3, 4, 1, 2])  # NaN rewards are left out of the sum (nansum)
+
+    def broken(prompts, completions, **kwargs):
+        raise KeyError("solution")
+
+    with pytest.raises(RewardFailure, match=r"^reward function 'broken' raised KeyError at step 3: 'solution'$"):
+        score([_fmt, broken], None, prompts=["p"], completions=["c"], completion_ids=[[1]], columns=[{}], step=3)
+    with pytest.raises(RewardFailure, match="'short' returned 1 rewards for 2 completions at step 5"):
+        score([_named("short")], None, prompts=["p"] * 2, completions=["a", "b"], completion_ids=[[1]] * 2,
+              columns=[{}] * 2, step=5)
+
+
+def _named(name):
+    def func(prompts, completions, **kwargs):
+        return [1.0]
+
+    func.__name__ = name
+    return func
+
+
+def test_advantages_are_trls_group_and_batch_scaling():
+    rewards = np.array([1.0, 2.0, 3.0, 4.0, 5.0, 5.0, 5.0, np.nan], dtype=np.float32)
+    adv, zero = advantages(rewards, 4, "group")
+    first = (rewards[:4] - rewards[:4].mean()) / (rewards[:4].std(ddof=1) + 1e-4)
+    np.testing.assert_allclose(adv[:4], first, rtol=1e-6)
+    np.testing.assert_allclose(adv[4:], 0.0)  # equal rewards (and the NaN one) carry no signal
+    assert zero.tolist() == [False, True]
+    np.testing.assert_allclose(advantages(rewards, 4, "none")[0][:4], rewards[:4] - 2.5)
+    np.testing.assert_allclose(advantages(rewards, 4, "batch", 2.0)[0][:4], (rewards[:4] - 2.5) / (2.0 + 1e-4))
+
+
+def test_sampling_seeds_depend_on_step_and_prompt_only():
+    assert prompt_seed(42, 3, 7) == prompt_seed(42, 3, 7)
+    assert len({prompt_seed(42, s, r) for s in range(4) for r in range(4)}) == 16
+    assert cut_at_eos(np.array([5, 6, 2, 7, 2]), [2]).tolist() == [5, 6, 2]
+    assert cut_at_eos(np.array([5, 6]), [2]).tolist() == [5, 6]
+
+
+def test_packing_and_the_loss_normalisers():
+    items = [grpo_loss.Completion(np.arange(3), np.arange(n), 0.5) for n in (4, 5, 20, 1)]
+    assert grpo_loss.pack_completions(items, 16) == [[0, 1], [2], [3]]  # 7 + 8 tokens, then 23 alone
+    assert grpo_loss.normaliser(GrpoArgs(), 8, 100) == (100.0, "one")
+    assert grpo_loss.normaliser(GrpoArgs(loss_type="grpo"), 8, 100) == (8.0, "per_completion")
+    assert grpo_loss.normaliser(GrpoArgs(loss_type="dr_grpo", max_completion_length=16), 8, 100) == (128.0, "one")
+    batch = grpo_loss.collate_completions(items[:2], "per_completion")
+    assert batch["target_ids"].tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4]  # the completions' tokens only
+    np.testing.assert_allclose(batch["target_weight"].numpy(), [0.25] * 4 + [0.2] * 5)
+
+
+def test_the_clipped_objective_and_its_statistics():
+    grpo = GrpoArgs(epsilon=0.2, beta=0.1)
+    logps = torch.tensor([-1.0, -1.0, -1.0], requires_grad=True)
+    old = torch.tensor([-1.0, -1.5, -0.5])  # ratios 1, e^0.5 (above 1.2), e^-0.5 (below 0.8)
+    adv = torch.tensor([1.0, 1.0, -1.0])
+    loss, stats = grpo_loss.grpo_token_loss(logps, adv, grpo, old=old, ref=logps.detach())
+    np.testing.assert_allclose(loss.detach().numpy(), [-1.0, -1.2, 0.8], rtol=1e-6)  # each ratio clipped
+    assert stats[1].tolist() == [0, 0, 1] and stats[2].tolist() == [0, 1, 0] and stats[3].tolist() == [0, 1, 1]
+    assert stats[0].abs().max() == 0  # policy == reference: no KL
