@@ -226,7 +226,7 @@ class GrpoArgs(BaseModel):
 
     num_generations: int = Field(8, ge=2, description="Completions sampled per prompt (its group), >= 2: the "
                                  "advantage of a completion is its reward against its group's.")
-    max_completion_length: int = Field(256, gt=0, description="Longest completion in tokens (longer ones are cut: "
+    max_completion_length: int = Field(512, gt=0, description="Longest completion in tokens (longer ones are cut: "
                                        "'clipped'). prompt + completion must fit fast_model_args.max_seq_length.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature; the loss's log-probabilities use the "
                                "same (as TRL's).")
