@@ -111,6 +111,9 @@ def counted_fa4_calls():
     """Count the calls that reach FA4 through torch's registry hooks (torch/nn/attention/_fa4.py)."""
     from torch.nn.attention import _fa4
 
+    if not (hasattr(_fa4, "_fa4_run_forward") and hasattr(_fa4, "_fa4_run_backward")):
+        yield None  # another torch's private names: not countable (the record says so; `ran` trusts the registry)
+        return
     calls = {"forward": 0, "backward": 0}
     originals = _fa4._fa4_run_forward, _fa4._fa4_run_backward
 
@@ -194,12 +197,14 @@ def run(a: argparse.Namespace) -> dict:
             record[f"{path}_first_call_s"] = time.perf_counter() - started  # the JIT compile, on the first path
         diffs = max_diffs(got, flash[path])
         scales = [float(t.float().abs().max()) for t in flash[path]]
-        checks[path] = {"calls": dict(calls), "max_diff": diffs, "bf16_noise": noise,
-                        "ok": all(calls.values()) and all(within(d, n, s) for d, n, s in zip(diffs, noise, scales))}
+        reached = all(calls.values()) if calls is not None else record["active"] == "FA4"
+        checks[path] = {"calls": dict(calls) if calls is not None else "not countable", "reached_fa4": reached,
+                        "max_diff": diffs, "bf16_noise": noise,
+                        "ok": reached and all(within(d, n, s) for d, n, s in zip(diffs, noise, scales))}
     fa4_ms = milliseconds(torch, lambda: lean(*args), a.reps)
     record.update(checks=checks, bundled_ms=bundled_ms, fa4_ms=fa4_ms)
     record.update(graph_check(torch, a, args, noise))
-    record["ran"] = all(all(c["calls"].values()) for c in checks.values())
+    record["ran"] = all(c["reached_fa4"] for c in checks.values())
     record["accurate"] = all(c["ok"] for c in checks.values())
     return record
 
