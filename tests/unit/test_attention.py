@@ -216,3 +216,21 @@ def test_graphed_means_what_the_trainer_checks_before_capturing(monkeypatch):
 
 def replace_ns(namespace: types.SimpleNamespace, **changes) -> types.SimpleNamespace:
     return types.SimpleNamespace(**{**vars(namespace), **changes})
+
+
+def test_the_stock_rows_record_what_unsloths_own_rule_chose(monkeypatch):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import bench_systems
+
+    state = {"reason": "auto keeps torch's bundled flash on sm90 below hidden_size 2048 (model: 1024); ..."}
+    module = types.ModuleType("unsloth.utils.flash_impl")
+    module.FLASH_IMPL_STATE = state
+    for name, value in (("unsloth", types.ModuleType("unsloth")), ("unsloth.utils", types.ModuleType("unsloth.utils")),
+                        ("unsloth.utils.flash_impl", module)):
+        monkeypatch.setitem(sys.modules, name, value)
+    monkeypatch.delenv(att.UNSLOTH_IMPL_ENV, raising=False)
+    assert bench_systems.unsloth_attention() == {"requested": "unsloth auto", "kernel": "flash", "reason": state["reason"]}
+    state["reason"] = "FA4 active"
+    assert bench_systems.unsloth_attention()["kernel"] == "fa4"
+    monkeypatch.setitem(sys.modules, "unsloth.utils.flash_impl", None)  # an Unsloth without the switch
+    assert bench_systems.unsloth_attention()["reason"] == "this Unsloth has no flash-impl switch"
