@@ -17,6 +17,8 @@ Verdicts (the record to --out): `ran` (both paths reached FA4: its hooks counted
 (training may still be measured, the record says which); 2: FA4 did not run (do not benchmark it).
 
     python scripts/fa4_smoke.py --layout 0.6b --lengths 1,7,130,200,333,512,1024,2048,4000,1337 --out fa4.json
+    python scripts/fa4_smoke.py --layout 8b --row-tokens 22528     # a packed row of short chats (attn_bench's)
+    python scripts/fa4_smoke.py --layout 0.6b --lengths 131072     # one long sample
 """
 
 from __future__ import annotations
@@ -51,10 +53,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layout", choices=sorted(LAYOUTS), default="0.6b")
     p.add_argument("--lengths", default=DEFAULT_LENGTHS, help="the packed row's segment lengths, comma-separated")
+    p.add_argument("--row-tokens", type=int, help="instead of --lengths: a row of short chats of this many tokens "
+                   "(the benchmark's lognormal lengths, scripts/attn_bench.py's rows)")
     p.add_argument("--reps", type=int, default=20, help="timed forward+backward repetitions")
     p.add_argument("--out", type=Path, help="write the record here (JSON)")
     a = p.parse_args(argv)
-    a.lengths = [int(x) for x in a.lengths.split(",") if x.strip()]
+    if a.row_tokens:
+        from attn_bench import row_lengths  # scripts/ is on sys.path when this file runs
+
+        a.lengths = row_lengths(a.row_tokens)
+    else:
+        a.lengths = [int(x) for x in a.lengths.split(",") if x.strip()]
     if not a.lengths or min(a.lengths) < 1:
         p.error("--lengths: positive segment lengths, e.g. 100,2048,7")
     return a

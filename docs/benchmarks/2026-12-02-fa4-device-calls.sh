@@ -9,7 +9,8 @@
 #                                        and backward on Qwen3-0.6B heads vs bundled flash, the JIT time, a CUDA-graph
 #                                        replay); then short-0.6b: hypersloth-1-fa4, hypersloth-1-flash, unsloth-best
 #   callC  carry []                      (.whl, .fa4 and /tmp/site are still there) long-0.6b: the same three; the
-#                                        smoke test on Qwen3-8B heads and on one 32k-token segment
+#                                        smoke test as a kernel benchmark: 8B heads on 22k of chats, 0.6B on 8k, one
+#                                        131,072-token sample on both layouts (as many as the time allows)
 # Each `bash docs/benchmarks/2026-12-02-fa4-device-calls.sh callX`. Records (tag 2026-12-02-fa4) and logs in $OUT.
 set -u
 
@@ -33,8 +34,10 @@ fa4_ready() {  # the GPU environment (.whl), part 2 beside part 1, FA4 on PYTHON
 }
 
 smoke() {  # NAME ARGS: scripts/fa4_smoke.py ARGS --out $OUT/fa4-smoke-NAME.json; its summary line; rc 2 = FA4 did not run
-  local name=$1; shift
-  timeout 180 python3 scripts/fa4_smoke.py "$@" --out $OUT/fa4-smoke-$name.json > $L/smoke-$name.log 2>&1; local rc=$?
+  local name=$1 limit=$(left 575); shift
+  [ $limit -gt 180 ] && limit=180
+  [ $limit -lt 30 ] && { echo "smoke $name: out of time"; return 2; }
+  timeout $limit python3 scripts/fa4_smoke.py "$@" --out $OUT/fa4-smoke-$name.json > $L/smoke-$name.log 2>&1; local rc=$?
   tail -1 $L/smoke-$name.log | cut -c1-700; return $rc
 }
 
@@ -61,8 +64,11 @@ callC() {
   bench --workloads long-0.6b --slots "hypersloth-1-fa4,hypersloth-1-flash,unsloth-best" --warmup 3 --steps 20 \
     --tag 2026-12-02-fa4 --budget-s $(left 480) > $L/bench-long.log 2>&1
   el "long-0.6b done"; show $L/bench-long.log; attention_lines long-0.6b
-  smoke 8b --layout 8b
-  smoke 0.6b-32k --layout 0.6b --lengths 32768 --reps 5
+  # FA4 vs bundled flash, forward+backward, eager and graphed (the attn_bench rows): short chats, one long sample
+  smoke 8b-22k --layout 8b --row-tokens 22528
+  smoke 0.6b-8k --layout 0.6b --row-tokens 8192
+  smoke 0.6b-131k --layout 0.6b --lengths 131072 --reps 5
+  smoke 8b-131k --layout 8b --lengths 131072 --reps 5
   el "smoke tests done"
   pack
 }

@@ -89,6 +89,8 @@ def test_smoke_arguments_and_verdicts():
     assert fa4_smoke.offsets([1, 7, 4000]) == [0, 1, 8, 4008]
     with pytest.raises(SystemExit):
         fa4_smoke.parse(["--lengths", "0,5"])
+    chats = fa4_smoke.parse(["--row-tokens", "22528"]).lengths  # attn_bench's row of short chats
+    assert sum(chats) == 22528 and 32 <= max(chats) <= 4096 and len(chats) > 10
     assert fa4_smoke.within(0.03, noise=0.01, scale=4.0) and not fa4_smoke.within(0.031, noise=0.01, scale=4.0)
     assert fa4_smoke.within(0.004, noise=0.0, scale=4.0)  # exact reference: a thousandth of the values' size
     ran = {"ran": True, "accurate": True, "graph_ok": True}
