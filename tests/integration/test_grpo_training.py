@@ -3,7 +3,8 @@
 Eight chat prompts with an `answer` column (built by `hypersloth-build-dataset`'s library entry, auto-detected
 as prompts), 3 optimizer steps of 2 prompts x 4 completions of at most 8 tokens, two reward functions defined
 in the config file, completions packed into micro-batches of <= 40 tokens. Three runs, two at a time:
-1 worker, 2 workers (same global batch), and 2 workers whose reward function raises at step 2.
+1 worker, 2 workers (same global batch), 2 workers whose reward function raises at step 2, and 2 workers
+resuming the second run from its checkpoint-2.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ reward_funcs = [length_reward, answer_reward]
 """
 
 
-def _config(workdir: Path, model_dir: Path, name: str, gpus: int, fail: bool = False) -> Path:
+def _config(workdir: Path, model_dir: Path, name: str, gpus: int, fail: bool = False, resume: str | None = None
+            ) -> Path:
     per_device, accumulation = (4, 2) if gpus == 1 else (4, 1)  # 8 completions (2 prompts) per step either way
     config = workdir / f"{name}.py"
     config.write_text(f"FAIL = {fail}\n" + REWARDS + textwrap.dedent(f"""
@@ -53,7 +55,8 @@ def _config(workdir: Path, model_dir: Path, name: str, gpus: int, fail: bool = F
         training_config_model = TrainingArgsConfig(
             output_dir={str(workdir / name)!r}, per_device_train_batch_size={per_device},
             gradient_accumulation_steps={accumulation}, max_steps={STEPS}, learning_rate=0.05, warmup_steps=0,
-            lr_scheduler_type="constant", report_to="none", seed=7, save_steps=1)
+            lr_scheduler_type="constant", report_to="none", seed=7, save_steps=1,
+            resume_from_checkpoint={resume!r})
     """))
     return config
 
@@ -65,7 +68,8 @@ def _start(config: Path, cwd: Path) -> subprocess.Popen:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model_dir) -> dict[str, tuple[int, str, Path]]:
-    """(exit code, stderr, output folder) of each run: '1w', '2w' and 'fail' (2 workers, raising reward)."""
+    """(exit code, stderr, output folder) of each run: '1w', '2w', 'fail' (2 workers, raising reward) and
+    'resumed' (2 workers from 2w's checkpoint-2, into a folder of its own)."""
     from HyperSloth.data.build import build_dataset
 
     workdir = tmp_path_factory.mktemp("grpo")
@@ -75,9 +79,10 @@ def runs(tmp_path_factory, tiny_model_dir) -> dict[str, tuple[int, str, Path]]:
     build_dataset(str(source), name="prompts", tokenizer=str(tiny_model_dir), data_dir=str(workdir / "data"),
                   max_seq_length=64, num_proc=1)
     results = {}
-    for batch in (("1w", 1, False), ("2w", 2, False)), (("fail", 2, True),):
-        procs = {name: _start(_config(workdir, tiny_model_dir, name, gpus, fail), workdir)
-                 for name, gpus, fail in batch}
+    resume = str(workdir / "2w" / "checkpoint-2")
+    for batch in (("1w", 1, False, None), ("2w", 2, False, None)), (("fail", 2, True, None), ("resumed", 2, False, resume)):
+        procs = {name: _start(_config(workdir, tiny_model_dir, name, gpus, fail, resume), workdir)
+                 for name, gpus, fail, resume in batch}
         for name, proc in procs.items():
             _, err = proc.communicate(timeout=900)
             results[name] = (proc.returncode, err, workdir / name)
@@ -128,3 +133,14 @@ def test_a_raising_reward_function_stops_every_rank_with_one_line_naming_it_and_
     assert "Traceback" not in err
     assert (out / "checkpoint-1").is_dir() and not (out / "checkpoint-2").exists()
     assert not (out / "tmp-checkpoint-2").exists()
+
+
+def test_a_resumed_run_samples_and_trains_what_the_uninterrupted_one_did(runs):
+    (code, err, resumed), (_, _, whole) = runs["resumed"], runs["2w"]
+    assert code == 0, err[-3000:]
+    later = {key: value for key, value in _completions(whole).items() if key[0] == STEPS}
+    assert _completions(resumed) == later  # step 3 only, the same completions
+    s_whole, s_resumed = (json.loads((out / "train_summary.json").read_text()) for out in (whole, resumed))
+    np.testing.assert_allclose(s_resumed["step_losses"], s_whole["step_losses"], rtol=1e-6, atol=1e-7)
+    assert s_resumed["step_metrics"]["reward"] == pytest.approx(s_whole["step_metrics"]["reward"], rel=1e-6)
+    assert relative_error(_adapter(whole), _adapter(resumed)) < 1e-6
