@@ -17,7 +17,6 @@ without it where that is certain (`devices`), so no worker waits for the launche
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import IO, Iterator
 
 from HyperSloth.launch.devices import cuda_device_count  # noqa: F401 - the launcher's GPU count (cli, tmux)
+from HyperSloth.launch.node_worker import pdeathsig_setter
 from HyperSloth.outputs import checkpoints, run_files
 from HyperSloth.outputs.startup import StartupTimeline
 
@@ -108,9 +108,6 @@ def is_torchrun_env(env: Mapping[str, str] = os.environ) -> bool:
     return all(env.get(name) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-
-
 def die_with_parent_hook(signum: int = signal.SIGKILL) -> Callable[[], None] | None:
     """A Popen `preexec_fn` after which the child gets `signum` when this process dies (None off Linux).
 
@@ -123,14 +120,13 @@ def die_with_parent_hook(signum: int = signal.SIGKILL) -> Callable[[], None] | N
     - the launcher may already be dead when the child sets it: then the child is reparented, and it
       kills itself when its parent is no longer the launcher.
     """
-    if not sys.platform.startswith("linux"):
+    set_signal = pdeathsig_setter(signum)  # libc resolved here: the child only calls it
+    if set_signal is None:
         return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child only calls it
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
     launcher = os.getpid()
 
     def hook() -> None:
-        prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
+        set_signal()
         if os.getppid() != launcher:
             os.kill(os.getpid(), signal.SIGKILL)
 

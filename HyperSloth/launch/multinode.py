@@ -223,7 +223,9 @@ def train_node(layout: NodeLayout, run: NodeRun, watch: NodeWatch, grace_s: floa
     device = "GPU(s) " + ",".join(map(str, run.gpus)) if run.cuda else "CPU (gloo)"
     _say(f"node {me}: starting {local} worker(s) ({describe_ranks(layout.ranks_of(me, local))} of "
          f"{layout.world_size(local)}) on {device}, store {layout.store_address}; logs in {logs_dir}")
-    argv = default_worker_argv(run.run_path)
+    # Each worker dies with this process, even when it is SIGKILLed (node_worker); then it is the worker.
+    argv = [sys.executable, "-m", "HyperSloth.launch.node_worker", str(os.getpid()),
+            *default_worker_argv(run.run_path)]
     watch.on_verdict = lambda _verdict: stop_workers(grace_s)
     watch.arm()
     try:

@@ -1,6 +1,6 @@
 """A node of a multi-node run (HyperSloth.launch.multinode): its flags, the check that every node sees one run,
 the workers' environment and logs, and what each node says at the end. The real two-node runs are in
-tests/integration/test_multinode.py."""
+tests/integration/test_multinode_runs.py."""
 
 from __future__ import annotations
 
@@ -189,3 +189,41 @@ def test_a_worker_under_the_elastic_agent_knows_its_node_share():
     info = DistInfo.from_env(env)
     assert (info.rank, info.world_size, info.local_rank, info.local_world_size) == (3, 4, 1, 2)
     assert info.launched_by == "torchrun" and not info.is_main
+
+
+def test_a_node_worker_dies_with_its_agent_even_when_the_agent_is_sigkilled(tmp_path):
+    """node_worker sets the parent-death signal and then execs the worker: an agent killed with SIGKILL (no
+    chance to stop anything) still takes its workers with it."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pid_file = tmp_path / "worker.pid"
+    worker = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    agent = (f"import os, subprocess, sys, time; subprocess.Popen([sys.executable, '-m', "
+             f"'HyperSloth.launch.node_worker', str(os.getpid()), sys.executable, '-c', {worker!r}]); time.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", agent])
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.is_file() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        child = int(pid_file.read_text())
+        assert "-c" in Path(f"/proc/{child}/cmdline").read_text()  # the worker itself, by exec
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child}").exists() and not multinode._is_zombie(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{child}").exists() or multinode._is_zombie(child)
+
+
+def test_a_node_worker_whose_agent_is_already_gone_does_not_start(tmp_path):
+    import subprocess
+    import sys
+
+    marker = tmp_path / "ran"
+    done = subprocess.run([sys.executable, "-m", "HyperSloth.launch.node_worker", "1", sys.executable, "-c",
+                           f"open({str(marker)!r}, 'w')"], timeout=60)
+    assert done.returncode == -9 and not marker.exists()  # its parent is not pid 1: it killed itself
