@@ -13,6 +13,14 @@ from pathlib import Path
 import pytest
 from loguru import logger
 
+# One share of the cores per test process, set before torch is imported, and inherited by every process a test
+# starts: pytest-xdist runs one worker per core, and torch's default of one thread per core in each of them
+# oversubscribes the machine; the tiny models' small ops then wait on each other's threads (on the loaded 2-core
+# machine one test of test_evaluation.py took 27 s with 2 threads, 0.16 s with 1). Unset, or set, is kept.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+
 
 def shared_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The temp folder of this whole test run: the same for every xdist worker (their own is one below)."""
