@@ -16,6 +16,7 @@ TEMPLATES: dict[str, str] = {
     "qlora-2gpu": "qlora_2gpu.py",
     "dpo-2gpu": "dpo_2gpu.py",
     "tiny-dpo-cpu": "tiny_dpo_cpu.py",
+    "grpo-2gpu": "grpo_2gpu.py",
 }
 # What must exist before training with each template (its model and its registered dataset).
 PREPARE: dict[str, list[str]] = {
@@ -24,6 +25,7 @@ PREPARE: dict[str, list[str]] = {
     "qlora-2gpu": ["hypersloth-build-dataset --local_path FILE_OR_DIR --tokenizer MODEL --name my-chat   # your data, named as in the config"],
     "dpo-2gpu": ["hypersloth-build-dataset --local_path FILE_OR_DIR --tokenizer MODEL --name my-pairs   # prompt/chosen/rejected rows"],
     "tiny-dpo-cpu": ["hypersloth-tiny-model", "hypersloth-build-dataset --local_path data/sample_preference.jsonl --name sample-pairs --tokenizer build/tiny-qwen3 --max_seq_length 1024 --overwrite"],
+    "grpo-2gpu": ["hypersloth-build-dataset --local_path FILE_OR_DIR --tokenizer MODEL --name my-prompts   # rows with a prompt (+ answer, ...)"],
 }
 
 
@@ -67,6 +69,7 @@ def init(path: str = "hypersloth_config.py", template: str = "tiny-cpu", force: 
       qlora-2gpu  4-bit QLoRA of unsloth/Qwen3-8B-bnb-4bit on GPUs [0, 1]
       dpo-2gpu    DPO (preference pairs) of a LoRA adapter of unsloth/Qwen3-0.6B on GPUs [0, 1]
       tiny-dpo-cpu  DPO of the tiny random Qwen3 on the sample pairs, 2 CPU worker processes
+      grpo-2gpu   GRPO with format + answer reward functions: LoRA of unsloth/Qwen3-0.6B on GPUs [0, 1]
 
     Args:
       path: where to write the config file.
@@ -102,7 +105,8 @@ templates:
   lora-2gpu         16-bit LoRA of unsloth/Qwen3-0.6B on GPUs [0, 1]
   qlora-2gpu        4-bit QLoRA of unsloth/Qwen3-8B-bnb-4bit on GPUs [0, 1]
   dpo-2gpu          DPO on preference pairs: LoRA of unsloth/Qwen3-0.6B on GPUs [0, 1] (docs/dpo.md)
-  tiny-dpo-cpu      DPO of the tiny random Qwen3 on the sample pairs, 2 CPU worker processes (no GPU)""",
+  tiny-dpo-cpu      DPO of the tiny random Qwen3 on the sample pairs, 2 CPU worker processes (no GPU)
+  grpo-2gpu         GRPO with reward functions in the config: LoRA of unsloth/Qwen3-0.6B on GPUs [0, 1] (docs/grpo.md)""",
     positionals=(Positional("path", "PATH", "where to write the config (default hypersloth_config.py)", required=False),),
     flags=(
         Flag("template", "one of the templates above (underscores work too: tiny_cpu)", value="NAME"),

@@ -25,10 +25,12 @@ __all__ = [
 ]
 
 #: The shipped sample data, as package data (pyproject.toml), so an install without the checkout has it too:
-#: byte copies of the checkout's data/sample_chat.jsonl and data/sample_preference.jsonl (tests/unit/test_sample_data.py).
+#: byte copies of the checkout's data/sample_chat.jsonl, data/sample_preference.jsonl and data/sample_prompts.jsonl
+#: (tests/unit/test_sample_data.py).
 SAMPLES_DIR = Path(__file__).resolve().parent / "samples"
 SAMPLE_CHAT_PATH = SAMPLES_DIR / "sample_chat.jsonl"
 SAMPLE_PREFERENCE_PATH = SAMPLES_DIR / "sample_preference.jsonl"
+SAMPLE_PROMPTS_PATH = SAMPLES_DIR / "sample_prompts.jsonl"  # GRPO: arithmetic prompts with an `answer` column
 
 
 def __getattr__(name: str) -> Any:

@@ -139,7 +139,28 @@ def _rewards(summary: Mapping[str, Any]) -> dict[str, list[float | None]]:
     return columns if all(len(v) == count for v in columns.values()) else {}
 
 
+def _grpo_reward(summary: Mapping[str, Any]) -> list[tuple[int, float]]:
+    """A GRPO run's (step, mean reward over the step's completions) (summary["step_metrics"]["reward"]); [] otherwise."""
+    metrics = summary.get("step_metrics")
+    rewards = _series(metrics, "reward") if isinstance(metrics, Mapping) else []
+    steps = _loss_steps(summary)
+    if len(rewards) != len(steps):
+        return []
+    return [(step, value) for step, value in zip(steps, rewards) if value is not None and math.isfinite(value)]
+
+
+def _grpo_rewards_text(summary: Mapping[str, Any]) -> str | None:
+    points = _grpo_reward(summary)
+    if not points:
+        return None
+    best = max(points, key=lambda p: (p[1], -p[0]))
+    return (f"reward {points[0][1]:.4f} -> {points[-1][1]:.4f} (max {best[1]:.4f} at step {best[0]}; GRPO, mean "
+            f"over each step's completions, rewards {', '.join(map(str, summary.get('reward_funcs') or []))})")
+
+
 def _rewards_text(summary: Mapping[str, Any]) -> str | None:
+    if summary.get("method") == "grpo":
+        return _grpo_rewards_text(summary)
     last = {key.split("/")[1]: values[-1] for key, values in _rewards(summary).items() if values}
     if len(last) != len(REWARD_KEYS) or None in last.values():
         return None
@@ -268,6 +289,8 @@ def _plot(summary: Mapping[str, Any], config: Mapping[str, Any], path: Path) -> 
         points = [(x, v) for x, v in sorted(by_step.items()) if v is not None]
         if points:
             panels.append((title, points))
+    if _grpo_reward(summary):
+        panels.insert(1, ("reward (GRPO)", _grpo_reward(summary)))
     if not panels:
         return None
     fig = Figure(figsize=(4.2 * len(panels), 3.2), layout="constrained")

@@ -175,7 +175,8 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path, time
     if description.method == "dpo":  # TRL's names, one value per step (a mean over the step's global pairs)
         summary.update(method="dpo", dpo_beta=description.dpo_beta, step_rewards=trainer.step_rewards)
     if description.method == "grpo":  # TRL's names, one value per step (over the step's global batch)
-        summary.update(method="grpo", reward_funcs=list(description.reward_funcs), step_metrics=trainer.step_metrics)
+        summary.update(method="grpo", reward_funcs=list(description.reward_funcs), step_metrics=trainer.step_metrics,
+                       global_batch_size=description.global_batch_size, prompts_per_step=setup.samples_per_step)
     summary["token_budget"] = budget_decision.as_record()  # the budget planned with, and what it came from
     summary["cuda_graphs"] = trainer.graphs_summary()
     summary["gradient_checkpointing"] = description.gradient_checkpointing

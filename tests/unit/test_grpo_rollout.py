@@ -127,3 +127,25 @@ def test_the_clipped_objective_and_its_statistics():
     np.testing.assert_allclose(loss.detach().numpy(), [-1.0, -1.2, 0.8], rtol=1e-6)  # each ratio clipped
     assert stats[1].tolist() == [0, 0, 1] and stats[2].tolist() == [0, 1, 0] and stats[3].tolist() == [0, 1, 1]
     assert stats[0].abs().max() == 0  # policy == reference: no KL
+
+
+def test_the_shipped_sample_prompts_are_the_checkouts():
+    from pathlib import Path
+
+    from HyperSloth.data import SAMPLE_PROMPTS_PATH
+
+    checkout = Path(__file__).resolve().parents[2] / "data" / "sample_prompts.jsonl"
+    assert SAMPLE_PROMPTS_PATH.read_bytes() == checkout.read_bytes()
+    rows = [json.loads(line) for line in checkout.read_text().splitlines()]
+    assert len(rows) == 48 and all(looks_like_prompt(r) and isinstance(r["answer"], str) for r in rows)
+
+
+def test_the_report_shows_a_grpo_runs_reward_per_step(tmp_path):
+    from HyperSloth.outputs import report
+
+    summary = {"method": "grpo", "reward_funcs": ["fmt", "answer"], "steps": 3, "first_step": 1,
+               "step_losses": [0.0, 0.01, -0.02], "step_metrics": {"reward": [0.1, 0.4, 0.3]}}
+    (tmp_path / "train_summary.json").write_text(json.dumps(summary))
+    assert "reward 0.1000 -> 0.3000 (max 0.4000 at step 2; GRPO" in report.format_console(summary)
+    report.write_report(tmp_path)
+    assert (tmp_path / "report.png").is_file()
