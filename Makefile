@@ -1,13 +1,13 @@
 # The two set-up commands of README.md:
 #   make demo   the main job on the embedded default (tiny Qwen3 + sample chats, 2 CPU workers without a GPU)
-#   make test   the test suite
+#   make test   the test suite's default tier (make test-slow: the multi-process training runs; CI runs both)
 # Both create .venv and install what they need first.
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hypersloth-installed
 
-.PHONY: install install-gpu demo test clean
+.PHONY: install install-gpu demo test test-slow test-all clean
 
 install: $(STAMP)
 
@@ -20,6 +20,7 @@ $(STAMP): pyproject.toml constraints.txt
 	  $(PY) -m pip install -q "torch>=2.4,<2.15"; else $(PY) -m pip install -q "torch==2.13.0"; fi
 	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
 	touch $@
+	@echo "installed: the hypersloth-* commands are in $(VENV)/bin; in your shell run: source $(VENV)/bin/activate"
 
 install-gpu: $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e ".[gpu]"
@@ -29,9 +30,18 @@ demo: $(STAMP)
 
 # One pytest worker per core (pytest-xdist); --dist loadscope keeps each module on one worker, so a module's
 # shared runs (tests/integration/training_fixtures.py) start once. TEST_WORKERS=0 runs in this process.
+# make test: every test but the `slow` tier (the multi-process training runs, marked in their modules);
+# make test-slow: that tier; CI (.ci/run) runs both; make test-all: everything in one pytest run.
 TEST_WORKERS ?= auto
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
+	$(PYTEST) -m "not slow"
+
+test-slow: $(STAMP)
+	$(PYTEST) -m slow
+
+test-all: $(STAMP)
+	$(PYTEST)
 
 clean:
 	rm -rf $(VENV) build outputs data/built_dataset data/data_config.json data/data_config.json.lock

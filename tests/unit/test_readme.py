@@ -45,3 +45,13 @@ def test_the_cpu_recipes_build_what_their_templates_train():
         assert f"--name {name} \\\n    --tokenizer {model}" in README, template
         assert template == "tiny-cpu" or f"--template {template}" in README
         assert config.training_args.output_dir != "outputs/tiny-demo"  # make demo's folder
+
+
+def test_ci_runs_the_readmes_test_command_and_the_slow_tier():
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    commands = [line.split("#")[0].strip() for line in ci if line.startswith("make ")]
+    assert commands == ["make test", "make test-slow"]
+    assert "make test " in README.split("## Set-up")[1].split("##")[0]  # the README's own command
+    makefile = (ROOT / "Makefile").read_text()
+    assert '$(PYTEST) -m "not slow"' in makefile.split("\ntest:")[1].split("\n\n")[0]
+    assert "$(PYTEST) -m slow" in makefile.split("\ntest-slow:")[1].split("\n\n")[0]
