@@ -250,9 +250,10 @@ def explain(layout: NodeLayout, run: NodeRun, end: NodeEnd, verdict: Verdict | N
     first (from the shared failure records), with its node; a peer's own reason; or this node's stop signal."""
     me, local = layout.node_rank, len(run.gpus)
     stopped = f"stopped node {me}'s {local} worker(s)"
-    if end.ok:  # every node's workers finished (the agents' exit barrier): what came after is only noted
-        late = [] if verdict is None or verdict.kind == "failed" else [f"after training: {verdict.describe()}"]
-        return 0, [f"node {me}: all {local} worker(s) finished; output in {run.output_dir}", *late]
+    if end.ok and verdict is None:
+        return 0, [f"node {me}: all {local} worker(s) finished; output in {run.output_dir}"]
+    if end.ok:  # e.g. rank 0's final save failed after this node's workers were done: the run did not finish
+        return 1, [f"node {me}: all {local} worker(s) finished, but {verdict.describe()}"]
     if end.code > 128 and verdict is None:
         return end.code, [f"node {me}: received {signal.Signals(end.code - 128).name}; {stopped}"]
     if verdict is not None and verdict.kind != "failed":

@@ -144,7 +144,10 @@ def test_the_end_of_a_finished_node_and_of_a_stopped_one(tmp_path):
     run, layout = _run(tmp_path, gpus=(0,)), _layout(1)
     assert explain(layout, run, NodeEnd(1, True, 0), None) == (
         0, [f"node 1: all 1 worker(s) finished; output in {tmp_path}"])
-    assert explain(layout, run, NodeEnd(1, True, 0), Verdict(0, "lost", "its store ..."))[0] == 0  # after training
+    late = Verdict(0, "failed", "rank 0 (gpu 0) failed with OSError: No space left on device on node 0")
+    assert explain(layout, run, NodeEnd(1, True, 0), late) == (  # its final save, after node 1's workers ended
+        1, ["node 1: all 1 worker(s) finished, but node 0 failed: rank 0 (gpu 0) failed with OSError: No space left "
+            "on device on node 0"])
     assert explain(layout, run, NodeEnd(1, False, 130, "stopped by SIGINT"), None) == (
         130, ["node 1: received SIGINT; stopped node 1's 1 worker(s)"])
     # Without failure records: a peer's root cause is named; this node's own when the peer only followed it.
