@@ -92,6 +92,24 @@ def enable_unsloth_torch_varlen() -> bool:
     return True
 
 
+def enable_unsloth_hf_packed_attention() -> bool:
+    """Packed rows on the transformers modeling path through a varlen flash kernel, not SDPA over a dense mask.
+
+    Models whose attention Unsloth leaves to transformers (Qwen3-MoE under transformers 5, unsloth 2026.10.9) see a
+    packed row's restarting position ids, and transformers' SDPA path builds a block-causal mask over the whole row:
+    cuDNN's masked kernel, quadratic in the row. Unsloth's `enable_hf_packed_attention`
+    (unsloth/utils/hf_packed_attention.py) routes such calls that carry `packed_seq_lengths` (our collate sends
+    them) to a varlen kernel; Unsloth itself installs it only when its trainer turns padding-free on
+    (utils/packing.py, `enable_padding_free_metadata`), which HyperSloth switches off because it plans the batches.
+    Measured on the H200 (Qwen3-30B-A3B's shape, 12 layers, a 43k-token row): without it the step spent 4.9 s in
+    cuDNN attention, stock Unsloth + TRL 0.2 s in flash (docs/models.md)."""
+    try:
+        from unsloth.utils.hf_packed_attention import enable_hf_packed_attention
+    except ImportError:
+        return False
+    return bool(enable_hf_packed_attention())
+
+
 def _switched_off(variable: str) -> bool:
     """True when the environment variable turns a patch off ("0", "false", "no", "off"; on when unset)."""
     return os.environ.get(variable, "1").lower() in ("0", "false", "no", "off")

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # 2026-12-02, one H200 (kind nvidia-h200, carry .whl): issue 32's GPU items. Run from the repository root as
-# `bash docs/benchmarks/2026-12-02-device-calls.sh callA`. Records and logs land in $OUT.
+# `bash docs/benchmarks/2026-12-02-device-calls.sh callA`. Records and logs land in $OUT. (Slots with "+" run side
+# by side on separate GPUs: on one GPU name the systems apart, "a,b", or the second gets no GPU.)
 source scripts/device_calls_lib.sh  # the GPU environment, $W / $L, el, left, bench, show, pack, ...
 
 callA() {  # MoE speed (item 7): a Qwen3-30B-A3B-shaped model (12 layers, 128 experts, 8 active, bf16) on the short
   # chats: HyperSloth at its defaults (targets read from the model: attention + the fused experts through Unsloth's
   # MoE LoRA path) against stock Unsloth + TRL at its best (32 x 1, checkpointing off, same varlen patch; Unsloth maps
   # gate/up/down_proj onto the experts itself), 3 warm-up + 20 timed steps each (~9 minutes)
-  bench --workloads moe-short --slots unsloth-best+hypersloth-1 --tag moe --budget-s $(left 540) \
+  bench --workloads moe-short --slots hypersloth-1,unsloth-best --tag moe --budget-s $(left 540) \
     > $L/bench.log 2>&1
   el "bench done"; show $L/bench.log
   grep -h "LoRA targets\|LoRA projections\|eager decoder\|CUDA graphs\|budget\|median step\|memory      peak" \
@@ -20,6 +21,32 @@ callB() {  # the fast path per architecture (item 4): every tiny architecture at
   timeout 560 python3 scripts/arch_check.py --out $OUT/arch --parallel 7 > $L/arch.log 2>&1
   el "arch check done"; cut -c1-1500 $L/arch.log | tail -20
   tar czf $OUT/arch-logs.tgz -C $OUT arch && rm -rf $OUT/arch/*.log
+  pack
+}
+
+callC() {  # callA measured HyperSloth's MoE step at 1.41 s against stock's 0.34 s, 103 vs 63 GB: the same checkpoint
+  # loaded stock (get_peft_model, the seven names) and HyperSloth's way (targets from the model; and with the seven
+  # names), the same packed row timed in one process (scripts/moe_diag.py), then the architecture check (callB)
+  CK=$W/ckpt_30b-a3b-12l
+  [ -f $CK/config.json ] || python3 scripts/benchmark.py --as-system build --model 30b-a3b-12l --checkpoint $CK \
+    > $L/build.log 2>&1
+  el "checkpoint ready"
+  timeout 280 python3 scripts/moe_diag.py $CK > $L/diag.log 2>&1
+  el "diag done"; grep -v "Unsloth\|^$\|==\|\\\\" $L/diag.log | tail -30 | cut -c1-400
+  timeout $(left 570) python3 scripts/arch_check.py --out $OUT/arch --parallel 7 > $L/arch.log 2>&1
+  el "arch check done"; cut -c1-1200 $L/arch.log | tail -14
+  tar czf $OUT/arch-logs.tgz -C $OUT arch && rm -rf $OUT/arch/*.log
+  pack
+}
+
+callD() {  # callC: stock loading and ours run the same packed row equally (1.34 s, 59.5 GiB), so the 4x is in the
+  # trainer or its inputs: both systems under torch.profiler for steps 4-6 (the kernel tables)
+  bench --workloads moe-short --slots hypersloth-1-profile,unsloth-best-profile --warmup 2 --steps 5 --tag moe-prof \
+    --token-budget 43008 \
+    --budget-s $(left 500) > $L/bench.log 2>&1
+  el "bench done"; show $L/bench.log
+  keep_profiles moe-short
+  for f in $OUT/profiles/*.txt; do echo "== $f"; head -45 $f | cut -c1-220; done
   pack
 }
 
