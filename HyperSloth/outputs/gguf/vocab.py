@@ -31,17 +31,21 @@ def add_tokenizer(writer, model_dir: Path, vocab_size: int) -> None:
     import gguf
     from transformers import AutoTokenizer
 
-    spec = _read_tokenizer_json(model_dir)
-    pre = pre_tokenizer_name(spec)
+    _require_tokenizer_json(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    # The tokenizer as loaded, not tokenizer.json as saved: transformers 5 picks the class from config.json's
+    # model_type, and Qwen2Tokenizer replaces a saved ByteLevel pre-tokenizer with Qwen's regex (measured).
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    pre = pre_tokenizer_name(spec)
     tokens, types = token_list(tokenizer, vocab_size)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     special = gguf.SpecialVocab(model_dir, load_merges=True, n_vocab=len(tokens))
-    if not special.merges:
-        raise ExportError(f"{model_dir}/tokenizer.json holds no BPE merges: llama.cpp could not tokenise with it")
+    if not special.merges or len(special.merges) != len(spec["model"].get("merges", [])):
+        raise ExportError(f"{model_dir}/tokenizer.json holds {len(special.merges)} BPE merges, the loaded tokenizer "
+                          f"{len(spec['model'].get('merges', []))}: save the tokenizer again (save_pretrained)")
     special.add_special_token = added_special_tokens(tokenizer)  # what the tokenizer really does on encode
     special.add_to_gguf(writer, quiet=True)
 
@@ -107,9 +111,7 @@ def added_special_tokens(tokenizer) -> dict[str, bool]:
             "eos": eos is not None and len(full) > len(plain) and full[-1] == eos}
 
 
-def _read_tokenizer_json(model_dir: Path) -> dict[str, Any]:
-    path = model_dir / "tokenizer.json"
-    if not path.is_file():
+def _require_tokenizer_json(model_dir: Path) -> None:
+    if not (model_dir / "tokenizer.json").is_file():
         raise ExportError(f"{model_dir} has no tokenizer.json (a fast tokenizer): --gguf needs it for the vocabulary "
                           "and merges")
-    return json.loads(path.read_text(encoding="utf-8"))
