@@ -12,7 +12,8 @@ Arrow table; the prompt itself as ``prompt_json`` (text or messages, what the re
 
 A prompt longer than ``max_seq_length`` tokens is dropped (``dropped_prompt_too_long``): a completion must
 follow it, and cutting the question would change what the rewards judge. Stored columns: ``COLUMNS``;
-``length`` is the prompt's tokens (the run adds ``max_completion_length``, a training setting).
+``length`` is the prompt's tokens (the run adds ``max_completion_length``, a training setting), and
+``num_trainable`` 1: a prompt is one scored unit (its group's rewards; an eval set counts prompts).
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def encode_dataset(collected: Collected, tok: Any, *, max_seq_length: int, stric
                 named.append(f"{location}: prompt {len(ids)} tokens")
             continue
         statuses["ok"] += 1
-        values = (ids, len(ids), len(ids), 0, json.dumps(prompt), json.dumps(columns, default=str), location)
+        values = (ids, len(ids), len(ids), 1, json.dumps(prompt), json.dumps(columns, default=str), location)
         for key, value in zip(rows, values):
             rows[key].append(value)
     return datasets.Dataset.from_dict(rows), statuses

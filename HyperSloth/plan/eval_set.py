@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from HyperSloth.config import ConfigError
 from HyperSloth.plan.batching import EpochPlan, PlanSpec, adaptive_partition_batches, int_column, sample_token_counts
 from HyperSloth.plan.pairs import PAIR_COLUMNS, PREFERENCE_KIND, dataset_kind, kind_problem, longest_sequence
+from HyperSloth.plan.prompts import prompt_kind_problem
 
 MAX_EVAL_FRACTION = 0.5  # beyond this the "hold-out" would be larger than what is trained on
 EVAL_ROWS_PER_RANK_PER_CHUNK = 256  # eval "steps" hold this many rows per rank: bounds the planner's work
@@ -50,8 +51,8 @@ class EvalSet(BaseModel):
     fingerprint: str = Field(description="SHA-256 over the evaluated rows' indices and token ids.")
     fraction: float | None = Field(None, description="eval_fraction of a hold-out.")
     seed: int | None = Field(None, description="Seed of the hold-out permutation.")
-    unit: Literal["conversations", "pairs"] = Field(
-        "conversations", description="What a row is: a conversation (SFT) or a preference pair (DPO).")
+    unit: Literal["conversations", "pairs", "prompts"] = Field(
+        "conversations", description="What a row is: a conversation (SFT), a preference pair (DPO) or a prompt (GRPO).")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe form."""
@@ -108,7 +109,9 @@ def rows_fingerprint(dataset, indices: np.ndarray) -> str:
     indices = np.asarray(indices, dtype=np.int64)
     if getattr(dataset, "_indices", None) is not None:  # a select()ed view: hash the rows it shows
         dataset = dataset.flatten_indices()
-    names = ["input_ids"] if "input_ids" in dataset.column_names else list(PAIR_COLUMNS)
+    # chats: input_ids; pairs: prompt, chosen and rejected ids; prompts (GRPO): prompt ids
+    names = ["input_ids"] if "input_ids" in dataset.column_names else [c for c in PAIR_COLUMNS
+                                                                        if c in dataset.column_names]
     digest = hashlib.sha256()
     digest.update(indices.tobytes())
     for name in names:
@@ -160,7 +163,7 @@ def resolve_holdout(dataset_name: str, dataset_path: Path, *, fraction: float, s
     return EvalSet(source="holdout", dataset_name=dataset_name, dataset_path=str(dataset_path),
                    num_rows=int(held.size), tokens=tokens, target_tokens=targets,
                    fingerprint=rows_fingerprint(dataset, held), fraction=float(fraction), seed=int(seed),
-                   unit="pairs" if set(PAIR_COLUMNS) <= set(dataset.column_names) else "conversations")
+                   unit=_unit(dataset.column_names))
 
 
 def resolve_eval_dataset(name: str, path: Path, registry_entry: dict[str, Any], *, model_name: str,
@@ -174,7 +177,7 @@ def resolve_eval_dataset(name: str, path: Path, registry_entry: dict[str, Any], 
         raise ConfigError(f"eval dataset: {mismatch} (or set data.eval_dataset_name to a dataset built with the "
                           "model's tokenizer)")
     kind = dataset_kind(registry_entry)
-    wrong_kind = kind_problem(kind, method, name)
+    wrong_kind = prompt_kind_problem(kind, method, name) or kind_problem(kind, method, name)
     if wrong_kind:
         raise ConfigError(f"eval {wrong_kind}")
     dataset = _load(path, name)
@@ -191,7 +194,14 @@ def resolve_eval_dataset(name: str, path: Path, registry_entry: dict[str, Any], 
     _check_targets(targets, f"eval dataset '{name}'", loss_type)
     return EvalSet(source="dataset", dataset_name=name, dataset_path=str(path), num_rows=len(dataset),
                    tokens=tokens, target_tokens=targets, fingerprint=rows_fingerprint(dataset, rows),
-                   unit="pairs" if kind == PREFERENCE_KIND else "conversations")
+                   unit=_unit(dataset.column_names))
+
+
+def _unit(columns) -> str:
+    """What a row of a built dataset with these columns is, as EvalSet.unit says it."""
+    if set(PAIR_COLUMNS) <= set(columns):
+        return "pairs"
+    return "prompts" if "prompt_input_ids" in columns else "conversations"
 
 
 def resolve_eval_set(hyper, *, seed: int, train_path: Path) -> EvalSet | None:

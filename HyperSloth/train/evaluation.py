@@ -276,10 +276,11 @@ def evaluations_without_improvement(losses: Sequence[float]) -> int:
 
 
 def eval_history(log_history: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The run's evaluations from `TrainerState.log_history`: [{"step", "eval_loss", "eval_tokens"}], and for
-    DPO also "eval_pairs" and the "eval_rewards/*" means."""
+    """The run's evaluations from `TrainerState.log_history`: [{"step", "eval_loss", "eval_tokens"}], for
+    DPO also "eval_pairs" and the "eval_rewards/*" means, for GRPO "eval_prompts", "eval_reward" and its parts."""
+    kept = ("eval_pairs", "eval_prompts", "eval_reward", "eval_reward_std", "eval_frac_reward_zero_std")
     return [{"step": int(h["step"]), "eval_loss": float(h["eval_loss"]), "eval_tokens": int(h.get("eval_tokens", 0)),
-             **{k: v for k, v in h.items() if k == "eval_pairs" or k.startswith("eval_rewards/")}}
+             **{k: v for k, v in h.items() if k in kept or k.startswith(("eval_rewards/", "eval_completions/"))}}
             for h in log_history if "eval_loss" in h and "step" in h]
 
 

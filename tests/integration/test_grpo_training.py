@@ -1,7 +1,8 @@
 """GRPO on 2 workers is GRPO in one process: real `hypersloth-train` runs on CPU over gloo (tiny Qwen3, fp32).
 
 Eight chat prompts with an `answer` column (built by `hypersloth-build-dataset`'s library entry, auto-detected
-as prompts), 3 optimizer steps of 2 prompts x 4 completions of at most 8 tokens, two reward functions defined
+as prompts), two of them held out and evaluated after the last step, 3 optimizer steps of 2 prompts x 4
+completions of at most 8 tokens, two reward functions defined
 in the config file, completions packed into micro-batches of <= 40 tokens. Three runs, two at a time:
 1 worker, 2 workers (same global batch), 2 workers whose reward function raises at step 2, and 2 workers
 resuming the second run from its checkpoint-2.
@@ -45,7 +46,7 @@ def _config(workdir: Path, model_dir: Path, name: str, gpus: int, fail: bool = F
     config.write_text(f"FAIL = {fail}\n" + REWARDS + textwrap.dedent(f"""
         from HyperSloth.config import *
         hyper_config_model = HyperConfig(
-            data=DataConfig(dataset_name="prompts", data_dir={str(workdir / 'data')!r}),
+            data=DataConfig(dataset_name="prompts", data_dir={str(workdir / 'data')!r}, eval_fraction=0.25),
             training=TrainingConfig(gpus={list(range(gpus))}, method="grpo", tokens_per_micro_batch=40,
                                     grpo=GrpoArgs(num_generations={G}, max_completion_length=8, temperature=1.2)),
             fast_model_args=FastModelArgs(model_name={str(model_dir)!r}, max_seq_length=64, dtype="float32",
@@ -55,7 +56,7 @@ def _config(workdir: Path, model_dir: Path, name: str, gpus: int, fail: bool = F
         training_config_model = TrainingArgsConfig(
             output_dir={str(workdir / name)!r}, per_device_train_batch_size={per_device},
             gradient_accumulation_steps={accumulation}, max_steps={STEPS}, learning_rate=0.05, warmup_steps=0,
-            lr_scheduler_type="constant", report_to="none", seed=7, save_steps=1,
+            lr_scheduler_type="constant", report_to="none", seed=7, save_steps=1, eval_steps={STEPS},
             resume_from_checkpoint={resume!r})
     """))
     return config
@@ -121,6 +122,10 @@ def test_two_workers_sample_the_same_completions_and_train_the_same_adapter(runs
         np.testing.assert_allclose(s2["step_metrics"][key], s1["step_metrics"][key], rtol=1e-5, atol=1e-6,
                                    err_msg=key)
     assert max(s1["step_metrics"]["reward_std"]) > 0  # the completions of a step were scored differently
+    # The 2 held-out prompts, evaluated after the last step: the same mean reward (eval_loss = -eval_reward).
+    e1, e2 = (s["eval"][-1] for s in (s1, s2))
+    assert e1["step"] == e2["step"] == STEPS and e1["eval_prompts"] == e2["eval_prompts"] == 2
+    assert e1["eval_loss"] == pytest.approx(-e1["eval_reward"]) and e2["eval_reward"] == pytest.approx(e1["eval_reward"])
     a1, a2 = _adapter(one), _adapter(two)
     assert np.abs(a1).max() > 0.01  # the adapter moved
     assert relative_error(a1, a2) < 1e-5

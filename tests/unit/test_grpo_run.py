@@ -30,7 +30,7 @@ def _register(data_dir: Path, name: str, kind: str, rows: int = 12) -> None:
     ids = [rng.integers(3, 90, size=int(rng.integers(3, 20))).tolist() for _ in range(rows)]
     if kind == "prompt":
         columns = {"prompt_input_ids": ids, "prompt_length": [len(i) for i in ids], "length": [len(i) for i in ids],
-                   "num_trainable": [0] * rows, "prompt_json": [json.dumps("q")] * rows,
+                   "num_trainable": [1] * rows, "prompt_json": [json.dumps("q")] * rows,
                    "columns_json": [json.dumps({"answer": "a"})] * rows}
     else:
         columns = {"input_ids": ids, "labels": ids, "length": [len(i) for i in ids],

@@ -24,6 +24,7 @@ from functools import partial
 from typing import Any
 
 import json
+import time
 
 import numpy as np
 import torch
@@ -88,6 +89,25 @@ class PromptPlanSteps(PlanSteps):
             "num_items_in_batch": int(step.num_trainable),  # the step's prompts (all ranks)
             "real_tokens": 0,  # known after generation: the trainer sets it
         }
+
+
+class PromptEvaluator:
+    """The held-out prompts of this rank (rows rank, rank + N, ...): each evaluation samples every prompt's group
+    with a generator seeded by (seed, EVAL_STEP, row), the same at every evaluation and on any number of GPUs, and
+    reports the mean reward over all ranks; eval_loss is minus that mean, so the best adapter and early stopping
+    (which look for the lowest eval_loss) keep the highest reward."""
+
+    def __init__(self, dataset, *, rank: int, world_size: int):
+        rows = list(range(rank, len(dataset), world_size))
+        data = dataset.select_columns(list(PromptPlanSteps.columns))[rows] if rows else {c: [] for c in
+                                                                                        PromptPlanSteps.columns}
+        self.item = {"prompt_rows": rows,
+                     "prompt_ids": [np.asarray(ids, dtype=np.int64) for ids in data["prompt_input_ids"]],
+                     "prompt_json": list(data["prompt_json"]), "columns_json": list(data["columns_json"]),
+                     "plan_step": EVAL_STEP}
+
+
+EVAL_STEP = 2**32 - 1  # the sampling seeds' step of evaluations (training steps never reach it)
 
 
 class HyperSlothGRPOTrainer(HyperSlothTrainer):
@@ -244,6 +264,38 @@ class HyperSlothGRPOTrainer(HyperSlothTrainer):
         """HF's estimate for the micro-batches this step trained on (the item holds prompts only)."""
         return super().floating_point_ops({"micro_batches": self._rollout[1]["micro_batches"] if self._rollout else []})
 
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """The mean reward of the held-out prompts' completions over all ranks (`PromptEvaluator`), TRL's names
+        prefixed; eval_loss = -eval_reward."""
+        if self.evaluator is None:
+            raise ValueError("this run has no eval set: set data.eval_fraction or data.eval_dataset_name")
+        started = time.perf_counter()
+        inputs = self.evaluator.item
+        groups = self.sample(self.model, inputs)
+        step = self.state.global_step
+        failure, scored = None, None
+        try:
+            scored = self.score(inputs, groups, step)
+        except RewardFailure as err:
+            failure = f"{err} (evaluating)"
+        totals, longest = self.global_sums(inputs["prompt_ids"], groups, scored, failure is not None)
+        if totals["failed"] > 0:
+            messages = dist.exchange(f"grpo_eval_failure/{step}", failure or "")
+            raise RewardFailure(next(m for m in messages if m))
+        found = self.metrics(totals, longest)
+        metrics = {f"{metric_key_prefix}_loss": -found["reward"],
+                   **{f"{metric_key_prefix}_{key}": value for key, value in found.items()},
+                   f"{metric_key_prefix}_prompts": int(totals["groups"]),
+                   f"{metric_key_prefix}_runtime": time.perf_counter() - started}
+        logger.info(f"step {step}: eval_reward {found['reward']:.4f} over {int(totals['groups'])} held-out prompts")
+        self.log(dict(metrics))
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        best = self.state.best_metric
+        self.state.best_metric = metrics[f"{metric_key_prefix}_loss"] if best is None else min(
+            best, metrics[f"{metric_key_prefix}_loss"])
+        self.eval_seconds += metrics[f"{metric_key_prefix}_runtime"]
+        return metrics
+
     # ---- what is logged ------------------------------------------------------------------------
     def metrics(self, totals: dict[str, Any], longest: float) -> dict[str, float]:
         """The rollout's TRL-named statistics over the global batch."""
@@ -318,10 +370,11 @@ def build_grpo_trainer(description: RunDescription, loaded_model, dataset, info:
     init_adapter = lora.init_adapter_path if lora else None
     model = loaded_model.model
     reference = add_reference_adapter(model, init_adapter) if init_adapter and grpo.beta else ReferenceSwitch(model)
+    evaluator = None
     if eval_dataset is not None:
-        logger.warning("GRPO runs do not evaluate yet: the eval set is not used")
+        evaluator = PromptEvaluator(eval_dataset, rank=info.rank, world_size=info.world_size)
     trainer = HyperSlothGRPOTrainer(
-        **trainer_arguments(description, loaded_model, dataset, info, steps, None, None),
+        **trainer_arguments(description, loaded_model, dataset, info, steps, evaluator, eval_dataset),
         graphs_off="GRPO generates between its training passes (no CUDA graphs)",
         grpo=grpo, reward_funcs=funcs, reference=reference, world_size=info.world_size, seed=description.seed,
     )
