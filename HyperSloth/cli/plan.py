@@ -25,6 +25,7 @@ from HyperSloth.plan.batching import EpochPlan, PlanSpec, PlanStats, adaptive_pa
 from HyperSloth.plan.eval_set import describe_eval_plan, eval_row_lengths, plan_eval, training_rows
 from HyperSloth.plan.inputs import dataset_lengths, plan_spec_for
 from HyperSloth.plan.pairs import pair_plan_inputs
+from HyperSloth.plan.prompts import prompt_plan_inputs, prompt_plan_spec
 from HyperSloth.plan.run import MachineFacts, resolve_run
 
 
@@ -46,7 +47,7 @@ class PlanSummary:
     unit: str = "samples"  # what the plan deals: "samples", or "pairs" for DPO (one unit = both sequences)
 
 
-def _dataset_columns(path: Path, loss_type: str, max_seq_length: int, method: str = "sft"
+def _dataset_columns(path: Path, loss_type: str, max_seq_length: int, method: str = "sft", grpo=None
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(lengths, trainable, scored tokens) per row of a built dataset, as the trainer plans it: samples
     (trainable = length - 1 when the loss covers every token), or pairs for DPO (one planning unit each, see
@@ -65,6 +66,9 @@ def _dataset_columns(path: Path, loss_type: str, max_seq_length: int, method: st
         if method == "dpo":
             lengths, units = pair_plan_inputs(dataset, max_seq_length)
             return lengths, units, int_column(dataset, "num_trainable")
+        if method == "grpo":  # one unit per prompt, its group's worst case as its length (plan/prompts.py)
+            lengths, units = prompt_plan_inputs(dataset, grpo, max_seq_length)
+            return lengths, units, units
         lengths, trainable = dataset_lengths(dataset, loss_type, max_seq_length)
         return lengths, trainable, trainable
     except ValueError as err:
@@ -89,13 +93,16 @@ def preview(config_path: str, *, num_ranks: int | None = None) -> PlanSummary:
     world = len(loaded.hyper.training.gpus) if num_ranks is None else num_ranks
     description = resolve_run(loaded, world_size=world, machine=MachineFacts.assumed_for(loaded.hyper))
     path = Path(description.dataset.path)
+    grpo = description.hyper_config.training.grpo
     lengths, trainable, scored = _dataset_columns(path, description.loss_type, description.max_seq_length,
-                                                  description.method)
+                                                  description.method, grpo)
     rows = training_rows(description.eval_set, lengths.size)  # a hold-out is never trained on
     lengths, trainable, scored = lengths[rows], trainable[rows], scored[rows]
     start = time.perf_counter()
     try:
         spec = plan_spec_for(description)
+        if description.method == "grpo":  # the planner deals prompts: global batch / num_generations per step
+            spec = prompt_plan_spec(spec, grpo.num_generations)
         plan = adaptive_partition_batches(lengths, trainable, spec, epoch=0)
         eval_lines = _eval_lines(description, spec)
     except ValueError as err:  # the planner's own checks, e.g. a negative seed
@@ -108,7 +115,7 @@ def preview(config_path: str, *, num_ranks: int | None = None) -> PlanSummary:
         config_path=str(loaded.path), dataset_path=str(path), num_samples=int(lengths.size),
         trainable_tokens=int(scored.sum()), spec=spec, steps_per_epoch=per_epoch, run_steps=run_steps,
         stats=plan.stats, max_micro_batch_tokens=_max_micro_batch_tokens(plan, lengths), plan_seconds=seconds,
-        eval_lines=eval_lines, unit="pairs" if description.method == "dpo" else "samples",
+        eval_lines=eval_lines, unit={"dpo": "pairs", "grpo": "prompts"}.get(description.method, "samples"),
     )
 
 

@@ -134,3 +134,12 @@ def test_grpo_args_defaults_are_trls():
     assert ours.scale == trl.scale_rewards == "group"
     assert GrpoArgs(scale_rewards=False).scale == "none"
     assert TrainingConfig(method="grpo").grpo == GrpoArgs()
+
+
+def test_the_plan_preview_deals_prompts(tmp_path, data):
+    from HyperSloth.cli.plan import preview
+
+    summary = preview(str(_config(tmp_path, training="method='grpo', grpo=GrpoArgs(num_generations=4, "
+                                                     "max_completion_length=16)")))
+    assert summary.unit == "prompts" and summary.spec.samples_per_step == 2  # 4 x 2 completions = 2 prompts x 4
+    assert summary.steps_per_epoch == 6 and summary.num_samples == 12
