@@ -108,6 +108,14 @@ def test_hyperparameters_and_the_whole_tokenizer_are_written(tiny_model_dir, tmp
     assert fields["tokenizer.chat_template"] == tokenizer.chat_template
 
 
+def test_the_pre_tokenizer_is_the_loaded_tokenizers(arch_dirs, tmp_path):
+    """The same tokenizer.json next to a qwen2 config loads as Qwen2Tokenizer, with Qwen's regex (transformers 5):
+    the GGUF must name the split HF really uses."""
+    for arch, pre in (("Qwen3ForCausalLM", "gpt-2"), ("Qwen2ForCausalLM", "qwen2")):
+        fields, _ = read(write_gguf(arch_dirs[arch], tmp_path / f"{arch}.gguf", "f16"))
+        assert fields["tokenizer.ggml.pre"] == pre, arch
+
+
 def test_ids_beyond_the_tokenizer_are_unused_pad_tokens(tiny_model_dir):
     """Qwen's config.vocab_size (151936) exceeds its tokenizer (151669): llama.cpp needs a token per row."""
     from HyperSloth.outputs.gguf.vocab import token_list
