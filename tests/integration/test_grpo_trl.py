@@ -84,15 +84,17 @@ def _trl_trainer(loaded, grpo, tmp_path):
 
     args = GRPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(PROMPTS) * G,
                       num_generations=G, max_completion_length=MAX_LEN, temperature=TEMPERATURE, beta=grpo.beta,
-                      loss_type=grpo.loss_type, scale_rewards=grpo.scale_rewards, use_cpu=True, bf16=False,
+                      loss_type=grpo.loss_type, scale_rewards=grpo.scale_rewards, epsilon=grpo.epsilon,
+                      epsilon_high=grpo.epsilon_high, use_cpu=True, bf16=False,
                       report_to="none", logging_steps=1, save_strategy="no", gradient_checkpointing=False)
     return GRPOTrainer(model=loaded.model, reward_funcs=[length_reward, answer_reward], args=args,
                        train_dataset=Dataset.from_dict({"prompt": PROMPTS, "answer": ANSWERS}),
                        processing_class=loaded.tokenizer)
 
 
-def _trl(trainer, completions):
-    """TRL's loss, advantages, prompt ids and LoRA gradients on the fixed completions."""
+def _trl(trainer, completions, old: list[torch.Tensor] | None = None):
+    """TRL's loss, advantages, prompt ids and LoRA gradients on the fixed completions (with `old`: each
+    completion's old log-probabilities, TRL's `old_per_token_logps` of num_iterations > 1)."""
     seen = {}
 
     def fixed(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
@@ -104,13 +106,19 @@ def _trl(trainer, completions):
     trainer.model.train()
     rows = [{"prompt": p, "answer": a} for p, a in zip(PROMPTS, ANSWERS) for _ in range(G)]
     inputs = trainer._generate_and_score_completions(rows)
+    if old is not None:
+        padded = torch.zeros(inputs["completion_ids"].shape)
+        for k, values in enumerate(old):
+            padded[k, :len(values)] = values
+        inputs["old_per_token_logps"] = padded
     loss = trainer._compute_loss(trainer.model, inputs)
     loss.backward()
     return float(loss), inputs["advantages"].numpy(), seen["prompt_ids"], _lora_grads(trainer.model)
 
 
-def _ours(loaded, completions, grpo, reference):
-    """HyperSloth's loss, advantages, prompt ids and LoRA gradients on the same completions."""
+def _ours(loaded, completions, grpo, reference, shift_old: bool = False):
+    """HyperSloth's loss, advantages, prompt ids and LoRA gradients on the same completions (`shift_old`: with
+    old log-probabilities = the current ones + seeded noise, so ratios leave [1 - eps, 1 + eps]; returned too)."""
     from HyperSloth.data.prompts import prompt_ids
     from HyperSloth.train.dpo.preference import target_logps
     from HyperSloth.train.grpo import loss as grpo_loss
@@ -131,22 +139,30 @@ def _ours(loaded, completions, grpo, reference):
     batches = grpo_loss.pack_completions(items, token_budget=60)
     assert len(batches) >= 3  # several micro-batches: the sum over them is what is checked
     model.train()
-    total = 0.0
+    total, olds = 0.0, [None] * len(items)
     for indices in batches:
         batch = grpo_loss.collate_completions([items[k] for k in indices], rule)
-        ref = None
+        ref = old = None
         if grpo.beta:
             with torch.no_grad(), reference.active(model):
                 ref = target_logps(model, batch, TEMPERATURE)
         logps = target_logps(model, batch, TEMPERATURE)
-        share, _ = grpo_loss.micro_batch_loss(logps, batch, grpo, denominator, ref=ref)
+        if shift_old:
+            noise = torch.randn(logps.shape, generator=torch.Generator().manual_seed(indices[0])) * 0.3
+            old = logps.detach() + noise
+            parts = old.split([len(items[k].completion_ids) for k in indices])
+            for k, part in zip(indices, parts):
+                olds[k] = part
+        share, sums = grpo_loss.micro_batch_loss(logps, batch, grpo, denominator, old=old, ref=ref)
+        assert not shift_old or float(sums[3]) > 0  # some ratios are clipped in every micro-batch
         share.backward()
         total += float(share.detach())
-    return total, adv, ids, _lora_grads(model)
+    return total, adv, ids, _lora_grads(model), olds if shift_old else None
 
 
-@pytest.mark.parametrize("settings", [dict(), dict(loss_type="dr_grpo", beta=0.05, scale_rewards="batch")],
-                         ids=["dapo-default", "dr_grpo-kl-batch"])
+@pytest.mark.parametrize("settings", [dict(), dict(loss_type="dr_grpo", beta=0.05, scale_rewards="batch"),
+                                      dict(loss_type="grpo", epsilon_high=0.28, shift_old=True)],
+                         ids=["dapo-default", "dr_grpo-kl-batch", "grpo-old-logps-clipped"])
 def test_grpo_loss_and_lora_gradients_equal_trl(tiny_model_dir, tmp_path, monkeypatch, settings):
     import trl.trainer.utils as trl_utils
     from trl_cpu_kernel import ReferenceLogProbFunction
@@ -154,6 +170,8 @@ def test_grpo_loss_and_lora_gradients_equal_trl(tiny_model_dir, tmp_path, monkey
     from HyperSloth.config import GrpoArgs
 
     monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", ReferenceLogProbFunction)
+    settings = dict(settings)
+    shift_old = settings.pop("shift_old", False)
     grpo = GrpoArgs(num_generations=G, max_completion_length=MAX_LEN, temperature=TEMPERATURE, **settings)
     from HyperSloth.train.dpo.preference import add_reference_adapter
 
@@ -165,8 +183,8 @@ def test_grpo_loss_and_lora_gradients_equal_trl(tiny_model_dir, tmp_path, monkey
     reference = add_reference_adapter(loaded.model, str(tmp_path / "initial"))
     _set_lora_b(loaded.model, 1)
     completions = _completions(loaded.tokenizer, loaded.tokenizer.eos_token_id)
-    ours = _ours(loaded, completions, grpo, reference)
-    theirs = _trl(trainer, completions)
+    ours = _ours(loaded, completions, grpo, reference, shift_old)
+    theirs = _trl(trainer, completions, ours[4])
     assert ours[2] == theirs[2][::G]  # the same prompt tokens (TRL: one row per completion)
     np.testing.assert_allclose(ours[1], theirs[1], rtol=1e-5, atol=1e-6)
     assert np.abs(ours[1]).max() > 0.1  # the rewards differ within groups
