@@ -89,8 +89,9 @@ COMMAND = Command(
     prog=PROG,
     summary="""Export a finished run (or one of its checkpoint-N folders) for inference: OUT/adapter is a
 stock PEFT adapter folder with the tokenizer; with --merge, OUT/merged is the base model with the
-adapter folded in (safetensors + tokenizer). A 4-bit base is loaded unquantised from its original
-weights for the merge.""",
+adapter folded in (safetensors + tokenizer); with --gguf TYPE, also OUT/gguf/<name>-TYPE.gguf for
+llama.cpp / Ollama / LM Studio and an Ollama Modelfile (docs/export.md). A 4-bit base is loaded
+unquantised from its original weights for the merge.""",
     positionals=(Positional("run_dir", "RUN_DIR", "the run's output_dir, or one of its checkpoint-N folders"),),
     flags=(
         Flag("out", "output folder (default RUN_DIR/export); it gets adapter/ and, with --merge, merged/",

@@ -216,3 +216,11 @@ def test_modelfile_formats():
     assert unknown.endswith('PARAMETER stop "<eos>"\n')
     llama3 = modelfile_text("m.gguf", "<|start_header_id|>", "<|end_of_text|>")
     assert 'PARAMETER stop "<|eot_id|>"\nPARAMETER stop "<|end_of_text|>"' in llama3
+
+
+def test_without_the_gguf_package_the_error_says_what_to_install(monkeypatch):
+    from HyperSloth.outputs.gguf import require_gguf
+
+    monkeypatch.setitem(__import__("sys").modules, "gguf", None)  # as if not installed
+    with pytest.raises(ExportError, match=r"pip install 'HyperSloth\[gguf\]'"):
+        require_gguf()
