@@ -125,6 +125,7 @@ class HyperSlothGRPOTrainer(HyperSlothTrainer):
         self._rollout: tuple[int, dict[str, Any]] | None = None  # (plan step, its micro-batches and counts)
         self._step_metrics: list[dict[str, float]] = []
         self._unlogged: list[dict[str, float]] = []
+        self._timing: dict[str, float] = {}
         super().__init__(*args, **kwargs)
         tokenizer = self.processing_class
         self.generation = generation_config(grpo, tokenizer.pad_token_id, eos_ids(self.model, tokenizer))
@@ -133,8 +134,11 @@ class HyperSlothGRPOTrainer(HyperSlothTrainer):
     def training_step(self, model, inputs: dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
         """The rollout (or the cached one, for num_iterations > 1), then the SFT step over its micro-batches."""
         step = int(inputs["plan_step"])
+        self._timing = {"timing/generation_s": 0.0, "timing/rollout_s": 0.0}  # this rank's, 0 on a reused rollout
         if self._rollout is None or self._rollout[0] != step:
+            started = time.perf_counter()
             self._rollout = (step, self.rollout(model, inputs))
+            self._timing["timing/rollout_s"] = time.perf_counter() - started
         rollout = self._rollout[1]
         step_inputs = {"micro_batches": [dict(mb) for mb in rollout["micro_batches"]],
                        "num_items_in_batch": rollout["denominator"], "real_tokens": rollout["real_tokens"]}
@@ -143,7 +147,9 @@ class HyperSlothGRPOTrainer(HyperSlothTrainer):
     def rollout(self, model, inputs: dict[str, Any]) -> dict[str, Any]:
         """Sample, score (every rank agrees that every reward function succeeded), advantages, micro-batches."""
         step = self.state.global_step + 1  # the optimizer step being trained, as logged
-        groups = self.sample(model, inputs)
+        started = time.perf_counter()
+        groups = self.sample(model, inputs)  # ends on the host (token ids): no sync needed for the clock
+        self._timing["timing/generation_s"] = time.perf_counter() - started
         failure, scored = None, None
         try:
             scored = self.score(inputs, groups, step)
@@ -318,7 +324,8 @@ class HyperSlothGRPOTrainer(HyperSlothTrainer):
         tokens = max(float(rollout["completion_tokens"]), 1.0)
         loss_means = (step_sums[1:].detach().double() / tokens).tolist()
         names = [k for k in grpo_loss.LOSS_SUM_KEYS if k != "kl" or self.grpo.beta != 0.0]
-        row = {**rollout["metrics"], **{k: v for k, v in zip(grpo_loss.LOSS_SUM_KEYS, loss_means) if k in names}}
+        row = {**rollout["metrics"], **{k: v for k, v in zip(grpo_loss.LOSS_SUM_KEYS, loss_means) if k in names},
+               **self._timing}
         self._step_metrics.append(row)
         self._unlogged.append(row)
 
