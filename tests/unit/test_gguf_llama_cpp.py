@@ -87,3 +87,41 @@ def test_llama_cpp_runs_each_architecture(tiny_model_dir, tmp_path, arch):
     measured = compare(model, write_gguf(model, tmp_path / "m.gguf", "f16"))
     print(f"{arch} f16: {measured}")
     check(measured, "f16")
+
+
+UNICODE = ("<|im_start|>user\nCafé naïve — “quotes” 😀🦙 日本語テキスト 123456 3.14 it's I'M they'll\n\n\n  \t x   y\r\n"
+           "Über 10 000 Ärzte… ¿qué?<|im_end|>\n<|im_start|>assistant\n😀😀 ok<|im_end|>\n")
+
+
+def with_llama3_split(model_dir: Path, out: Path) -> Path:
+    """The model with its tokenizer's pre-tokenizer swapped for Llama 3's regex split (and, as Llama 3's,
+    ignore_merges), so llama.cpp's `llama-bpe` is checked too."""
+    import json
+    import shutil
+
+    from HyperSloth.outputs.gguf.vocab import LLAMA3_REGEX
+
+    shutil.copytree(model_dir, out)
+    spec = json.loads((out / "tokenizer.json").read_text())
+    spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": LLAMA3_REGEX}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
+    spec["model"]["ignore_merges"] = True
+    (out / "tokenizer.json").write_text(json.dumps(spec))
+    return out
+
+
+@pytest.mark.parametrize("arch, pre", [("Qwen3ForCausalLM", "gpt-2"), ("Qwen2ForCausalLM", "qwen2"),
+                                       ("Qwen3ForCausalLM", "llama-bpe")])
+def test_llama_cpp_splits_unicode_as_hf_does(tiny_model_dir, tmp_path, arch, pre):
+    """Each pre-tokenizer name llama.cpp gets: accents, emoji, CJK, digit runs, contractions, \\r\\n, tabs."""
+    import gguf
+
+    model = build_arch_model(arch, tmp_path / arch, tiny_model_dir)
+    if pre == "llama-bpe":
+        model = with_llama3_split(model, tmp_path / "llama3-split")
+    gguf_file = write_gguf(model, tmp_path / "m.gguf", "f16")
+    assert gguf.GGUFReader(str(gguf_file)).fields["tokenizer.ggml.pre"].contents() == pre
+    hf_ids = AutoTokenizer.from_pretrained(str(model))(UNICODE)["input_ids"]
+    ids, _ = llama_tokens_and_logits(gguf_file, UNICODE)
+    assert ids == hf_ids
