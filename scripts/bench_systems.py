@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import bench_dpo  # scripts/ is on sys.path
+import bench_grpo
 import bench_longctx
 from bench_workloads import GLOBAL_BATCH, HEAD_DIM, LR, PROJECTIONS, SEED, SHAPES, workload_of
 
@@ -46,6 +47,10 @@ SYSTEMS = {
     # hypersloth-N runs the same workloads with training.method="dpo".
     **{name: dict(runner="trl-dpo", gpus=1, micro=micro, accum=accum, gc=False)
        for name, (micro, accum) in bench_dpo.TRL_SPLITS.items()},
+    # GRPO workloads: stock Unsloth + TRL's GRPOTrainer, completions per device x accumulation (bench_grpo.py);
+    # hypersloth-N runs them with training.method="grpo".
+    **{name: dict(runner="trl-grpo", gpus=1, micro=micro, accum=accum, gc=False)
+       for name, (micro, accum) in bench_grpo.TRL_SPLITS.items()},
 }
 
 
@@ -131,12 +136,13 @@ def unsloth_attention() -> dict:
 
 def hypersloth_config(a, out: Path) -> Path:
     w = workload_of(a.workload, a.long_tokens)
-    per_device = GLOBAL_BATCH // a.gpus
-    text = f'''
+    per_device = (bench_grpo.GLOBAL_COMPLETIONS if w.prompts else GLOBAL_BATCH) // a.gpus
+    rewards, method = bench_grpo.hypersloth_grpo_lines() if w.prompts else ("", 'method="dpo"' if w.pairs else 'loss_type="all"')
+    text = rewards + f'''
 from HyperSloth.config import *
 hyper_config_model = HyperConfig(
     data=DataConfig(dataset_name="bench", data_dir="{a.work}/data"),
-    training=TrainingConfig(gpus={list(range(a.gpus))}, {'method="dpo"' if w.pairs else 'loss_type="all"'},
+    training=TrainingConfig(gpus={list(range(a.gpus))}, {method},
                             batching="packed", profile={a.profile}, cuda_graphs={a.graphs},
                             lora_passes={a.lora_passes},
                             tokens_per_micro_batch={a.token_budget!r}),
@@ -171,6 +177,11 @@ def rank_phases(out: Path) -> dict[int, list[dict]]:
 def run_trl_dpo(a) -> dict:
     w = workload_of(a.workload, a.long_tokens)
     return bench_dpo.run_trl_dpo(a, max_len=w.max_len, lr=LR, seed=SEED, projections=PROJECTIONS, clock=_clock())
+
+
+def run_trl_grpo(a) -> dict:
+    w = workload_of(a.workload, a.long_tokens)
+    return bench_grpo.run_trl_grpo(a, max_len=w.max_len, lr=LR, seed=SEED, projections=PROJECTIONS, clock=_clock())
 
 
 def run_reference(a) -> dict:
@@ -209,5 +220,8 @@ def hypersloth_result(out: Path, gpus: int) -> dict:
             "first_step_end_unix": summary.get("first_step_end_unix"), "cuda_graphs": summary.get("cuda_graphs"),
             "startup": summary.get("startup"),  # launch to the end of step 1, phase by phase
             "rewards_margins": (summary.get("step_rewards") or {}).get("rewards/margins"),
+            # GRPO: rank 0's sampling seconds per step, and the mean reward (train/grpo/trainer.py)
+            "generation_s": (summary.get("step_metrics") or {}).get("timing/generation_s"),
+            "rewards": (summary.get("step_metrics") or {}).get("reward"),
             # HyperSloth never cuts a sample: one longer than max_seq_length is refused before training.
             "longest_sample_tokens": (summary.get("token_budget") or {}).get("longest_sample")}

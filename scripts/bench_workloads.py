@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 import bench_dpo  # scripts/ is on sys.path
+import bench_grpo
 import bench_longctx
 
 SHAPES = {  # hidden, layers, heads, kv heads, intermediate, tied embeddings (Qwen3 public configs)
@@ -44,12 +45,15 @@ class Workload:
     high: int
     long_sample: int = 0  # > 0: the first sample of step 1 is this long (the long-context workloads)
     pairs: bool = False  # preference pairs for DPO (scripts/bench_dpo.py); mu..high are the completions'
+    prompts: bool = False  # prompts for GRPO (scripts/bench_grpo.py); mu..high are the words per prompt
 
     @property
     def max_len(self) -> int:
         """The longest sample: every system is given it as max_seq_length (no system should cut it)."""
         if self.pairs:  # a prompt + one completion
             return bench_dpo.PROMPT.high + bench_dpo.COMPLETION.high
+        if self.prompts:  # the longest prompt + the longest completion
+            return bench_grpo.MAX_PROMPT_TOKENS + bench_grpo.MAX_COMPLETION
         return max(self.high, self.long_sample)
 
     @property
@@ -76,6 +80,9 @@ WORKLOADS = {
     "moe-short": Workload("30b-a3b-12l", *SHORT),
     # Preference pairs, global batch 32 pairs: HyperSloth's DPO against TRL's DPOTrainer (scripts/bench_dpo.py).
     "dpo-0.6b": Workload("0.6b", *vars(bench_dpo.COMPLETION).values(), pairs=True),
+    # Prompts, 8 per step x 8 completions of 256 tokens: HyperSloth's GRPO against TRL's GRPOTrainer (bench_grpo.py).
+    "grpo-0.6b": Workload("0.6b", bench_grpo.WORDS_MU, bench_grpo.WORDS_SIGMA, bench_grpo.WORDS_LOW,
+                          bench_grpo.WORDS_HIGH, prompts=True),
 }
 
 
@@ -112,8 +119,11 @@ def build_checkpoint(model: str, folder: Path) -> None:
     build_tiny_tokenizer(texts, vocab_size=512).save_pretrained(folder)
 
 
-def build_data(work: Path, w: Workload, steps: int) -> dict:
-    """Synthetic samples, registered for HyperSloth and ordered by its plan for the stock trainers."""
+def build_data(work: Path, w: Workload, steps: int, checkpoint: Path | None = None) -> dict:
+    """Synthetic samples, registered for HyperSloth and ordered by its plan for the stock trainers (GRPO's
+    prompts are tokenised with the `checkpoint`'s tokenizer, as TRL tokenises them)."""
+    if w.prompts:
+        return bench_grpo.build_prompt_data(work, steps, checkpoint, SEED)
     if w.pairs:
         return bench_dpo.build_pair_data(work, steps, GLOBAL_BATCH, VOCAB, SEED)
     from datasets import Dataset

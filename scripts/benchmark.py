@@ -56,6 +56,17 @@ system; `rewards_margins` is logged per step beside the losses. E.g. on one GPU:
     python scripts/benchmark.py --workloads dpo-0.6b --num-gpus 1 \
         --slots hypersloth-1,trl-dpo-32x1,trl-dpo-16x2,trl-dpo-8x4 --tag dpo
 
+GRPO workload (`grpo-0.6b`, issue 34 item 8; scripts/bench_grpo.py): Qwen3-0.6B shapes, synthetic text prompts
+(median ~110 tokens), 8 prompts x 8 completions of 256 tokens per step (64 completions, TRL's global batch),
+temperature 1, beta 0, TRL's default loss, one length reward. `hypersloth-N` trains it with
+training.method="grpo"; the stock rows are `trl-grpo-PxA`: FastLanguageModel + get_peft_model + TRL's
+GRPOTrainer with HF generate (no vLLM), P completions per device x A accumulation steps (64x1, 32x2, 16x4, 8x8).
+Records add `generation_s` per step (HyperSloth: rank 0's sampling seconds; TRL: its generate profiling metric)
+beside the step's total, and `rewards`; MFU counts the training pass only. E.g. on one GPU:
+
+    python scripts/benchmark.py --workloads grpo-0.6b --num-gpus 1 --warmup 2 --steps 8 \
+        --slots hypersloth-1,trl-grpo-64x1,trl-grpo-32x2,trl-grpo-16x4 --tag grpo
+
 Per system: every optimizer step's wall time (a CUDA synchronise at each step end); the first step is the
 cold one (compilation); the first `--warmup` steps are left out of mean, median and p90.
 
@@ -81,7 +92,7 @@ from pathlib import Path
 import numpy as np
 
 import bench_longctx  # scripts/ is on sys.path when this file runs
-from bench_systems import (SYSTEMS, hypersloth_out, hypersloth_result, run_hypersloth, run_reference,
+from bench_systems import (SYSTEMS, hypersloth_out, hypersloth_result, run_hypersloth, run_reference, run_trl_grpo,
                            run_stock_unsloth, run_trl_dpo)
 from bench_workloads import (
     GLOBAL_BATCH,
@@ -143,7 +154,7 @@ def record_for(name: str, workload: str, raw: dict, data: dict, a, launched: flo
     steps = range(a.warmup, a.warmup + len(timed))
     tokens = sum(data["step_tokens"][k] for k in steps)
     batch = GLOBAL_BATCH
-    sequences = [data["step_sequences"][k] if w.pairs else [data["lengths"][i] for i in data["order"][k * batch:(k + 1) * batch]]
+    sequences = [data["step_sequences"][k] if w.pairs or w.prompts else [data["lengths"][i] for i in data["order"][k * batch:(k + 1) * batch]]
                  for k in steps]
     flops = sum(flops_per_step(w.model, lengths, dpo=w.pairs) for lengths in sequences)
     seconds = sum(timed)
@@ -173,6 +184,9 @@ def record_for(name: str, workload: str, raw: dict, data: dict, a, launched: flo
         "startup_s": raw["first_step_end_unix"] - launched if raw.get("first_step_end_unix") else None,
         "probe_s": (budget or {}).get("probe_seconds") if isinstance(budget, dict) else None,
         "rewards_margins": raw.get("rewards_margins"), "tiled_mlp": raw.get("tiled_mlp"),
+        # GRPO: generation seconds per step (HyperSloth: rank 0's timing/generation_s; TRL: its generate
+        # profiling metric when logged), apart from the step's total; the mean reward per step
+        "generation_s": raw.get("generation_s"), "rewards": raw.get("rewards"),
         "attention": raw.get("attention"),  # {requested, kernel, reason}: HyperSloth's setting or Unsloth's own rule
         "salvaged_after_timeout": raw.get("salvaged_after_timeout", False),
     }
@@ -264,16 +278,18 @@ def parse_slots(text: str) -> list[list[str]]:
 
 
 def check_pairing(workloads: list[str], slots: list[list[str]]) -> None:
-    """DPO systems (trl-dpo-*) run only the pair workloads (dpo-*), SFT stock systems only the others;
-    hypersloth-N runs both. SystemExit naming the mismatch, before anything is built."""
+    """DPO systems (trl-dpo-*) run only the pair workloads (dpo-*), GRPO systems (trl-grpo-*) only the prompt
+    workloads (grpo-*), SFT stock systems only the others; hypersloth-N runs all. SystemExit naming the mismatch,
+    before anything is built."""
     for workload in workloads:
-        pairs = WORKLOADS[workload].pairs
-        wrong = sorted({s for slot in slots for s in slot
-                        if SYSTEMS[s]["runner"] in (("unsloth", "reference") if pairs else ("trl-dpo",))})
+        w = WORKLOADS[workload]
+        stock = "trl-dpo" if w.pairs else "trl-grpo" if w.prompts else None
+        allowed = {"hypersloth", stock} if stock else {"hypersloth", "unsloth", "reference"}
+        wrong = sorted({s for slot in slots for s in slot if SYSTEMS[s]["runner"] not in allowed})
         if wrong:
-            kind = "preference-pair (DPO)" if pairs else "SFT"
+            kind = "preference-pair (DPO)" if w.pairs else "prompt (GRPO)" if w.prompts else "SFT"
             raise SystemExit(f"systems {wrong} cannot run the {kind} workload {workload}: use hypersloth-N and "
-                             f"{'trl-dpo-*' if pairs else 'unsloth-*'} systems with it")
+                             f"{stock + '-*' if stock else 'unsloth-*'} systems with it")
 
 
 def render(records_path: Path, out_dir: Path) -> None:
@@ -357,7 +373,7 @@ def main() -> None:
         return
     if a.as_system:
         runners = {"unsloth": run_stock_unsloth, "hypersloth": run_hypersloth, "reference": run_reference,
-                   "trl-dpo": run_trl_dpo}
+                   "trl-dpo": run_trl_dpo, "trl-grpo": run_trl_grpo}
         result = runners[a.as_system](a)
         if result is not None:
             Path(a.result).write_text(json.dumps(result))
@@ -374,7 +390,8 @@ def main() -> None:
     for workload in workloads:
         work = Path(a.work) / workload
         work.mkdir(parents=True, exist_ok=True)
-        data = build_data(work, workload_of(workload, a.long_tokens), a.warmup + a.steps)
+        data = build_data(work, workload_of(workload, a.long_tokens), a.warmup + a.steps,
+                          Path(a.ckpt_dir or a.work) / f"ckpt_{WORKLOADS[workload].model}")
         records = bench_longctx.earlier_reference(a.reference_from, workload, a.long_tokens)
         for slot in slots:
             if time.time() > a.deadline - 30:

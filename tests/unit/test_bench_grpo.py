@@ -1,0 +1,76 @@
+"""scripts/bench_grpo.py + the benchmark's grpo-0.6b workload (bench_workloads.py, bench_systems.py, benchmark.py):
+the parts that need no GPU (the device runs are the lead's)."""
+
+import json
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from datasets import load_from_disk
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import bench_grpo  # noqa: E402
+import bench_systems  # noqa: E402
+import bench_workloads  # noqa: E402
+import benchmark  # noqa: E402
+
+from HyperSloth.cli.plan import preview  # noqa: E402
+from HyperSloth.config import load_config  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, tiny_model_dir):
+    work = tmp_path_factory.mktemp("bench-grpo")
+    return work, bench_workloads.build_data(work, bench_workloads.WORKLOADS["grpo-0.6b"], steps=2,
+                                            checkpoint=tiny_model_dir)
+
+
+def test_both_systems_get_the_same_prompts_in_the_same_steps(built, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    work, data = built
+    prompts, stock = load_from_disk(str(work / "data" / "built_dataset" / "bench")), load_from_disk(str(work / "stock_data"))
+    assert len(prompts) == len(stock) == 16 and sorted(data["order"]) == list(range(16))
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    for k, i in enumerate(data["order"]):  # the stock copy is HyperSloth's plan order; TRL's tokens are ours
+        assert json.loads(prompts[i]["prompt_json"]) == stock[k]["prompt"]
+        assert tok(stock[k]["prompt"])["input_ids"] == prompts[i]["prompt_input_ids"]
+    assert [len(s) for s in data["step_sequences"]] == [64, 64]  # 8 prompts x 8 completions per step
+    assert min(map(min, data["step_sequences"])) > bench_grpo.MAX_COMPLETION
+    assert data["max_sequence"] <= bench_workloads.WORKLOADS["grpo-0.6b"].max_len
+
+
+def test_hypersloth_trains_the_workload_as_grpo(built, tmp_path):
+    work, _ = built
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    args = Namespace(workload="grpo-0.6b", long_tokens=None, gpus=1, profile=False, token_budget="auto",
+                     work=str(work), checkpoint=str(checkpoint), gc=False, steps=5, graphs=True, lora_passes=True,
+                     attention="auto")
+    config = bench_systems.hypersloth_config(args, tmp_path / "out_hypersloth-1")
+    loaded = load_config(config)
+    assert [f.__name__ for f in loaded.reward_funcs] == ["length_reward"]
+    assert loaded.hyper.training.grpo.num_generations == bench_grpo.NUM_GENERATIONS
+    summary = preview(str(config))
+    assert (summary.unit, summary.spec.samples_per_step, summary.num_samples) == ("prompts", 8, 16)
+    assert loaded.reward_funcs[0](None, ["abcd", [{"content": "ab"}]]) == bench_grpo.length_reward(None, ["abcd", "ab"])
+
+
+def test_grpo_systems_and_workloads_are_paired():
+    benchmark.check_pairing(["grpo-0.6b"], [["hypersloth-1", "trl-grpo-64x1"], ["trl-grpo-16x4"]])
+    with pytest.raises(SystemExit, match=r"systems \['trl-dpo-8x4', 'unsloth-best'\] cannot run the prompt \(GRPO\)"):
+        benchmark.check_pairing(["grpo-0.6b"], [["unsloth-best", "trl-dpo-8x4"]])
+    with pytest.raises(SystemExit, match=r"systems \['trl-grpo-8x8'\] cannot run the SFT workload"):
+        benchmark.check_pairing(["short-0.6b"], [["trl-grpo-8x8"]])
+    splits = {bench_systems.SYSTEMS[name]["micro"] * bench_systems.SYSTEMS[name]["accum"]
+              for name in bench_grpo.TRL_SPLITS}
+    assert splits == {bench_grpo.GLOBAL_COMPLETIONS}
+
+
+def test_trl_generation_seconds_are_read_from_its_profiling_metric():
+    history = [{"loss": 0.1, "profiling/Time taken: GRPOTrainer.transformers.generate": 2.5}, {"eval_loss": 1.0},
+               {"loss": 0.2}]
+    assert bench_grpo.generation_seconds(history) == [2.5, None]
+    assert np.isfinite(bench_workloads.flops_per_step("0.6b", [300] * 64))
