@@ -53,7 +53,7 @@ def modelfile_text(gguf_file: str, chat_template: str | None, eos_token: str | N
     stops = list(known.stops if known else ())
     if eos_token and eos_token not in stops:
         stops.append(eos_token)
-    lines = [f"# Written by hypersloth-export: `ollama create NAME -f Modelfile` in this folder, then `ollama run NAME`.",
+    lines = ["# Written by hypersloth-export. In this folder: ollama create NAME -f Modelfile; ollama run NAME",
              f"FROM ./{gguf_file}"]
     if known is not None:
         lines += [f"# chat template: {known.name} (the same turns as the model's Jinja template)",

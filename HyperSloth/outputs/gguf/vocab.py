@@ -6,7 +6,7 @@ The token list follows convert_hf_to_gguf.py's `get_vocab_base` (added special t
 tokens USER_DEFINED, ids the tokenizer lacks up to config.vocab_size `[PAD{i}]` UNUSED); merges, special ids
 and the chat template come from the `gguf` package's SpecialVocab. llama.cpp's converter names the pre-tokenizer
 by hashing the tokens of a probe text against known models, which fails for a tokenizer trained locally (our
-tiny model's); here it is named from the tokenizer.json regex itself, for the three regexes llama.cpp knows:
+tiny model's); here it is named from the loaded tokenizer's own regex, one of the three below, else refused.
 """
 
 from __future__ import annotations
