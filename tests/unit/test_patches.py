@@ -1,5 +1,7 @@
 """patches.py: the GQA wrapper Unsloth gets for torch 2.11's varlen_attn must equal grouped-query attention."""
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -148,3 +150,18 @@ def test_loss_row_padding_can_be_turned_off(monkeypatch):
     monkeypatch.delenv(run_files.ENV_PAD_LOSS_ROWS)
     assert patches.pad_unsloth_loss_rows(object()) is False  # an unsloth_zoo without these functions
     assert patches.pad_unsloth_loss_rows() is False  # no unsloth_zoo installed here
+
+
+def test_unsloths_varlen_routing_for_transformers_attention_is_installed_when_unsloth_has_it(monkeypatch):
+    """Unsloth installs hf_packed_attention only with its own padding-free, which HyperSloth turns off."""
+    import types
+
+    calls = []
+    module = types.ModuleType("unsloth.utils.hf_packed_attention")
+    module.enable_hf_packed_attention = lambda: calls.append(1) or True
+    monkeypatch.setitem(sys.modules, "unsloth", types.ModuleType("unsloth"))
+    monkeypatch.setitem(sys.modules, "unsloth.utils", types.ModuleType("unsloth.utils"))
+    monkeypatch.setitem(sys.modules, "unsloth.utils.hf_packed_attention", module)
+    assert patches.enable_unsloth_hf_packed_attention() is True and calls == [1]
+    monkeypatch.setitem(sys.modules, "unsloth.utils.hf_packed_attention", None)  # an Unsloth without it
+    assert patches.enable_unsloth_hf_packed_attention() is False
