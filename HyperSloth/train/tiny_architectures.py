@@ -1,5 +1,5 @@
-"""The tiny model's architectures: the same tiny shape as a Qwen3, Qwen3-MoE, Phi-3, Llama, Mistral, Qwen2 or
-Gemma 3 config, so every architecture HyperSloth claims to train is trained in the tests (and by anyone, with
+"""The tiny model's architectures: the same tiny shape as a Qwen3, Qwen3-MoE, gpt-oss, Phi-3, Llama, Mistral, Qwen2
+or Gemma 3 config, so every architecture HyperSloth claims to train is trained in the tests (and by anyone, with
 `hypersloth-tiny-model --architecture NAME`) without the Hub.
 
 The MoE shape keeps transformers 5's fused experts (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) with
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-ARCHITECTURES = ("qwen3", "qwen3_moe", "phi3", "llama", "mistral", "qwen2", "gemma3")
+ARCHITECTURES = ("qwen3", "qwen3_moe", "gpt_oss", "phi3", "llama", "mistral", "qwen2", "gemma3")
 # Experts of the tiny MoE and how many are active per token.
 TINY_EXPERTS, TINY_ACTIVE_EXPERTS = 4, 2
 
@@ -36,11 +36,19 @@ def tiny_config(architecture: str, *, vocab_size: int, hidden_size: int, interme
         extra = dict(num_experts=TINY_EXPERTS, num_experts_per_tok=TINY_ACTIVE_EXPERTS,
                      moe_intermediate_size=intermediate_size // 2, decoder_sparse_step=1, mlp_only_layers=[],
                      norm_topk_prob=True, output_router_logits=False)
+    elif architecture == "gpt_oss":  # experts stored (experts, in, out), with biases; a router with a bias
+        extra = dict(num_local_experts=TINY_EXPERTS, num_experts_per_tok=TINY_ACTIVE_EXPERTS,
+                     sliding_window=max_position_embeddings, layer_types=["full_attention"] * num_layers,
+                     rope_parameters={"rope_type": "yarn", "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                      "truncate": False, "original_max_position_embeddings": max_position_embeddings,
+                                      "rope_theta": 150000.0},
+                     output_router_logits=False)
+        common["intermediate_size"] = intermediate_size // 2  # gpt-oss's intermediate_size is the expert width
     elif architecture == "gemma3":
         extra = dict(query_pre_attn_scalar=head_dim, sliding_window=max_position_embeddings,
                      hidden_activation="gelu_pytorch_tanh")
     classes = {"qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig", "phi3": "Phi3Config",
-               "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
+               "gpt_oss": "GptOssConfig", "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
                "gemma3": "Gemma3TextConfig"}
     return getattr(transformers, classes[architecture])(**common, **extra)
 

@@ -50,6 +50,23 @@ def test_moe_gets_attention_and_the_fused_experts_never_the_router_or_head():
     assert "8 modules, 4 expert tensors" in line and 0 < record["trainable_share"] < 0.5
 
 
+def test_gpt_oss_experts_stored_transposed_with_biases_get_adapters_and_train():
+    """gpt-oss keeps its experts as (experts, in, out) with 2-D biases and a router with a bias: the 3-D tensors get
+    adapters (PEFT reads the layout from the experts module), the biases and the router stay frozen."""
+    model = tiny("gpt_oss")
+    targets = resolve_targets(model, None)
+    assert set(targets.modules) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert targets.parameters == ("mlp.experts.down_proj", "mlp.experts.gate_up_proj")
+    record: dict = {}
+    peft = _attach_peft(model, LoraArgs(r=2), record)
+    trainable = [name for name, p in peft.named_parameters() if p.requires_grad]
+    assert all("lora_" in name for name in trainable) and not any("router" in name for name in trainable)
+    ids = torch.tensor([[5, 9, 13, 200, 31, 7]])
+    peft(input_ids=ids, labels=ids).loss.backward()
+    grads = [p.grad for name, p in peft.named_parameters() if "experts" in name and "lora_B" in name]
+    assert len(grads) == 2 * SHAPE["num_layers"] and all(g is not None and g.abs().max() > 0 for g in grads)
+
+
 def test_an_explicit_list_wins_and_the_mlp_names_select_the_experts():
     model = tiny("qwen3_moe")
     attention_only = resolve_targets(model, ["q_proj", "v_proj"])
