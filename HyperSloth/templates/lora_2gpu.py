@@ -31,7 +31,8 @@ hyper_config_model = HyperConfig(
         r=16,  # adapter rank: capacity of the update
         lora_alpha=16,  # update scale = lora_alpha / r
         lora_dropout=0.0,
-        # default target_modules: q/k/v/o and gate/up/down projections
+        # target_modules unset: read from the model (every linear projection of the decoder and, on an MoE
+        # model, its experts; never the head, embeddings or router; docs/models.md)
     ),
 )
 
