@@ -250,6 +250,10 @@ class GrpoArgs(BaseModel):
                                 "the generation's log-probabilities as the ratio's denominator.")
     reward_weights: list[float] | None = Field(None, description="One weight per reward function (reward_funcs in "
                                                "the config file); None = 1.0 each.")
+    generation_batch: Literal["rank", "prompt"] = Field(
+        "rank", description="HyperSloth's: 'rank' samples all of a GPU's prompts in one generate call (fast; 1 and N "
+        "GPUs sample the same completions up to the rounding a different batch brings, which can flip a rare token "
+        "in bf16); 'prompt' one call per prompt (slower; bit for bit the same on any number of GPUs).")
 
     @property
     def scale(self) -> str:

@@ -149,3 +149,33 @@ def test_the_report_shows_a_grpo_runs_reward_per_step(tmp_path):
     assert "reward 0.1000 -> 0.3000 (max 0.4000 at step 2; GRPO" in report.format_console(summary)
     report.write_report(tmp_path)
     assert (tmp_path / "report.png").is_file()
+
+
+def test_the_seeded_sampler_draws_from_the_filtered_softmax():
+    from HyperSloth.train.grpo.rollout import SeededSampler
+
+    scores = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    generator = torch.Generator().manual_seed(0)
+    sampler = SeededSampler([generator], 1, GrpoArgs())
+    draws = [int(sampler(None, scores).argmax()) for _ in range(4000)]
+    np.testing.assert_allclose(np.bincount(draws, minlength=4) / 4000, [0.5, 0.3, 0.15, 0.05], atol=0.025)
+    top2 = SeededSampler([torch.Generator().manual_seed(1)], 1, GrpoArgs(top_k=2))
+    assert {int(top2(None, scores).argmax()) for _ in range(200)} == {0, 1}
+    nucleus = SeededSampler([torch.Generator().manual_seed(2)], 1, GrpoArgs(top_p=0.7))  # 0.5 + 0.3 covers 0.7
+    assert {int(nucleus(None, scores).argmax()) for _ in range(200)} == {0, 1}
+
+
+def test_a_prompts_completions_do_not_depend_on_the_other_prompts_in_the_batch(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from HyperSloth.train.grpo.rollout import generation_config, sample_groups
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    grpo = GrpoArgs(num_generations=3, max_completion_length=6)
+    config = generation_config(grpo, pad_token_id=0, eos_token_ids=[2])
+    short, long = [5, 6, 7], [8, 9, 10, 11, 12, 13, 14]
+    both = sample_groups(model, [long, short], [11, 22], grpo, config)
+    alone = sample_groups(model, [short], [22], grpo, config)
+    assert [c.tolist() for c in both[1]] == [c.tolist() for c in alone[0]]  # padded beside `long` or not
+    assert len({tuple(c.tolist()) for c in both[0]}) > 1  # a group's completions differ from each other
+    assert [c.tolist() for c in sample_groups(model, [short], [23], grpo, config)[0]] != [c.tolist() for c in alone[0]]

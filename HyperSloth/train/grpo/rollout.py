@@ -1,10 +1,15 @@
 """GRPO's rollouts on one rank: sample each prompt's completions, score them, turn rewards into advantages.
 
-Sampling: each prompt's `num_generations` completions are one `generate` call (HF's, with its KV cache) on
-a batch of that one prompt repeated, so no padding; the random stream is a generator seeded by (seed,
-step, prompt row) (`prompt_seed`), so the same step samples the same completions on 1 or N GPUs, whichever
-rank holds the prompt, and the ranks' own streams (dropout) are left where they were. A completion ends
-after its first end-of-sequence token (kept, as TRL keeps it) or at max_completion_length ("clipped").
+Sampling: one HF `generate` call (KV cache) per rank and step over all its prompts, each repeated
+`num_generations` times and left-padded (`sample_groups`; TRL's layout), or with
+`GrpoArgs.generation_batch="prompt"` one call per prompt (no padding). Tokens are drawn by `SeededSampler`, a
+logits processor that does the sampling itself (temperature, top-k, top-p, then Gumbel-max: exactly a draw from
+the filtered softmax) with noise from a generator per prompt seeded by (seed, step, prompt row)
+(`prompt_seed`), so a prompt's completions do not depend on which rank holds it or what else is in the batch:
+1 and N GPUs sample the same completions (per prompt: bit for bit; batched: up to the rounding that a
+different padding and batch shape can bring to the logits, which can flip a token on a GPU in bf16, rarely),
+and the ranks' own streams (dropout) are untouched. A completion ends after its first end-of-sequence token
+(kept, as TRL keeps it) or at max_completion_length ("clipped").
 
 Scoring: every reward function gets TRL's arguments, `f(prompts=..., completions=..., completion_ids=...,
 trainer_state=..., **columns)` with one entry per completion (prompts and the dataset's other columns
@@ -18,14 +23,13 @@ divided by the group's (or the global batch's) std + 1e-4, NaN -> 0.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from trl.trainer.utils import nanstd
 
 from HyperSloth.config import ConfigError, GrpoArgs, reward_name
@@ -41,21 +45,39 @@ def prompt_seed(seed: int, step: int, row: int) -> int:
     return int(np.random.SeedSequence([seed % 2**32, step, row]).generate_state(1)[0])
 
 
-@contextlib.contextmanager
-def seeded(seed: int) -> Iterator[None]:
-    """torch's CPU (and this GPU's) random streams set to `seed` inside, restored after."""
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        yield
-
-
 def generation_config(grpo: GrpoArgs, pad_token_id: int, eos_token_ids: list[int]) -> GenerationConfig:
-    """HF `generate` settings of TRL's GRPO sampling (its defaults: no repetition penalty, no min_p), with
-    the KV cache."""
-    return GenerationConfig(do_sample=True, max_new_tokens=grpo.max_completion_length, temperature=grpo.temperature,
-                            top_p=grpo.top_p, top_k=grpo.top_k, pad_token_id=pad_token_id,
-                            eos_token_id=list(eos_token_ids), use_cache=True, disable_compile=True)
+    """HF `generate` settings: greedy over `SeededSampler`'s output (which holds the sampling: TRL's defaults,
+    no repetition penalty, no min_p), with the KV cache."""
+    return GenerationConfig(do_sample=False, max_new_tokens=grpo.max_completion_length, pad_token_id=pad_token_id,
+                            eos_token_id=list(eos_token_ids), use_cache=True, disable_compile=True,
+                            temperature=None, top_p=None, top_k=None)
+
+
+class SeededSampler(LogitsProcessor):
+    """Sampling inside a logits processor: the scores / temperature, top-k and top-p filtered (HF's rules), plus
+    Gumbel noise drawn from each prompt's own generator (rows come in groups of `group_size`, one per prompt);
+    returns 0 at the argmax and -inf elsewhere, so HF's greedy step takes that token. argmax(scores + Gumbel) is
+    a draw from softmax(scores)."""
+
+    def __init__(self, generators: Sequence[torch.Generator], group_size: int, grpo: GrpoArgs):
+        self.generators = list(generators)
+        self.group_size = group_size
+        self.temperature, self.top_k, self.top_p = grpo.temperature, grpo.top_k, grpo.top_p
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        scores = scores.float() / self.temperature
+        if self.top_k and self.top_k < scores.shape[-1]:
+            kth = torch.topk(scores, self.top_k, dim=-1).values[:, -1:]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if self.top_p < 1.0:
+            ordered, order = torch.sort(scores, descending=False)
+            drop = ordered.softmax(dim=-1).cumsum(dim=-1) <= 1 - self.top_p
+            drop[:, -1] = False  # the most likely token always stays
+            scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+        noise = torch.cat([torch.rand((self.group_size, scores.shape[-1]), generator=g, device=scores.device)
+                           for g in self.generators])
+        choice = (scores - torch.log(-torch.log(noise.clamp_min(1e-12)))).argmax(dim=-1)
+        return torch.full_like(scores, float("-inf")).scatter_(1, choice[:, None], 0.0)
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -72,15 +94,26 @@ def cut_at_eos(tokens: np.ndarray, eos_token_ids: Sequence[int]) -> np.ndarray:
 
 
 @torch.no_grad()
-def sample_group(model, prompt_ids: Sequence[int], num_generations: int, seed: int, config: GenerationConfig
-                 ) -> list[np.ndarray]:
-    """`num_generations` completions of one prompt, sampled with the generator seeded by `seed`."""
+def sample_groups(model, prompts: Sequence[Sequence[int]], seeds: Sequence[int], grpo: GrpoArgs,
+                  config: GenerationConfig) -> list[list[np.ndarray]]:
+    """`num_generations` completions of each prompt in one `generate` call (left-padded), each prompt's drawn
+    with the generator seeded by its seed (`SeededSampler`)."""
+    if not prompts:
+        return []
     device = next(model.parameters()).device
-    ids = torch.tensor([list(prompt_ids)] * num_generations, dtype=torch.long, device=device)
-    with seeded(seed):
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
-    tokens = out[:, ids.shape[1]:].cpu().numpy()
-    return [cut_at_eos(row, config.eos_token_id) for row in tokens]
+    g, width = grpo.num_generations, max(len(p) for p in prompts)
+    rows = [list(p) for p in prompts for _ in range(g)]
+    ids = torch.full((len(rows), width), config.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for k, row in enumerate(rows):
+        ids[k, width - len(row):] = torch.tensor(row)
+        mask[k, width - len(row):] = 1
+    generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
+    sampler = SeededSampler(generators, g, grpo)
+    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config,
+                         logits_processor=LogitsProcessorList([sampler]))
+    tokens = out[:, width:].cpu().numpy()
+    return [[cut_at_eos(tokens[k * g + j], config.eos_token_id) for j in range(g)] for k in range(len(prompts))]
 
 
 def completion_texts(tokenizer, completions: Sequence[np.ndarray], conversational: bool) -> list[Any]:

@@ -50,7 +50,7 @@ from HyperSloth.train.grpo.rollout import (
     eos_ids,
     generation_config,
     prompt_seed,
-    sample_group,
+    sample_groups,
     score,
 )
 from HyperSloth.train.plan_loader import PlanSteps
@@ -177,10 +177,13 @@ class HyperSlothGRPOTrainer(HyperSlothTrainer):
         """Each prompt's completions, from its own generator (rollout.prompt_seed)."""
         was_training = model.training
         model.eval()  # generate with the KV cache, no dropout
+        seeds = [prompt_seed(self.sampling_seed, int(inputs["plan_step"]), row) for row in inputs["prompt_rows"]]
+        prompts = list(inputs["prompt_ids"])
         try:
-            return [sample_group(model, ids, self.grpo.num_generations,
-                                 prompt_seed(self.sampling_seed, int(inputs["plan_step"]), row), self.generation)
-                    for row, ids in zip(inputs["prompt_rows"], inputs["prompt_ids"])]
+            if self.grpo.generation_batch == "prompt":  # one call per prompt: no padding, bit for bit on N GPUs
+                return [sample_groups(model, [ids], [seed], self.grpo, self.generation)[0]
+                        for ids, seed in zip(prompts, seeds)]
+            return sample_groups(model, prompts, seeds, self.grpo, self.generation)
         finally:
             model.train(was_training)
 
