@@ -93,7 +93,7 @@ def preview(config_path: str, *, num_ranks: int | None = None) -> PlanSummary:
     world = len(loaded.hyper.training.gpus) if num_ranks is None else num_ranks
     description = resolve_run(loaded, world_size=world, machine=MachineFacts.assumed_for(loaded.hyper))
     path = Path(description.dataset.path)
-    grpo = description.hyper_config.training.grpo
+    grpo = description.grpo
     lengths, trainable, scored = _dataset_columns(path, description.loss_type, description.max_seq_length,
                                                   description.method, grpo)
     rows = training_rows(description.eval_set, lengths.size)  # a hold-out is never trained on

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from HyperSloth.config import (
     ConfigError,
+    GrpoArgs,
     HyperConfig,
     LoadedConfig,
     TrainingArgsConfig,
@@ -144,6 +145,8 @@ class RunDescription(BaseModel):
     loss_type: Literal["all", "response_only"]
     method: Literal["sft", "dpo", "grpo"] = Field("sft", description="training.method: the loss and the dataset kind.")
     dpo_beta: float | None = Field(None, description="training.dpo_beta of a DPO run; None for SFT.")
+    grpo: GrpoArgs | None = Field(None, description="training.grpo of a GRPO run (what its workers sample and "
+                                  "train with); None for SFT and DPO.")
     reward_funcs: tuple[str, ...] = Field(
         (), description="GRPO: the names of the config file's reward_funcs, which each worker loads from it again "
         "(config.load_reward_funcs) and checks against these.")
@@ -213,8 +216,8 @@ class RunDescription(BaseModel):
                     f"{self.micro_batches_per_step} micro-batch{'es' if self.micro_batches_per_step != 1 else ''}")
         unit = {"dpo": "pairs", "grpo": "completions"}.get(self.method, "samples")
         method = f"; DPO, beta {self.dpo_beta}" if self.method == "dpo" else ""
-        if self.method == "grpo":
-            grpo = self.hyper_config.training.grpo
+        if self.grpo is not None:
+            grpo = self.grpo
             method = (f"; GRPO, {self.global_batch_size // grpo.num_generations} prompts x {grpo.num_generations} "
                       f"generations, rewards {', '.join(self.reward_funcs)}")
         return (f"world size {self.world_size}, micro-batch {self.micro_batch_size} {unit}, "
@@ -389,6 +392,7 @@ def resolve_run(loaded: LoadedConfig, *, world_size: int, machine: MachineFacts,
         loss_type=training.loss_type,
         method=training.method,
         dpo_beta=training.dpo_beta if training.method == "dpo" else None,
+        grpo=training.grpo if training.method == "grpo" else None,
         reward_funcs=tuple(reward_name(f) for f in loaded.reward_funcs),
         **batch_numbers(targs.per_device_train_batch_size, targs.gradient_accumulation_steps, world_size,
                         training.batching),

@@ -138,8 +138,8 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path, time
     # then the minimum), and a longest sample that fits only with checkpointing reloads the model with it.
     full_dataset = load_from_disk(description.dataset.path)  # memory-mapped: read once, split below
     lengths = int_column(full_dataset, "length")
-    if description.method == "grpo":  # a prompt's longest sequence: the prompt and the longest completion
-        lengths = lengths + description.hyper_config.training.grpo.max_completion_length
+    if description.grpo is not None:  # a prompt's longest sequence: the prompt and the longest completion
+        lengths = lengths + description.grpo.max_completion_length
     timeline.mark("dataset")
     lora = description.hyper_config.lora_args
     setup = probe_cache.ProbeSetup(fast=description.hyper_config.fast_model_args.model_dump(mode="json"),

@@ -74,6 +74,7 @@ def test_a_grpo_config_loads_its_reward_functions_and_resolves(tmp_path, data):
     assert [f.__name__ for f in loaded.reward_funcs] == ["fmt", "answer"]
     run = resolve_run(loaded, world_size=2, machine=CPU)
     assert run.method == "grpo" and run.reward_funcs == ("fmt", "answer") and run.global_batch_size == 16
+    assert run.grpo == GrpoArgs(num_generations=4, max_completion_length=16)  # what the workers act on, typed
     assert "GRPO, 4 prompts x 4 generations, rewards fmt, answer" in run.batch_line()
     assert read_run(write_run(run, tmp_path / "run.json")) == run  # run.json round-trips with the grpo settings
     # A worker loads them from the file again, checked against run.json's names.

@@ -366,7 +366,7 @@ def build_grpo_trainer(description: RunDescription, loaded_model, dataset, info:
                        ) -> tuple[HyperSlothGRPOTrainer, RunSetup]:
     """The GRPO twin of `sft.trainer.build_trainer`: reward functions from the config file, the plan over
     prompts, the reference switch, the GRPO trainer for this rank."""
-    grpo = description.hyper_config.training.grpo
+    grpo = description.grpo
     funcs = load_reward_funcs(description.config_path, description.reward_funcs)
     lengths, units = prompt_plan_inputs(dataset, grpo, description.max_seq_length)
     spec = prompt_plan_spec(plan_spec_for(description), grpo.num_generations)
