@@ -12,7 +12,8 @@ mechanics (what is logged, how the config carries the rewards), not learning. On
 
 import re
 
-from HyperSloth.config import DataConfig, FastModelArgs, GrpoArgs, HyperConfig, LoraArgs, TrainingArgsConfig, TrainingConfig
+from HyperSloth.config import (DataConfig, FastModelArgs, GrpoArgs, HyperConfig, LoraArgs, TrainingArgsConfig,
+                               TrainingConfig)
 
 ANSWER = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
 

@@ -15,7 +15,8 @@ every completion of a prompt is sampled and trained on one GPU.
 
 import re
 
-from HyperSloth.config import DataConfig, FastModelArgs, GrpoArgs, HyperConfig, LoraArgs, TrainingArgsConfig, TrainingConfig
+from HyperSloth.config import (DataConfig, FastModelArgs, GrpoArgs, HyperConfig, LoraArgs, TrainingArgsConfig,
+                               TrainingConfig)
 
 ANSWER = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
 

@@ -81,7 +81,9 @@ def runs(tmp_path_factory, tiny_model_dir) -> dict[str, tuple[int, str, Path]]:
                   max_seq_length=64, num_proc=1)
     results = {}
     resume = str(workdir / "2w" / "checkpoint-2")
-    for batch in (("1w", 1, False, None), ("2w", 2, False, None)), (("fail", 2, True, None), ("resumed", 2, False, resume)):
+    batches = ((("1w", 1, False, None), ("2w", 2, False, None)),
+               (("fail", 2, True, None), ("resumed", 2, False, resume)))  # two runs at a time
+    for batch in batches:
         procs = {name: _start(_config(workdir, tiny_model_dir, name, gpus, fail, resume), workdir)
                  for name, gpus, fail, resume in batch}
         for name, proc in procs.items():
@@ -125,7 +127,8 @@ def test_two_workers_sample_the_same_completions_and_train_the_same_adapter(runs
     # The 2 held-out prompts, evaluated after the last step: the same mean reward (eval_loss = -eval_reward).
     e1, e2 = (s["eval"][-1] for s in (s1, s2))
     assert e1["step"] == e2["step"] == STEPS and e1["eval_prompts"] == e2["eval_prompts"] == 2
-    assert e1["eval_loss"] == pytest.approx(-e1["eval_reward"]) and e2["eval_reward"] == pytest.approx(e1["eval_reward"])
+    assert e1["eval_loss"] == pytest.approx(-e1["eval_reward"])
+    assert e2["eval_reward"] == pytest.approx(e1["eval_reward"])
     a1, a2 = _adapter(one), _adapter(two)
     assert np.abs(a1).max() > 0.01  # the adapter moved
     assert relative_error(a1, a2) < 1e-5

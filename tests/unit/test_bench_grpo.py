@@ -31,7 +31,8 @@ def test_both_systems_get_the_same_prompts_in_the_same_steps(built, tiny_model_d
     from transformers import AutoTokenizer
 
     work, data = built
-    prompts, stock = load_from_disk(str(work / "data" / "built_dataset" / "bench")), load_from_disk(str(work / "stock_data"))
+    prompts = load_from_disk(str(work / "data" / "built_dataset" / "bench"))
+    stock = load_from_disk(str(work / "stock_data"))
     assert len(prompts) == len(stock) == 16 and sorted(data["order"]) == list(range(16))
     tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     for k, i in enumerate(data["order"]):  # the stock copy is HyperSloth's plan order; TRL's tokens are ours
