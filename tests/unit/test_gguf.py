@@ -1,28 +1,34 @@
 """The GGUF writer (HyperSloth/outputs/gguf) read back with the gguf package's own GGUFReader: every tensor
 under llama.cpp's name with the model's values, every key (hyperparameters, the whole tokenizer, the chat
-template), for each supported architecture; the refusals; the Modelfile; nothing half-written."""
+template), for each supported architecture (Qwen3-MoE's experts in both layouts transformers writes); the refusals;
+the Modelfile; nothing half-written."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from gguf_models import build_arch_model
 from safetensors.numpy import load_file
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 gguf = pytest.importorskip("gguf")  # the optional extra (installed by .[dev])
 
 from HyperSloth.outputs.export import ExportError  # noqa: E402
 from HyperSloth.outputs.gguf import architectures, export_gguf, write_gguf  # noqa: E402
+from HyperSloth.outputs.gguf.experts import tensor_parts  # noqa: E402
 from HyperSloth.outputs.gguf.modelfile import chat_format, modelfile_text  # noqa: E402
 from HyperSloth.outputs.gguf.vocab import QWEN2_REGEX, pre_tokenizer_name  # noqa: E402
 from HyperSloth.outputs.gguf.writer import tensor_type  # noqa: E402
 
-ARCHS = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Gemma3ForCausalLM")
+ARCHS = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Gemma3ForCausalLM",
+         "Qwen3MoeForCausalLM")
+MOE = "Qwen3MoeForCausalLM"
 # Largest |written - HF| per type for weights of std 0.1 (f16/bf16 rounding; q8_0: half a step of max/127).
 TOLERANCE = {"f32": 0.0, "f16": 1e-3, "bf16": 4e-3, "q8_0": 3e-3}
 
@@ -49,7 +55,7 @@ def expected_tensors(model_dir: Path, arch: str) -> dict[str, np.ndarray]:
     """The HF weights under their GGUF names, changed as llama.cpp expects (written independently of the code)."""
     config = json.loads((model_dir / "config.json").read_text())
     names = gguf.get_tensor_name_map(architectures.ARCHITECTURES[arch].model_arch, config["num_hidden_layers"])
-    out = {}
+    out, experts = {}, {}
     for hf_name, data in load_file(str(model_dir / "model.safetensors")).items():
         data = data.astype(np.float32)
         if arch in ("LlamaForCausalLM", "MistralForCausalLM") and ("q_proj" in hf_name or "k_proj" in hf_name):
@@ -58,7 +64,21 @@ def expected_tensors(model_dir: Path, arch: str) -> dict[str, np.ndarray]:
             data = data.reshape(heads, 2, half, -1).transpose(0, 2, 1, 3).reshape(data.shape)
         if arch == "Gemma3ForCausalLM" and hf_name.endswith("norm.weight"):
             data = data + 1
+        if match := re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", hf_name):
+            layer, expert, proj = match.groups()
+            experts.setdefault(f"blk.{layer}.ffn_{proj}_exps.weight", {})[int(expert)] = data
+            continue
+        if match := re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj", hf_name):
+            layer, proj = match.groups()
+            if proj == "down":
+                out[f"blk.{layer}.ffn_down_exps.weight"] = data
+            else:  # transformers: gate, up = (x @ gate_up_proj[e].T).chunk(2, dim=-1)
+                out[f"blk.{layer}.ffn_gate_exps.weight"] = data[:, : data.shape[1] // 2]
+                out[f"blk.{layer}.ffn_up_exps.weight"] = data[:, data.shape[1] // 2:]
+            continue
         out[names.get_name(hf_name, try_suffixes=(".weight", ".bias"))] = data
+    for name, by_expert in experts.items():
+        out[name] = np.stack([by_expert[index] for index in range(len(by_expert))])
     return out
 
 
@@ -70,6 +90,78 @@ def test_every_tensor_round_trips_under_llama_cpp_names(arch_dirs, tmp_path, arc
     assert sorted(tensors) == sorted(expected)
     for name, want in expected.items():
         np.testing.assert_array_equal(values(tensors[name]), want, err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def moe_fused(arch_dirs, tmp_path_factory) -> Path:
+    """The tiny Qwen3-MoE saved as transformers 5 holds it (save_original_format=False): fused
+    mlp.experts.gate_up_proj (experts, 2 x 96, 64) and down_proj, where arch_dirs has one tensor per expert."""
+    out = tmp_path_factory.mktemp("moe-fused")
+    AutoModelForCausalLM.from_pretrained(str(arch_dirs[MOE]), dtype=torch.float32).save_pretrained(
+        str(out), save_original_format=False)
+    AutoTokenizer.from_pretrained(str(arch_dirs[MOE])).save_pretrained(str(out))
+    assert load_file(str(out / "model.safetensors"))["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 192, 64)
+    return out
+
+
+def test_fused_experts_round_trip_split_as_transformers_splits_them(arch_dirs, moe_fused, tmp_path):
+    """Gate rows [:I], up rows [I:]: against the expectation above, and against transformers' own split (its
+    per-expert save of the same model), so halves swapped fail both."""
+    _, fused = read(write_gguf(moe_fused, tmp_path / "fused.gguf", "f32"))
+    expected = expected_tensors(moe_fused, MOE)
+    assert sorted(fused) == sorted(expected)
+    for name, want in expected.items():
+        np.testing.assert_array_equal(values(fused[name]), want, err_msg=name)
+    _, per_expert = read(write_gguf(arch_dirs[MOE], tmp_path / "per-expert.gguf", "f32"))
+    for name, tensor in per_expert.items():
+        np.testing.assert_array_equal(values(fused[name]), values(tensor), err_msg=name)
+
+
+def test_the_gguf_experts_compute_what_transformers_experts_compute(moe_fused, tmp_path):
+    """llama.cpp's MoE FFN is down @ (silu(gate @ x) * (up @ x)) per expert (build_moe_ffn, LLM_FFN_SILU): from
+    the GGUF's three tensors it equals transformers' Qwen3MoeExperts routing every token to that expert."""
+    experts = AutoModelForCausalLM.from_pretrained(str(moe_fused), dtype=torch.float32).model.layers[1].mlp.experts
+    _, tensors = read(write_gguf(moe_fused, tmp_path / "m.gguf", "f32"))
+    gate, up, down = (torch.tensor(values(tensors[f"blk.1.ffn_{proj}_exps.weight"]))
+                      for proj in ("gate", "up", "down"))
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    for expert in range(4):
+        with torch.no_grad():
+            want = experts(x, torch.full((5, 1), expert), torch.ones(5, 1))
+        ours = (torch.nn.functional.silu(x @ gate[expert].T) * (x @ up[expert].T)) @ down[expert].T
+        torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-6)
+
+
+def test_qwen3_moe_keys_and_tensor_types(arch_dirs, tmp_path):
+    fields, tensors = read(write_gguf(arch_dirs[MOE], tmp_path / "m.gguf", "q8_0"))
+    assert fields["general.architecture"] == "qwen3moe"
+    assert {key: fields[f"qwen3moe.{key}"] for key in ("expert_count", "expert_used_count",
+            "expert_feed_forward_length", "feed_forward_length", "block_count")} == {
+        "expert_count": 4, "expert_used_count": 2, "expert_feed_forward_length": 96, "feed_forward_length": 128,
+        "block_count": 2}
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    for layer in (0, 1):  # ggml order (llama.cpp's create_tensor): gate/up {H, I, experts}, down {I, H, experts}
+        assert tensors[f"blk.{layer}.ffn_gate_inp.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+        for proj, shape in (("gate", [64, 96, 4]), ("up", [64, 96, 4]), ("down", [96, 64, 4])):
+            tensor = tensors[f"blk.{layer}.ffn_{proj}_exps.weight"]
+            assert (tensor.tensor_type, [int(n) for n in tensor.shape]) == (q8, shape), proj
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"norm_topk_prob": False}, "norm_topk_prob false"),
+    ({"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\]"),
+    ({"decoder_sparse_step": 2}, "decoder_sparse_step=2")])
+def test_a_qwen3_moe_llama_cpp_would_route_differently_is_refused(arch_dirs, change, message):
+    config = json.loads((arch_dirs[MOE] / "config.json").read_text())
+    with pytest.raises(ExportError, match=message):
+        architectures.architecture_of({**config, **change})
+
+
+def test_a_layer_missing_an_expert_is_refused():
+    shapes = {f"model.layers.0.mlp.experts.{expert}.{proj}_proj.weight": (96, 64)
+              for expert in (0, 1, 3) for proj in ("gate", "up", "down")}
+    with pytest.raises(ExportError, match=r"experts \[0, 1, 3\], but config.json names 4"):
+        tensor_parts(shapes, 4)
 
 
 @pytest.mark.parametrize("gguf_type", ["f16", "bf16", "q8_0"])
@@ -146,7 +238,7 @@ def test_an_unsupported_architecture_is_refused_by_name(tiny_model_dir, tmp_path
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "architectures": ["Phi3ForCausalLM"]}))
     with pytest.raises(ExportError, match="Phi3ForCausalLM.*Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM, "
-                                          "MistralForCausalLM, Gemma3ForCausalLM"):
+                                          "MistralForCausalLM, Gemma3ForCausalLM, Qwen3MoeForCausalLM"):
         write_gguf(model, tmp_path / "out" / "m.gguf", "f16")
     assert not (tmp_path / "out").exists()
 

@@ -7,7 +7,10 @@ the table below, checked against llama.cpp's conversion/{qwen,llama,gemma}.py (l
 - Llama, Mistral: Q and K rows permuted per head (transformers rotates halves, llama.cpp's LLAMA rotates
   pairs), the `permute` of conversion/llama.py;
 - Gemma 3: every `*norm.weight` + 1 (Gemma3RMSNorm scales by 1 + weight, llama.cpp by weight), the sliding
-  window and its per-layer pattern, the local RoPE base.
+  window and its per-layer pattern, the local RoPE base;
+- Qwen3-MoE (conversion/qwen.py, Qwen3MoeModel): the expert keys; the experts become llama.cpp's three stacked
+  tensors per layer (experts.py); every layer must be an MoE layer with its top-k weights renormalised
+  (llama.cpp's qwen3moe graph has no dense layer and always renormalises).
 Anything else is refused by name, with the supported list.
 """
 
@@ -30,6 +33,7 @@ class Architecture:
     gguf_arch: str  # a gguf.MODEL_ARCH member's name
     permute_qk: bool = False  # Llama-style: rotate pairs instead of halves
     norm_shift: float = 0.0  # added to every norm weight (Gemma: 1 + weight)
+    moe: bool = False  # experts (per-expert or fused on disk) become three stacked tensors (experts.py)
 
     @property
     def model_arch(self):
@@ -52,6 +56,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("LlamaForCausalLM", "LLAMA", permute_qk=True),
         Architecture("MistralForCausalLM", "LLAMA", permute_qk=True),
         Architecture("Gemma3ForCausalLM", "GEMMA3", norm_shift=1.0),
+        Architecture("Qwen3MoeForCausalLM", "QWEN3MOE", moe=True),
     )
 }
 SUPPORTED = ", ".join(ARCHITECTURES)
@@ -75,6 +80,8 @@ def _check_config(arch: Architecture, config: dict[str, Any], where: str) -> Non
                           "the merged 16/32-bit weights (--merge writes them)")
     if arch.gguf_arch == "GEMMA3":
         _check_gemma3(config, where)
+    if arch.moe:
+        _check_moe(config, where)
     rope_kind(config)  # refuses a RoPE scaling llama.cpp would not reproduce
 
 
@@ -90,6 +97,23 @@ def _check_gemma3(config: dict[str, Any], where: str) -> None:
     if not math.isclose(hf_scale, llama_scale):
         raise ExportError(f"--gguf cannot write {where}: its query_pre_attn_scalar ({hf_scale}) differs from the "
                           f"{llama_scale} llama.cpp assumes for this Gemma 3 shape, so its attention would differ")
+
+
+def _check_moe(config: dict[str, Any], where: str) -> None:
+    """What llama.cpp's qwen3moe graph hard-codes: every layer MoE, the top-k routing weights renormalised."""
+    dense = sorted(set(config.get("mlp_only_layers") or []))
+    if dense or config.get("decoder_sparse_step", 1) != 1:
+        raise ExportError(f"--gguf cannot write {where}: llama.cpp's qwen3moe makes every layer a mixture of experts, "
+                          f"and its config makes some dense (mlp_only_layers={dense}, "
+                          f"decoder_sparse_step={config.get('decoder_sparse_step', 1)})")
+    if not config.get("norm_topk_prob", False):  # transformers' Qwen3MoeConfig default is False
+        raise ExportError(f"--gguf cannot write {where}: llama.cpp's qwen3moe renormalises the top-k routing "
+                          "weights, and its config has norm_topk_prob false, so its experts would be mixed differently")
+
+
+def expert_count(config: dict[str, Any]) -> int:
+    """Experts per MoE layer: transformers 5 saves `num_local_experts`, Qwen's published configs `num_experts`."""
+    return int(config.get("num_local_experts") or config["num_experts"])
 
 
 def rope_parameters(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -136,6 +160,10 @@ def add_hyperparameters(writer, config: dict[str, Any], arch: Architecture) -> N
     _add_rope(writer, config)
     if arch.gguf_arch == "GEMMA3":
         _add_gemma3(writer, config)
+    if arch.moe:
+        writer.add_expert_count(expert_count(config))
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
 
 
 def _add_rope(writer, config: dict[str, Any]) -> None:

@@ -1,11 +1,12 @@
 """Write a merged Hugging Face model folder (config.json + safetensors + tokenizer) as one GGUF file.
 
 The file format, tensor names, metadata keys and quantisation are the `gguf` package's (GGUFWriter,
-TensorNameMap, gguf.quants); the choice of each tensor's type follows convert_hf_to_gguf.py: norms, biases and
-other 1-D tensors stay F32, a row whose length is not a multiple of the type's block is written F16, every other
-weight in the requested type. Tensors are read, converted and written one at a time (the writer gets every
-tensor's shape and type first), so memory holds one tensor, not the model. The file is written under a hidden
-temporary name beside the destination and renamed into place at the end: a failure leaves no half-written GGUF.
+TensorNameMap, gguf.quants); the choice of each tensor's type follows convert_hf_to_gguf.py: norms, biases,
+MoE routers (ffn_gate_inp) and other 1-D tensors stay F32, a row whose length is not a multiple of the type's
+block is written F16, every other weight in the requested type. Tensors are read, converted and written one at a
+time (the writer gets every tensor's shape and type first), so memory holds one GGUF tensor (at most an MoE
+layer's stacked experts), not the model. The file is written under a hidden temporary name beside the destination
+and renamed into place at the end: a failure leaves no half-written GGUF.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,9 +27,11 @@ from HyperSloth.outputs.gguf.architectures import (
     Architecture,
     add_hyperparameters,
     architecture_of,
+    expert_count,
     llama3_rope_factors,
     transform,
 )
+from HyperSloth.outputs.gguf.experts import TensorPart, tensor_parts
 from HyperSloth.outputs.gguf.vocab import add_tokenizer
 
 # --gguf TYPE -> (GGMLQuantizationType name, LlamaFileType name). Only types the gguf package quantises itself
@@ -88,47 +92,68 @@ def read_config(model_dir: Path) -> dict[str, Any]:
 def plan_tensors(model_dir: Path, config: dict[str, Any], arch: Architecture, qtype) -> Iterator[PlannedTensor]:
     """Every tensor of the model under its GGUF name, with its type; ExportError for a tensor with no GGUF name."""
     import gguf
-    from safetensors import safe_open
 
     names = gguf.get_tensor_name_map(arch.model_arch, config["num_hidden_layers"])
-    tied = bool(config.get("tie_word_embeddings"))
     if (factors := llama3_rope_factors(config)) is not None:
         yield PlannedTensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", factors.shape,
                             gguf.GGMLQuantizationType.F32, lambda: factors)
+    files, shapes = _tensor_index(model_dir, tied=bool(config.get("tie_word_embeddings")))
+    for part in tensor_parts(shapes, expert_count(config) if arch.moe else None):
+        gguf_name = names.get_name(part.name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            raise ExportError(f"tensor {part.sources[0]} of {model_dir} has no name in llama.cpp's {arch.arch_name} "
+                              f"architecture: this {arch.hf_name} variant is not supported")
+        yield PlannedTensor(gguf_name, part.shape, tensor_type(gguf_name, part.shape, qtype),
+                            _loader(files, part, config, arch))
+
+
+def _tensor_index(model_dir: Path, tied: bool) -> tuple[dict[str, Path], dict[str, tuple[int, ...]]]:
+    """Each tensor's file and shape, without the tied output (llama.cpp reads it from token_embd when
+    output.weight is absent) and RoPE buffers."""
+    from safetensors import safe_open
+
+    files, shapes = {}, {}
     for file in _weight_files(model_dir):
         with safe_open(str(file), framework="pt") as handle:
             for hf_name in handle.keys():
-                if tied and hf_name == "lm_head.weight":
-                    continue  # llama.cpp reads the output from token_embd when output.weight is absent
-                if hf_name.endswith("rotary_emb.inv_freq"):
+                if (tied and hf_name == "lm_head.weight") or hf_name.endswith("rotary_emb.inv_freq"):
                     continue
-                gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-                if gguf_name is None:
-                    raise ExportError(f"tensor {hf_name} of {model_dir} has no name in llama.cpp's "
-                                      f"{arch.arch_name} architecture: this {arch.hf_name} variant is not supported")
-                shape = tuple(handle.get_slice(hf_name).get_shape())
-                yield PlannedTensor(gguf_name, shape, tensor_type(gguf_name, shape, qtype),
-                                    _loader(file, hf_name, config, arch))
+                files[hf_name], shapes[hf_name] = file, tuple(handle.get_slice(hf_name).get_shape())
+    return files, shapes
 
 
 def tensor_type(gguf_name: str, shape: tuple[int, ...], requested):
-    """convert_hf_to_gguf.py's rule: 1-D, norms and non-weights F32; rows not a multiple of the block F16."""
+    """convert_hf_to_gguf.py's rule: 1-D, norms, MoE routers and non-weights F32; rows not a multiple of the
+    block F16."""
     import gguf
 
-    if len(shape) <= 1 or gguf_name.endswith("_norm.weight") or not gguf_name.endswith(".weight"):
+    router = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.FFN_GATE_INP].split(".")[-1]  # "ffn_gate_inp"
+    if (len(shape) <= 1 or gguf_name.endswith(("_norm.weight", f"{router}.weight"))
+            or not gguf_name.endswith(".weight")):
         return gguf.GGMLQuantizationType.F32
     block_size, _ = gguf.GGML_QUANT_SIZES[requested]
     return requested if shape[-1] % block_size == 0 else gguf.GGMLQuantizationType.F16
 
 
-def _loader(file: Path, hf_name: str, config: dict[str, Any], arch: Architecture) -> Callable[[], np.ndarray]:
+def _loader(files: dict[str, Path], part: TensorPart, config: dict[str, Any],
+            arch: Architecture) -> Callable[[], np.ndarray]:
+    """Reads the part's tensors (each file opened once; only `part.rows` when given) as float32, stacks
+    experts, and applies the architecture's transform."""
+
     def load() -> np.ndarray:
         import torch
         from safetensors import safe_open
 
-        with safe_open(str(file), framework="pt") as handle:
-            data = handle.get_tensor(hf_name).to(torch.float32).numpy()
-        return transform(hf_name, data, config, arch)
+        arrays = []
+        with ExitStack() as stack:
+            handles = {file: stack.enter_context(safe_open(str(file), framework="pt"))
+                       for file in dict.fromkeys(files[name] for name in part.sources)}
+            for name in part.sources:
+                handle = handles[files[name]]
+                data = handle.get_tensor(name) if part.rows is None else handle.get_slice(name)[:, part.rows, :]
+                arrays.append(data.to(torch.float32).numpy())
+        data = np.stack(arrays) if part.stacked else arrays[0]
+        return transform(part.sources[0], data, config, arch)
 
     return load
 
