@@ -186,6 +186,8 @@ def test_kind_flag_overrides_detection(tmp_path, tiny, capsys):
     assert not (tmp_path / "data" / "data_config.json").exists()
 
 
+# slow tier (make test-slow; CI runs it): tokenising processes, ~14 s
+@pytest.mark.slow
 def test_two_tokenising_processes_give_the_same_pairs(tmp_path, tiny):
     import runpy
 

@@ -183,6 +183,8 @@ RENDEZVOUS_WORKER = textwrap.dedent('''
 ''')
 
 
+# slow tier (make test-slow; CI runs it): 8 worker processes importing torch, ~13 s
+@pytest.mark.slow
 def test_four_runs_at_once_all_meet_their_own_peers(tmp_path):
     # Four launches on one machine at the same time, 2 workers each: every launcher owns its port
     # from the moment it is chosen, so no run can take another's or end up in another's group.

@@ -153,6 +153,8 @@ def _agree_worker(rank: int, port: int, values: list[int], queue) -> None:
         dist.teardown()
 
 
+# slow tier (make test-slow; CI runs it): spawned gloo processes, ~9 s
+@pytest.mark.slow
 def test_agree_min_gives_every_rank_the_smallest_measurement():
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

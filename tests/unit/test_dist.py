@@ -69,6 +69,8 @@ def _worker(rank: int, port: int, queue) -> None:
         dist.teardown()
 
 
+# slow tier (make test-slow; CI runs it): spawned gloo processes, ~18 s
+@pytest.mark.slow
 def test_gradient_sync_sums_every_bucket_and_fills_missing_grads():
     ctx = mp.get_context("spawn")
     store = host_store()  # as the launcher does: held here, both ranks join as clients

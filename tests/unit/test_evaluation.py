@@ -172,6 +172,8 @@ def _gloo_worker(rank: int, port: int, queue) -> None:
         dist.teardown()
 
 
+# slow tier (make test-slow; CI runs it): two spawned processes importing torch, ~20 s
+@pytest.mark.slow
 def test_two_processes_get_the_same_loss_as_one(tmp_path):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

@@ -32,6 +32,8 @@ def _ids(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(3, VOCAB, size=n)
 
 
+# slow tier (make test-slow; CI runs it): fp32 passes over a 4,096-token row, ~10-26 s of CPU
+@pytest.mark.slow
 def test_a_sample_of_the_longest_length_is_exact_inside_a_packed_row(lora_model):
     others = [_ids(n, s) for s, n in enumerate([37, 700, 2, 301, 1200])]
     result = packed_vs_alone(lora_model, _ids(MAX_POSITIONS, 99), others)
@@ -62,6 +64,8 @@ def test_the_check_sees_a_leak(lora_model):
     assert abs(leaked - alone) > 1e-3
 
 
+# slow tier (make test-slow; CI runs it): fp32 passes over a 4,096-token row, ~10-26 s of CPU
+@pytest.mark.slow
 def test_controls_separate_rounding_from_a_leak(lora_model):
     """The front row differs from alone by rounding only (here fp32: next to nothing); the row fed as one causal
     sequence differs by a leak, orders of magnitude more, in the loss and in the gradient."""
