@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from gguf_models import CHAT, build_arch_model
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 llama_cpp = pytest.importorskip("llama_cpp")
 pytest.importorskip("gguf")
@@ -87,6 +87,40 @@ def test_llama_cpp_runs_each_architecture(tiny_model_dir, tmp_path, arch):
     measured = compare(model, write_gguf(model, tmp_path / "m.gguf", "f16"))
     print(f"{arch} f16: {measured}")
     check(measured, "f16")
+
+
+def routing_gap_and_f16_shift(model_dir: Path, ids: list[int]) -> tuple[float, float]:
+    """On `ids`: the smallest gap between the k-th and (k+1)-th router probability (k active experts) over every
+    token and layer, and the largest change that rounding the weights to f16 makes to any router probability."""
+    def router_probs(weights: torch.dtype) -> torch.Tensor:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        model.to(weights).to(torch.float32)
+        probs = []
+        for layer in model.model.layers:
+            layer.mlp.gate.register_forward_hook(lambda module, inputs, out: probs.append(out[0].softmax(-1)))
+        with torch.no_grad():
+            model(torch.tensor([ids]))
+        return torch.stack(probs)
+
+    exact, k = router_probs(torch.float32), AutoConfig.from_pretrained(str(model_dir)).num_experts_per_tok
+    ranked = exact.sort(dim=-1, descending=True).values
+    return float((ranked[..., k - 1] - ranked[..., k]).min()), float((router_probs(torch.float16) - exact).abs().max())
+
+
+@pytest.mark.parametrize("gguf_type", ["f32", "f16"])
+def test_llama_cpp_runs_qwen3_moe(tiny_model_dir, tmp_path, gguf_type):
+    """The tiny Qwen3-MoE (4 experts, 2 active per token): llama.cpp's routing and experts give HF's logits."""
+    model = build_arch_model("Qwen3MoeForCausalLM", tmp_path / "moe", tiny_model_dir)
+    # A token whose 2nd and 3rd experts nearly tie can pick the other one under any rounding, and its logits then
+    # jump (measured with experts 64 wide instead of 96: one token, gap 1.5e-4, 3.9% of the range at f16, while
+    # f32 agreed to 0.05%). Here the text's smallest gap exceeds f16's whole change to the router probabilities,
+    # so this measures the export, not a tie.
+    ids = AutoTokenizer.from_pretrained(str(model))(chat_text(model))["input_ids"]
+    gap, shift = routing_gap_and_f16_shift(model, ids)
+    assert gap > shift, f"the router nearly ties on this text (gap {gap:.2e}, f16 shift {shift:.2e})"
+    measured = compare(model, write_gguf(model, tmp_path / "m.gguf", gguf_type))
+    print(f"Qwen3MoeForCausalLM {gguf_type}: {measured}, router gap {gap:.2e}, f16 shift {shift:.2e}")
+    check(measured, gguf_type)
 
 
 UNICODE = ("<|im_start|>user\nCafé naïve — “quotes” 😀🦙 日本語テキスト 123456 3.14 it's I'M they'll\n\n\n  \t x   y\r\n"
