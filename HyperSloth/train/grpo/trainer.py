@@ -164,7 +164,7 @@ class HyperSlothGRPOTrainer(HyperSlothTrainer):
         return self.micro_batches(model, inputs, groups, scored, totals, longest)
 
     def record_completions(self, step: int, rows: list[int], groups: list[list[np.ndarray]], scored) -> None:
-        """Append this rank's completions of the step, their token ids and rewards, to logs/rank{r}.completions.jsonl
+        """Append this rank's completions of the step, their token ids and rewards, to its rank file COMPLETIONS_LOG
         (one line per prompt: what was sampled and how it scored, as TRL's completions table)."""
         g = self.grpo.num_generations
         with run_files.rank_file(self.args.output_dir, self.rank, COMPLETIONS_LOG).open("a") as log:
