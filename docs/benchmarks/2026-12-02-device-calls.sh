@@ -2,13 +2,20 @@
 # 2026-12-02, one H200 (kind nvidia-h200, carry .whl): issue 32's GPU items. Run from the repository root as
 # `bash docs/benchmarks/2026-12-02-device-calls.sh callA`. Records and logs land in $OUT. (Slots with "+" run side
 # by side on separate GPUs: on one GPU name the systems apart, "a,b", or the second gets no GPU.)
+#
+# This session ran callA (the "+" slip, then both systems: records-2026-12-02-moe-moe-short.json), callC
+# (moe_diag + arch_check: arch-check-2026-12-02.json), callD (profiles: the cuDNN masked attention) and started callA
+# again after the fix (patches.enable_unsloth_hf_packed_attention): the device time ran out while it built the
+# checkpoint. Next session, first: callA (the MoE re-measure, ~5 minutes), then the FA4 calls A/B/C of
+# 2026-12-02-fa4-device-calls.sh, then GRPO: `bench --workloads grpo-0.6b --warmup 2 --steps 8
+# --slots hypersloth-1,trl-grpo-64x1,trl-grpo-32x2,trl-grpo-16x4 --tag grpo` (docs/grpo.md).
 source scripts/device_calls_lib.sh  # the GPU environment, $W / $L, el, left, bench, show, pack, ...
 
 callA() {  # MoE speed (item 7): a Qwen3-30B-A3B-shaped model (12 layers, 128 experts, 8 active, bf16) on the short
   # chats: HyperSloth at its defaults (targets read from the model: attention + the fused experts through Unsloth's
   # MoE LoRA path) against stock Unsloth + TRL at its best (32 x 1, checkpointing off, same varlen patch; Unsloth maps
   # gate/up/down_proj onto the experts itself), 3 warm-up + 20 timed steps each (~9 minutes)
-  bench --workloads moe-short --slots hypersloth-1,unsloth-best --tag moe --budget-s $(left 540) \
+  bench --workloads moe-short --slots hypersloth-1,unsloth-best --tag moe-fixed --budget-s $(left 540) \
     > $L/bench.log 2>&1
   el "bench done"; show $L/bench.log
   grep -h "LoRA targets\|LoRA projections\|eager decoder\|CUDA graphs\|budget\|median step\|memory      peak" \
