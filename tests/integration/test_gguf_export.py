@@ -1,7 +1,8 @@
 """`hypersloth-export RUN --gguf TYPE` on a finished tiny-model run (a tiny Qwen3 with a LoRA whose B weights are
 random, so the merge changes the model): OUT/adapter, OUT/merged, OUT/gguf/<run>-<TYPE>.gguf and its Modelfile;
-the GGUF holds the *merged* weights; a wrong type or an architecture llama.cpp cannot run writes nothing.
-With llama-cpp-python importable, llama.cpp also runs the exported file against the merged model."""
+the GGUF holds the *merged* weights; a wrong type or an architecture llama.cpp cannot run writes nothing. The same
+for a tiny Qwen3-MoE whose experts carry adapters (merged into every expert, stacked in the GGUF per layer).
+With llama-cpp-python importable, llama.cpp also runs the exported files against the merged models."""
 
 from __future__ import annotations
 
@@ -20,16 +21,25 @@ gguf = pytest.importorskip("gguf")
 
 from HyperSloth.cli.export import main as export_main  # noqa: E402
 from HyperSloth.config import DataConfig, FastModelArgs, HyperConfig, LoraArgs, TrainingArgsConfig  # noqa: E402
+from HyperSloth.train.lora.targets import resolve_targets  # noqa: E402
+from HyperSloth.train.tiny_model import build_tiny_model  # noqa: E402
 
 CHAT = [{"role": "user", "content": "Name three colours, please."},
         {"role": "assistant", "content": "Red, green and blue."}]
 
 
-def make_run(run_dir: Path, base: Path) -> Path:
-    """A run folder as training leaves it: adapter, tokenizer, hypersloth_config.json."""
+def make_run(run_dir: Path, base: Path, *, experts: bool = False) -> Path:
+    """A run folder as training leaves it: adapter, tokenizer, hypersloth_config.json. `experts`: the targets
+    training resolves for an MoE (its linear layers and the experts' fused parameters), else all-linear."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    if experts:
+        targets = resolve_targets(model, None)
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=list(targets.modules),
+                          target_parameters=list(targets.parameters))
+    else:
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    model = get_peft_model(model, lora)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
@@ -51,6 +61,48 @@ def exported(tiny_model_dir, tmp_path_factory) -> Path:
     out = run.parent / "out"
     export_main([str(run), "--out", str(out), "--gguf", "q8_0", "--dtype", "float32"])
     return out
+
+
+@pytest.fixture(scope="module")
+def exported_moe(tmp_path_factory) -> tuple[Path, Path]:
+    """(base, OUT): one CLI export of a tiny Qwen3-MoE run with adapters on its experts, in f32 from a float32
+    merge, so the GGUF holds the merged weights exactly and llama.cpp's routing meets no rounding."""
+    root = tmp_path_factory.mktemp("moe")
+    base = build_tiny_model(root / "tiny-moe", architecture="qwen3_moe")
+    run = make_run(root / "moe-run", base, experts=True)
+    export_main([str(run), "--out", str(root / "out"), "--gguf", "f32", "--dtype", "float32"])
+    return base, root / "out"
+
+
+def test_the_moe_gguf_holds_every_experts_merged_weights(exported_moe):
+    base, out = exported_moe
+    assert sorted(p.name for p in (out / "gguf").iterdir()) == ["Modelfile", "moe-run-f32.gguf"]
+    reader = gguf.GGUFReader(str(out / "gguf" / "moe-run-f32.gguf"))
+    assert reader.fields["general.architecture"].contents() == "qwen3moe"
+    tensors = {t.name: t for t in reader.tensors}
+    merged = load_file(str(out / "merged" / "model.safetensors"))  # one tensor per expert, as transformers saves
+    before = load_file(str(base / "model.safetensors"))
+    for layer in (0, 1):
+        for proj in ("gate", "up", "down"):
+            names = [f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight" for e in range(4)]
+            tensor = tensors[f"blk.{layer}.ffn_{proj}_exps.weight"]
+            written = np.asarray(tensor.data).reshape(4, *merged[names[0]].shape)
+            np.testing.assert_array_equal(written, np.stack([merged[name] for name in names]))
+            moved = [np.abs(merged[name] - before[name]).max() for name in names]
+            assert min(moved) > 1e-3, (layer, proj, moved)  # each expert's own adapter was folded in
+
+
+def test_llama_cpp_agrees_with_the_merged_moe(exported_moe):
+    pytest.importorskip("llama_cpp")
+    _, out = exported_moe
+    ids, ours = llama_logits(out / "gguf" / "moe-run-f32.gguf", out / "merged")
+    with torch.no_grad():
+        reference = AutoModelForCausalLM.from_pretrained(str(out / "merged")).eval()(torch.tensor([ids])).logits[0]
+    reference = reference.numpy()
+    print(f"MoE LoRA run f32: max |diff| / range {np.abs(ours - reference).max() / np.ptp(reference):.2e}, "
+          f"argmax {(ours.argmax(-1) == reference.argmax(-1)).mean():.3f}")
+    assert np.abs(ours - reference).max() <= 2e-2 * np.ptp(reference)
+    assert (ours.argmax(-1) == reference.argmax(-1)).mean() >= 0.99
 
 
 def test_the_cli_writes_adapter_merged_gguf_and_modelfile(exported):
@@ -95,19 +147,26 @@ def test_an_unsupported_architecture_is_refused_before_the_merge(exported, tiny_
     assert not (tmp_path / "out").exists()
 
 
-def test_llama_cpp_agrees_with_the_merged_model(exported):
-    llama_cpp = pytest.importorskip("llama_cpp")
-    merged = exported / "merged"
+def llama_logits(gguf_file: Path, merged: Path) -> tuple[list[int], np.ndarray]:
+    """The HF tokenizer's ids of the chat (llama.cpp must tokenise it the same) and llama.cpp's logits on them."""
+    import llama_cpp
+
     tokenizer = AutoTokenizer.from_pretrained(str(merged))
     text = tokenizer.apply_chat_template(CHAT, tokenize=False)
     ids = tokenizer(text)["input_ids"]
-    llm = llama_cpp.Llama(str(exported / "gguf" / "run-q8_0.gguf"), n_ctx=256, logits_all=True, verbose=False)
+    llm = llama_cpp.Llama(str(gguf_file), n_ctx=256, logits_all=True, verbose=False)
     try:
         assert llm.tokenize(text.encode(), add_bos=True, special=True) == ids
         llm.eval(ids)
-        ours = np.array(llm.scores[: len(ids)])
+        return ids, np.array(llm.scores[: len(ids)])
     finally:
         llm.close()
+
+
+def test_llama_cpp_agrees_with_the_merged_model(exported):
+    pytest.importorskip("llama_cpp")
+    merged = exported / "merged"
+    ids, ours = llama_logits(exported / "gguf" / "run-q8_0.gguf", merged)
     with torch.no_grad():
         reference = AutoModelForCausalLM.from_pretrained(str(merged)).eval()(torch.tensor([ids])).logits[0].numpy()
     assert (ours.argmax(-1) == reference.argmax(-1)).mean() >= 0.9
