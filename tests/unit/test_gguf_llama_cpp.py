@@ -113,8 +113,8 @@ def test_llama_cpp_runs_qwen3_moe(tiny_model_dir, tmp_path, gguf_type):
     model = build_arch_model("Qwen3MoeForCausalLM", tmp_path / "moe", tiny_model_dir)
     # A token whose 2nd and 3rd experts nearly tie can pick the other one under any rounding, and its logits then
     # jump (measured with experts 64 wide instead of 96: one token, gap 1.5e-4, 3.9% of the range at f16, while
-    # f32 agreed to 0.05%). Here the text's smallest gap exceeds f16's whole change to the router probabilities,
-    # so this measures the export, not a tie.
+    # f32 agreed to 0.05%). Here the text's smallest gap exceeds the largest change rounding the weights to f16
+    # makes to a router probability, so this measures the export, not a tie (docs/export.md, MoE and rounding).
     ids = AutoTokenizer.from_pretrained(str(model))(chat_text(model))["input_ids"]
     gap, shift = routing_gap_and_f16_shift(model, ids)
     assert gap > shift, f"the router nearly ties on this text (gap {gap:.2e}, f16 shift {shift:.2e})"
