@@ -117,6 +117,22 @@ def test_fused_experts_round_trip_split_as_transformers_splits_them(arch_dirs, m
         np.testing.assert_array_equal(values(fused[name]), values(tensor), err_msg=name)
 
 
+def test_experts_spread_over_shards_are_stacked(arch_dirs, tmp_path):
+    """A published MoE checkpoint is sharded, and one layer's experts can sit in several files."""
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(str(arch_dirs[MOE]), dtype=torch.float32).save_pretrained(
+        str(sharded), max_shard_size="100KB")
+    AutoTokenizer.from_pretrained(str(arch_dirs[MOE])).save_pretrained(str(sharded))
+    weight_map = json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"]
+    layer0 = {file for name, file in weight_map.items() if name.startswith("model.layers.0.mlp.experts.")}
+    assert len(layer0) > 1
+    _, tensors = read(write_gguf(sharded, tmp_path / "sharded.gguf", "f32"))
+    _, whole = read(write_gguf(arch_dirs[MOE], tmp_path / "whole.gguf", "f32"))
+    assert sorted(tensors) == sorted(whole)
+    for name, tensor in whole.items():
+        np.testing.assert_array_equal(values(tensors[name]), values(tensor), err_msg=name)
+
+
 def test_the_gguf_experts_compute_what_transformers_experts_compute(moe_fused, tmp_path):
     """llama.cpp's MoE FFN is down @ (silu(gate @ x) * (up @ x)) per expert (build_moe_ffn, LLM_FFN_SILU): from
     the GGUF's three tensors it equals transformers' Qwen3MoeExperts routing every token to that expert."""
