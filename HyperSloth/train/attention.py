@@ -36,6 +36,8 @@ from typing import Any, Protocol
 
 from loguru import logger
 
+from HyperSloth.train.model_config import text_config
+
 ATTENTION_SETTINGS = ("auto", "fa4", "flash", "sdpa")
 # Compute capabilities torch's FA4 registration accepts (torch/nn/attention/_fa4.py, `_fa4_common_support_error`).
 FA4_MAJORS = (9, 10)
@@ -149,7 +151,7 @@ def fa4_installed() -> bool:
 
 def model_head_dims(config: Any) -> tuple[tuple[int, ...], float]:
     """The attention head dims and attention dropout of a transformers config (its text config where it has one)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     head_dim = getattr(text, "head_dim", None)
     if not isinstance(head_dim, int):
         head_dim = int(text.hidden_size) // int(text.num_attention_heads)

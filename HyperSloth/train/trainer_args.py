@@ -18,7 +18,7 @@ from HyperSloth.plan.run import RunDescription, rank_seed
 from HyperSloth.train.collate import packed_row_tokens
 from HyperSloth.train.dist import DistInfo, GradientSync
 from HyperSloth.train.evaluation import Evaluator, eval_callbacks, eval_sft_kwargs
-from HyperSloth.train.lora.targets import num_experts
+from HyperSloth.train.model_config import num_experts
 from HyperSloth.train.model import trainable_parameters
 from HyperSloth.train.plan_loader import PlanSteps
 from HyperSloth.train.step_graph import DecoderGraphs, graph_layout, graph_unavailable, rows_to_capture

@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from HyperSloth.train.model_config import text_config
+
 SAFETY_FRACTION = 0.08  # of the GPU's total memory, left unplanned (fragmentation, allocator slack)
 PROBE_TOKENS = (2048, 8192)  # the two probe sizes the line is fitted through
 VERIFY_TOKENS = 32768  # the largest pass on the linear path (measured: one 131k-token step on 8B + checkpointing, 85 s)
@@ -84,7 +86,7 @@ def longest_does_not_fit(budget_tokens: int, longest_sample: int) -> bool:
 
 def _text_shape(config: Any, *names: str) -> tuple[int, ...] | None:
     """The named sizes of the config's text model (a multimodal config's text part), None if one is missing."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     shape = tuple(getattr(text, name, None) for name in names)
     return shape if all(isinstance(value, int) and value > 0 for value in shape) else None
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from HyperSloth.train.budget import cache as probe_cache
-from HyperSloth.train.lora.targets import num_experts
+from HyperSloth.train.model_config import num_experts
 from HyperSloth.train.budget.choice import (
     ROUND_TO,
     SAFETY_FRACTION,

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from HyperSloth.train.collate import IGNORE_INDEX, collate_packed, packed_row_tokens
+from HyperSloth.train.model_config import text_config
 REFERENCE_ADAPTER = "reference"  # the frozen copy of the initial adapter (init_adapter_path)
 # Target positions per log-prob chunk. The chunk's logits are transient (~2 GB at 151,936 vocab: bf16 logits, their
 # fp32 copy and softmax temporaries), outside what the budget probe measures, so well under its safety margin.
@@ -117,7 +118,7 @@ def _causal_lm(model):
 
 def _head_factors(config) -> tuple[float | None, float]:
     """(final logit soft-cap, logit scale) of the model family (None / 1.0 for most, e.g. Qwen and Llama)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     scale = getattr(text, "logit_scale", None)
     return getattr(text, "final_logit_softcapping", None), 1.0 if scale is None else float(scale)
 

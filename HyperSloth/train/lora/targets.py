@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from HyperSloth.config import ConfigError
+from HyperSloth.train.model_config import num_experts
 
 # A decoder layer's path: "...layers.3." (Llama family, Qwen, Gemma, Phi-3, MoE), "...h.3." (GPT-2 style).
 _LAYER = re.compile(r"(^|\.)(layers|h|blocks)\.\d+\.")
@@ -46,16 +47,6 @@ class LoraTargets:
     def record(self) -> dict[str, Any]:
         return {"source": self.source, "target_modules": list(self.modules),
                 "target_parameters": list(self.parameters)}
-
-
-def num_experts(config: Any) -> int:
-    """The number of routed experts of an MoE config (text config included), 0 for a dense model."""
-    for cfg in (config, getattr(config, "text_config", None)):
-        for attr in ("num_experts", "num_local_experts", "n_routed_experts"):
-            value = getattr(cfg, attr, None) if cfg is not None else None
-            if isinstance(value, int) and value > 1:
-                return value
-    return 0
 
 
 def resolve_targets(model: nn.Module, requested: list[str] | None) -> LoraTargets:

@@ -1,0 +1,25 @@
+"""What a loaded model's transformers config says about its text decoder, read one way everywhere: the text part of a
+multimodal config, and the number of routed experts of a mixture-of-experts one. No torch: the budget's arithmetic
+(budget/choice.py) reads it too."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Where MoE configs keep their routed-expert count: Qwen3-MoE / Qwen2-MoE, Mixtral / gpt-oss, DeepSeek / GLM.
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def text_config(config: Any) -> Any:
+    """The config of the text model: a multimodal config's text part (`get_text_config`), else the config itself."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def num_experts(config: Any) -> int:
+    """The number of routed experts of an MoE config (its text config included), 0 for a dense model or None."""
+    for cfg in (config, getattr(config, "text_config", None)):
+        for attr in _EXPERT_COUNTS:
+            value = getattr(cfg, attr, None) if cfg is not None else None
+            if isinstance(value, int) and value > 1:
+                return value
+    return 0
