@@ -171,3 +171,24 @@ def test_our_lora_passes_step_aside_for_an_moe_layer_naming_why():
 
     model = get_peft_model(tiny("qwen3_moe"), LoraConfig(r=2, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
     assert install_lora_passes(model) == "layer 0 mlp is a mixture of experts (its adapters run on Unsloth's MoE LoRA path)"
+
+
+@pytest.mark.parametrize("name, config_class, extra, dense_mlp", [
+    ("qwen2_moe", "Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=64, decoder_sparse_step=1), True),
+    ("mixtral", "MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2), False),
+    ("olmoe", "OlmoeConfig", dict(num_experts=4, num_experts_per_tok=2), False),
+])
+def test_other_moe_families_get_their_experts_and_shared_experts_but_no_gate(name, config_class, extra, dense_mlp):
+    """Qwen2-MoE's shared expert is a plain MLP (adapted) beside a one-output shared_expert_gate (not adapted)."""
+    import transformers
+
+    config = getattr(transformers, config_class)(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, eos_token_id=1, bos_token_id=None, **extra)
+    torch.manual_seed(0)
+    targets = resolve_targets(transformers.AutoModelForCausalLM.from_config(config), None)
+    mlp = {"gate_proj", "up_proj", "down_proj"} if dense_mlp else set()
+    assert set(targets.modules) == {"q_proj", "k_proj", "v_proj", "o_proj"} | mlp, name
+    assert targets.parameters == ("mlp.experts.down_proj", "mlp.experts.gate_up_proj"), name
+    assert "shared_expert_gate" not in targets.modules and "gate" not in targets.modules
