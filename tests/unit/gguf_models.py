@@ -3,6 +3,7 @@ for tests/unit/test_gguf*.py (a helper module, not a test file)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -35,12 +36,14 @@ def tiny_config(architecture: str):
     return classes[architecture](**SHAPE)
 
 
-def build_arch_model(architecture: str, out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
-    """Save a random `architecture` model (std 0.1, biases and norms random too) + the tokenizer to `out`."""
+def build_arch_model(architecture: str, out: Path, tokenizer_dir: Path, seed: int = 0,
+                     special_ids: tuple[int | None, int, int | None] = (None, 2, 0)) -> Path:
+    """Save a random `architecture` model (std 0.1, biases and norms random too) + the tokenizer to `out`;
+    `special_ids`: the tokenizer's BOS, EOS, PAD (the tiny tokenizer's by default)."""
     torch.manual_seed(seed)
     config = tiny_config(architecture)
     config.architectures = [architecture]
-    config.bos_token_id, config.eos_token_id, config.pad_token_id = None, 2, 0  # the tiny tokenizer's
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = special_ids
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -50,3 +53,55 @@ def build_arch_model(architecture: str, out: Path, tokenizer_dir: Path, seed: in
     model.save_pretrained(str(out), safe_serialization=True)
     AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(out))
     return out
+
+
+SPM_SPECIALS = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]")
+SPM_IDS = (1, 2, None)  # BOS, EOS, PAD of the SentencePiece-style tokenizer
+MISTRAL_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }}[/INST]"
+                    "{% elif m['role'] == 'assistant' %} {{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
+
+
+def build_spm_tokenizer(out: Path, vocab_size: int = 512) -> Path:
+    """A SentencePiece-style tokenizer as Mistral v0.3's tokenizer.json is (BPE with byte_fallback, a Metaspace
+    "▁" pre-tokenizer prepended to the first word, `<0xXX>` byte tokens after the specials, `<s>` added in front,
+    the `[INST]` chat template), trained on data/sample_chat.jsonl's messages; saved to `out`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from HyperSloth.train.tiny_model import DEFAULT_DATA_PATH, read_messages
+
+    def configured(model) -> Tokenizer:
+        backend = Tokenizer(model)
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+        backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                             decoders.Strip(" ", 1, 0)])
+        return backend
+
+    texts = [message["content"] for messages in read_messages(DEFAULT_DATA_PATH) for message in messages]
+    trained = configured(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    trained.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size - 256, show_progress=False,
+                                                           special_tokens=list(SPM_SPECIALS)))
+    merges = [tuple(merge) for merge in json.loads(trained.to_str())["model"]["merges"]]  # [left, right] pairs
+    learned = sorted(trained.get_vocab().items(), key=lambda item: item[1])
+    pieces = [text for text, _ in learned if text not in SPM_SPECIALS]
+    vocab = {text: index for index, text in enumerate([*SPM_SPECIALS, *(f"<0x{b:02X}>" for b in range(256)), *pieces])}
+    backend = configured(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    backend.add_special_tokens(list(SPM_SPECIALS))
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B:1",
+                                                           special_tokens=[("<s>", 1)])
+    PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                            chat_template=MISTRAL_TEMPLATE, clean_up_tokenization_spaces=False).save_pretrained(out)
+    return out
+
+
+def gemma_style(tokenizer_dir: Path) -> Path:
+    """The tokenizer of `tokenizer_dir` (build_spm_tokenizer's) rewritten as transformers' GemmaTokenizer builds
+    Gemma 3's: spaces replaced by "▁" in a normalizer, none prepended, a split on " " (a no-op after it)."""
+    path = tokenizer_dir / "tokenizer.json"
+    spec = json.loads(path.read_text())
+    spec["normalizer"] = {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}
+    spec["pre_tokenizer"] = {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious",
+                             "invert": False}
+    spec["decoder"]["decoders"] = [step for step in spec["decoder"]["decoders"] if step["type"] != "Strip"]
+    path.write_text(json.dumps(spec))
+    return tokenizer_dir

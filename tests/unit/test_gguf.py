@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf_models import build_arch_model
+from gguf_models import SPM_IDS, SPM_SPECIALS, build_arch_model, build_spm_tokenizer
 from safetensors.numpy import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -23,6 +23,7 @@ from HyperSloth.outputs.export import ExportError  # noqa: E402
 from HyperSloth.outputs.gguf import architectures, export_gguf, write_gguf  # noqa: E402
 from HyperSloth.outputs.gguf.experts import tensor_parts  # noqa: E402
 from HyperSloth.outputs.gguf.modelfile import chat_format, modelfile_text  # noqa: E402
+from HyperSloth.outputs.gguf.spm_vocab import space_prefix  # noqa: E402
 from HyperSloth.outputs.gguf.vocab import QWEN2_REGEX, pre_tokenizer_name  # noqa: E402
 from HyperSloth.outputs.gguf.writer import tensor_type  # noqa: E402
 
@@ -216,6 +217,54 @@ def test_hyperparameters_and_the_whole_tokenizer_are_written(tiny_model_dir, tmp
     assert fields["tokenizer.chat_template"] == tokenizer.chat_template
 
 
+def test_a_sentencepiece_style_tokenizer_is_written_as_llama_cpp_spm(tmp_path):
+    """Mistral v0.3's kind of tokenizer.json (BPE + byte_fallback, Metaspace): llama.cpp's `llama` vocabulary, each
+    token scored by its merge's rank (llama.cpp merges the best-scored pair first), bytes as BYTE tokens."""
+    model = build_arch_model("MistralForCausalLM", tmp_path / "mistral", build_spm_tokenizer(tmp_path / "spm"),
+                             special_ids=SPM_IDS)
+    fields, tensors = read(write_gguf(model, tmp_path / "m.gguf", "f32"))
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    assert fields["tokenizer.ggml.model"] == "llama" and fields["tokenizer.ggml.pre"] == "default"
+    by_id = {index: text for text, index in tokenizer.get_vocab().items()}
+    tokens = fields["tokenizer.ggml.tokens"]
+    assert tokens == [by_id[i] for i in range(512)] and tokens[5:261] == [f"<0x{b:02X}>" for b in range(256)]
+    types = fields["tokenizer.ggml.token_type"]
+    assert types[:5] == [gguf.TokenType.CONTROL] * len(SPM_SPECIALS)  # [INST] too, though not in all_special_ids
+    assert set(types[5:261]) == {gguf.TokenType.BYTE} and set(types[261:]) == {gguf.TokenType.NORMAL}
+    merges = json.loads((model / "tokenizer.json").read_text())["model"]["merges"]
+    scores = dict(zip(tokens, fields["tokenizer.ggml.scores"]))
+    first_rank = {}
+    for rank, (left, right) in enumerate(merges):
+        first_rank.setdefault(left + right, rank)
+    assert {token: -scores[token] for token in first_rank} == first_rank and len(first_rank) > 150
+    assert {scores[token] for token in tokens if token not in first_rank} == {0.0}
+    assert "tokenizer.ggml.merges" not in fields and fields["tokenizer.ggml.add_space_prefix"] is True
+    assert [fields[f"tokenizer.ggml.{key}_token_id"] for key in ("bos", "eos", "unknown")] == [1, 2, 0]
+    assert fields["tokenizer.ggml.add_bos_token"] is True and fields["tokenizer.ggml.add_eos_token"] is False
+    assert fields["tokenizer.chat_template"] == tokenizer.chat_template
+    expected = expected_tensors(model, "MistralForCausalLM")
+    assert set(tensors) == set(expected)
+    assert all(np.array_equal(values(tensors[name]), data) for name, data in expected.items())
+
+
+def test_the_space_prefix_of_a_sentencepiece_style_tokenizer():
+    def metaspace(**options):
+        return {"pre_tokenizer": {"type": "Metaspace", "replacement": "▁", "split": False, **options}}
+
+    replace = {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}
+    assert space_prefix(metaspace(prepend_scheme="first")) is True  # Mistral v0.3
+    assert space_prefix(metaspace(prepend_scheme="never")) is False
+    assert space_prefix({"normalizer": replace}) is False  # Gemma: spaces replaced, none prepended
+    inert_split = {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious", "invert": False}
+    assert space_prefix({"normalizer": replace, "pre_tokenizer": inert_split}) is False  # as GemmaTokenizer loads it
+    prepend = {"type": "Prepend", "prepend": "▁"}  # Llama 2, Mistral v0.1
+    assert space_prefix({"normalizer": {"type": "Sequence", "normalizers": [prepend, replace]}}) is True
+    with pytest.raises(ExportError, match="pre-tokenizer Metaspace with split"):
+        space_prefix(metaspace(split=True))  # one word at a time: llama.cpp merges across spaces
+    with pytest.raises(ExportError, match="and a NFKC normalizer"):
+        space_prefix({**metaspace(prepend_scheme="first"), "normalizer": {"type": "NFKC"}})
+
+
 def test_the_pre_tokenizer_is_the_loaded_tokenizers(arch_dirs, tmp_path):
     """The same tokenizer.json next to a qwen2 config loads as Qwen2Tokenizer, with Qwen's regex (transformers 5):
     the GGUF must name the split HF really uses."""
@@ -277,8 +326,8 @@ def test_pre_tokenizer_named_from_the_regex():
     other["pretokenizers"][0]["pattern"]["Regex"] = r"\p{N}{1,2}|\s+"
     with pytest.raises(ExportError, match=r"regex '\\\\p\{N\}\{1,2\}\|\\\\s\+' is none of those llama.cpp knows"):
         pre_tokenizer_name({**byte_level, "pre_tokenizer": other})
-    with pytest.raises(ExportError, match="byte_fallback.*SentencePiece"):
-        pre_tokenizer_name({"model": {"type": "BPE", "byte_fallback": True}, "decoder": {"type": "Sequence"}})
+    with pytest.raises(ExportError, match="SentencePiece-style BPE with byte_fallback.*this one is a Unigram model"):
+        pre_tokenizer_name({"model": {"type": "Unigram"}, "decoder": {"type": "Metaspace"}})
 
 
 def test_tensor_types_follow_llama_cpp_converter():

@@ -7,6 +7,7 @@ tokens USER_DEFINED, ids the tokenizer lacks up to config.vocab_size `[PAD{i}]` 
 and the chat template come from the `gguf` package's SpecialVocab. llama.cpp's converter names the pre-tokenizer
 by hashing the tokens of a probe text against known models, which fails for a tokenizer trained locally (our
 tiny model's); here it is named from the loaded tokenizer's own regex, one of the three below, else refused.
+A SentencePiece-style tokenizer (BPE with byte_fallback: Mistral v0.3, Gemma 3) is written by spm_vocab.py.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from HyperSloth.outputs.export import ExportError
+from HyperSloth.outputs.gguf.spm_vocab import add_spm_tokenizer, is_sentencepiece_style
 
 # The regexes as tokenizer.json spells them (the "original regex" comments of llama-vocab.cpp) -> llama.cpp's name.
 GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -36,6 +38,9 @@ def add_tokenizer(writer, model_dir: Path, vocab_size: int) -> None:
     # The tokenizer as loaded, not tokenizer.json as saved: transformers 5 picks the class from config.json's
     # model_type, and Qwen2Tokenizer replaces a saved ByteLevel pre-tokenizer with Qwen's regex (measured).
     spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    if is_sentencepiece_style(spec):
+        add_spm_tokenizer(writer, model_dir, tokenizer, spec, vocab_size, added_special_tokens(tokenizer))
+        return
     pre = pre_tokenizer_name(spec)
     tokens, types = token_list(tokenizer, vocab_size)
     writer.add_tokenizer_model("gpt2")
@@ -54,10 +59,10 @@ def pre_tokenizer_name(spec: dict[str, Any]) -> str:
     """llama.cpp's name for the regex a byte-level BPE tokenizer.json splits text with; ExportError otherwise."""
     model = spec.get("model", {})
     if model.get("type") != "BPE" or model.get("byte_fallback") or (spec.get("decoder") or {}).get("type") != "ByteLevel":
-        raise ExportError("--gguf writes byte-level BPE tokenizers (GPT-2 style: Qwen, Llama 3, the tiny model); this "
-                          f"one is a {model.get('type')} model{' with byte_fallback' if model.get('byte_fallback') else ''} "
-                          "(SentencePiece style, e.g. Mistral v0.3, Gemma): convert OUT/merged with llama.cpp's "
-                          "convert_hf_to_gguf.py instead")
+        raise ExportError("--gguf writes byte-level BPE tokenizers (GPT-2 style: Qwen, Llama 3, the tiny model) and "
+                          "SentencePiece-style BPE with byte_fallback (Mistral v0.3, Gemma 3); this one is a "
+                          f"{model.get('type')} model: convert OUT/merged with llama.cpp's convert_hf_to_gguf.py "
+                          "instead")
     regex = _split_regex(spec.get("pre_tokenizer") or {})
     if regex not in PRE_TOKENIZERS:
         raise ExportError(f"the tokenizer's pre-tokenizer regex {regex!r} is none of those llama.cpp knows by name here "
