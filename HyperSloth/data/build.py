@@ -440,10 +440,7 @@ def compute_stats(built: datasets.Dataset, collected: Collected, statuses: Count
     trainable = np.asarray(built["num_trainable"][:], dtype=np.int64)
     return {
         "total_tokens": int(lengths.sum()),
-        "mean_tokens": round(float(lengths.mean()), 2),
-        "p50_tokens": int(np.percentile(lengths, 50, method="nearest")),
-        "p95_tokens": int(np.percentile(lengths, 95, method="nearest")),
-        "max_tokens": int(lengths.max()),
+        **summary.length_stats(lengths),
         "trainable_tokens": int(trainable.sum()),
         "fraction_trainable": round(float(trainable.sum() / lengths.sum()), 4),
         "truncated": statuses["truncated"],

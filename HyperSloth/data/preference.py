@@ -37,6 +37,7 @@ from HyperSloth.data import masking
 from HyperSloth.data.formats import RecordError
 from HyperSloth.data.pairs import PAIR_SKIP_REASONS, Pair
 from HyperSloth.data.records import SHOW_EXAMPLES, Collected
+from HyperSloth.data.summary import length_stats
 
 #: The stored columns (docs/dpo.md): `length` is the pair's packed tokens, prompt counted twice.
 COLUMNS: tuple[str, ...] = (
@@ -218,10 +219,7 @@ def compute_stats(kept: datasets.Dataset, collected: Collected, statuses: Counte
     trainable = int((chosen + rejected).sum())
     return {
         "total_tokens": int(pair.sum()),
-        "mean_tokens": round(float(sequences.mean()), 2),
-        "p50_tokens": int(np.percentile(sequences, 50, method="nearest")),
-        "p95_tokens": int(np.percentile(sequences, 95, method="nearest")),
-        "max_tokens": int(sequences.max()),
+        **length_stats(sequences),
         "mean_pair_tokens": round(float(pair.mean()), 2),
         "max_pair_tokens": int(pair.max()),
         "mean_prompt_tokens": round(float(prompt.mean()), 2),

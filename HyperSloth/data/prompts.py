@@ -28,6 +28,7 @@ import numpy as np
 from HyperSloth.data import formats, masking, records
 from HyperSloth.data.formats import DataInputError, RawRecord, RecordError
 from HyperSloth.data.records import SHOW_EXAMPLES, Collected
+from HyperSloth.data.summary import length_stats
 
 PROMPT_KIND = "prompt"
 COLUMNS: tuple[str, ...] = ("prompt_input_ids", "prompt_length", "length", "num_trainable", "prompt_json",
@@ -126,10 +127,7 @@ def compute_stats(kept: datasets.Dataset, collected: Collected, statuses: Counte
     lengths = np.asarray(kept["prompt_length"][:], dtype=np.int64)
     return {
         "total_tokens": int(lengths.sum()),
-        "mean_tokens": round(float(lengths.mean()), 2),
-        "p50_tokens": int(np.percentile(lengths, 50, method="nearest")),
-        "p95_tokens": int(np.percentile(lengths, 95, method="nearest")),
-        "max_tokens": int(lengths.max()),
+        **length_stats(lengths),
         "reward_columns": sorted({k for row in kept["columns_json"][:] for k in json.loads(row)}),
         "dropped_prompt_too_long": statuses["dropped_prompt_too_long"],
         "overlength_examples": {k: v for k, v in collected.overlength.items() if v},

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from loguru import logger
 
 from HyperSloth.data import masking
@@ -18,6 +19,15 @@ from HyperSloth.data.records import SHOW_EXAMPLES, Collected
 if TYPE_CHECKING:
     import datasets
 
+
+def length_stats(lengths: np.ndarray) -> dict[str, Any]:
+    """Mean, median, 95th percentile (nearest rank) and longest of token lengths: what every build's summary reports."""
+    return {
+        "mean_tokens": round(float(lengths.mean()), 2),
+        "p50_tokens": int(np.percentile(lengths, 50, method="nearest")),
+        "p95_tokens": int(np.percentile(lengths, 95, method="nearest")),
+        "max_tokens": int(lengths.max()),
+    }
 
 def origin(row: dict[str, Any]) -> str:
     """Where a sample comes from: its source location, and which reply it trains if not all."""
