@@ -277,6 +277,16 @@ def parse_slots(text: str) -> list[list[str]]:
     return slots
 
 
+def check_slot_gpus(slots: list[list[str]], num_gpus: int) -> None:
+    """The systems of a slot ("a+b") run side by side, each on GPUs of its own: SystemExit when a slot needs more
+    GPUs than --num-gpus (on one GPU, "a+b" gave b no GPU and it failed with 'needs CUDA'; write "a,b")."""
+    for slot in slots:
+        need = sum(SYSTEMS[name]["gpus"] for name in slot)
+        if need > num_gpus:
+            raise SystemExit(f"slot {'+'.join(slot)} runs its systems side by side on {need} GPUs, but --num-gpus is "
+                             f"{num_gpus}: write them as separate slots ({','.join(slot)}) to run one after another")
+
+
 def check_pairing(workloads: list[str], slots: list[list[str]]) -> None:
     """DPO systems (trl-dpo-*) run only the pair workloads (dpo-*), GRPO systems (trl-grpo-*) only the prompt
     workloads (grpo-*), SFT stock systems only the others; hypersloth-N runs all. SystemExit naming the mismatch,
@@ -384,6 +394,7 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown workloads {unknown}; known: {sorted(WORKLOADS)}")
     slots = parse_slots(a.slots)
+    check_slot_gpus(slots, a.num_gpus)
     check_pairing(workloads, slots)
     build_checkpoints(sorted({WORKLOADS[w].model for w in workloads}), a)
     Path(a.out).mkdir(parents=True, exist_ok=True)

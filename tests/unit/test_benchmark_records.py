@@ -63,3 +63,14 @@ def test_a_hypersloth_run_stopped_for_time_after_its_training_ended_is_recorded(
     # a summary without every rank's final record is not a finished run
     (out / "logs" / "rank0.final.json").unlink()
     assert benchmark.salvage_timed_out("hypersloth-1", tmp_path, launched) is None
+
+
+def test_a_slot_that_needs_more_gpus_than_there_are_is_refused_before_anything_runs():
+    """"a+b" runs a and b side by side on GPUs of their own: on one GPU the second got none (2026-12-02, callA)."""
+    benchmark.check_slot_gpus(benchmark.parse_slots("hypersloth-1,unsloth-best"), num_gpus=1)
+    benchmark.check_slot_gpus(benchmark.parse_slots("unsloth-best+hypersloth-1"), num_gpus=2)
+    with pytest.raises(SystemExit, match=r"slot unsloth-best\+hypersloth-1 runs its systems side by side on 2 GPUs, "
+                                         r"but --num-gpus is 1: write them as separate slots"):
+        benchmark.check_slot_gpus(benchmark.parse_slots("unsloth-best+hypersloth-1"), num_gpus=1)
+    with pytest.raises(SystemExit, match="hypersloth-2 runs its systems side by side on 2 GPUs"):
+        benchmark.check_slot_gpus(benchmark.parse_slots("hypersloth-2"), num_gpus=1)
