@@ -113,13 +113,10 @@ def run_trl_grpo(a, *, max_len: int, lr: float, seed: int, projections: list[str
     import torch
     from datasets import load_from_disk
     from trl import GRPOConfig, GRPOTrainer
-    from unsloth import FastLanguageModel
+    from bench_stock import stock_lora_model  # scripts/ is on sys.path
 
-    model, tok = FastLanguageModel.from_pretrained(a.checkpoint, max_seq_length=max_len, dtype=torch.bfloat16,
-                                                   load_in_4bit=False, device_map={"": 0})
-    model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, lora_dropout=0, bias="none",
-                                             target_modules=projections, random_state=seed,
-                                             use_gradient_checkpointing=a.gc)
+    model, tok = stock_lora_model(a.checkpoint, max_seq_length=max_len, projections=projections, seed=seed,
+                                  gradient_checkpointing=a.gc)
     args = GRPOConfig(output_dir=str(Path(a.work) / f"out_{a.system}"), per_device_train_batch_size=a.micro,
                       gradient_accumulation_steps=a.accum, max_steps=a.steps, learning_rate=lr,
                       lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch_fused", logging_steps=1,

@@ -70,7 +70,7 @@ def run_stock_unsloth(a) -> dict | None:
     import torch
     from datasets import load_from_disk
     from trl import SFTConfig, SFTTrainer
-    from unsloth import FastLanguageModel
+    from bench_stock import stock_lora_model  # scripts/ is on sys.path
 
     from HyperSloth.train.patches import enable_unsloth_torch_varlen, pad_unsloth_loss_rows
 
@@ -80,11 +80,8 @@ def run_stock_unsloth(a) -> dict | None:
     local = int(os.environ.get("LOCAL_RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     w = workload_of(a.workload, a.long_tokens)
-    model, tok = FastLanguageModel.from_pretrained(a.checkpoint, max_seq_length=w.max_len, dtype=torch.bfloat16,
-                                                   load_in_4bit=w.four_bit, device_map={"": local})
-    model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, lora_dropout=0, bias="none",
-                                             target_modules=PROJECTIONS, random_state=SEED,
-                                             use_gradient_checkpointing=a.gc)
+    model, tok = stock_lora_model(a.checkpoint, max_seq_length=w.max_len, projections=PROJECTIONS, seed=SEED,
+                                  gradient_checkpointing=a.gc, load_in_4bit=w.four_bit, device=local)
     clock = _clock()
     out = Path(a.work) / f"out_{a.system}"
     callbacks = [clock]

@@ -21,13 +21,10 @@ PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def stock(path: str):
-    import torch
-    from unsloth import FastLanguageModel
+    from bench_stock import stock_lora_model
 
-    model, _ = FastLanguageModel.from_pretrained(path, max_seq_length=4096, dtype=torch.bfloat16, load_in_4bit=False)
-    return FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, lora_dropout=0, bias="none",
-                                            target_modules=PROJECTIONS, random_state=3407,
-                                            use_gradient_checkpointing=False)
+    return stock_lora_model(path, max_seq_length=4096, projections=PROJECTIONS, seed=3407,
+                            gradient_checkpointing=False)[0]
 
 
 def ours(path: str, mlp_names: bool):

@@ -74,3 +74,33 @@ def test_a_slot_that_needs_more_gpus_than_there_are_is_refused_before_anything_r
         benchmark.check_slot_gpus(benchmark.parse_slots("unsloth-best+hypersloth-1"), num_gpus=1)
     with pytest.raises(SystemExit, match="hypersloth-2 runs its systems side by side on 2 GPUs"):
         benchmark.check_slot_gpus(benchmark.parse_slots("hypersloth-2"), num_gpus=1)
+
+
+def test_every_stock_runner_loads_the_same_lora_model(monkeypatch):
+    """bench_stock.stock_lora_model: the one load of the stock baselines (SFT, DPO, GRPO, moe_diag), checked with a
+    stand-in for Unsloth's FastLanguageModel (no GPU here)."""
+    import bench_stock
+
+    calls = []
+
+    class FakeFastLanguageModel:
+        @staticmethod
+        def from_pretrained(name, **kwargs):
+            calls.append(("from_pretrained", name, kwargs))
+            return "model", "tokenizer"
+
+        @staticmethod
+        def get_peft_model(model, **kwargs):
+            calls.append(("get_peft_model", model, kwargs))
+            return "peft model"
+
+    monkeypatch.setitem(sys.modules, "unsloth", types.SimpleNamespace(FastLanguageModel=FakeFastLanguageModel))
+    got = bench_stock.stock_lora_model("ckpt", max_seq_length=4096, projections=["q_proj"], seed=7,
+                                       gradient_checkpointing="unsloth", load_in_4bit=True, device=1)
+    assert got == ("peft model", "tokenizer")
+    (_, name, load), (_, base, peft) = calls
+    assert (name, base, load["load_in_4bit"], load["device_map"], load["max_seq_length"]) == (
+        "ckpt", "model", True, {"": 1}, 4096)
+    assert str(load["dtype"]) == "torch.bfloat16"
+    assert peft == dict(r=16, lora_alpha=16, lora_dropout=0, bias="none", target_modules=["q_proj"], random_state=7,
+                        use_gradient_checkpointing="unsloth")
