@@ -143,16 +143,12 @@ def max_diffs(got, ref) -> list[float]:
     return [float((a.float() - b.float()).abs().max()) for a, b in zip(got, ref)]
 
 
-def milliseconds(torch, fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+def milliseconds(fn, reps: int) -> float:
+    """The median of attn_bench's CUDA-event timings of `fn`, in milliseconds."""
+    from attn_bench import time_ms  # scripts/ is on sys.path when this file runs
+
+    times = sorted(time_ms(fn, reps))
+    return times[len(times) // 2]
 
 
 def graphed(torch, step, inputs):
@@ -187,11 +183,11 @@ def run(a: argparse.Namespace) -> dict:
     flash = {"lean": lean(*args), "shim": shim(*args)}
     reference = fp32_reference(torch, q, k, v, a.lengths, scale, grad)
     noise = max_diffs(flash["lean"], reference)
-    bundled_ms = milliseconds(torch, lambda: lean(*args), a.reps)
+    bundled_ms = milliseconds(lambda: lean(*args), a.reps)
     try:
         replay, _ = graphed(torch, lambda *t: lean(torch, *t[:3], t[3], max_len, scale, t[4]),
                             [t.clone() for t in (q, k, v, cu, grad)])
-        record["bundled_graphed_ms"] = milliseconds(torch, replay, a.reps)
+        record["bundled_graphed_ms"] = milliseconds(replay, a.reps)
     except Exception as err:
         record["bundled_graph_error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
     started = time.perf_counter()
@@ -210,7 +206,7 @@ def run(a: argparse.Namespace) -> dict:
         checks[path] = {"calls": dict(calls) if calls is not None else "not countable", "reached_fa4": reached,
                         "max_diff": diffs, "bf16_noise": noise,
                         "ok": reached and all(within(d, n, s) for d, n, s in zip(diffs, noise, scales))}
-    fa4_ms = milliseconds(torch, lambda: lean(*args), a.reps)
+    fa4_ms = milliseconds(lambda: lean(*args), a.reps)
     record.update(checks=checks, bundled_ms=bundled_ms, fa4_ms=fa4_ms)
     record.update(graph_check(torch, a, args, noise))
     record["ran"] = all(c["reached_fa4"] for c in checks.values())
@@ -235,7 +231,7 @@ def graph_check(torch, a, args, noise) -> dict:
     eager = lean(torch, *new[:3], new[3], max_len, scale, new[4])
     diffs = max_diffs(outputs, eager)
     scales = [float(t.float().abs().max()) for t in eager]
-    graphed_ms = milliseconds(torch, replay, a.reps)
+    graphed_ms = milliseconds(replay, a.reps)
     return {"graph_max_diff": diffs, "graph_ok": all(within(d, n, s) for d, n, s in zip(diffs, noise, scales)),
             "fa4_graphed_ms": graphed_ms}
 
