@@ -110,7 +110,7 @@ def _load_unsloth(fast: FastModelArgs, lora: LoraArgs | None, dtype: torch.dtype
     elif lora is not None:
         targets = _targets(model, lora)
         model = _unsloth_lora(FastLanguageModel, model, fast, lora, targets)
-        _log_targets(model, targets, record if record is not None else {})
+        _log_targets(model, targets, record)
     _allow_packed_rows(model)
     if lora is not None:
         stamps["adapter"] = time.time()
@@ -185,12 +185,12 @@ def _load_transformers(fast: FastModelArgs, lora: LoraArgs | None, dtype: torch.
     stamps["model_load"] = time.time()
     if lora is None:
         return model, tokenizer
-    model = _attach_peft(model, lora, record if record is not None else {})
+    model = _attach_peft(model, lora, record)
     stamps["adapter"] = time.time()
     return model, tokenizer
 
 
-def _attach_peft(model, lora: LoraArgs, record: dict[str, Any]):
+def _attach_peft(model, lora: LoraArgs, record: dict[str, Any] | None = None):
     from peft import LoraConfig, PeftModel, get_peft_model
 
     if lora.init_adapter_path:
@@ -222,10 +222,12 @@ def _targets(model, lora: LoraArgs) -> LoraTargets:
     return targets
 
 
-def _log_targets(model, targets: LoraTargets, record: dict[str, Any]) -> None:
+def _log_targets(model, targets: LoraTargets, record: dict[str, Any] | None) -> None:
+    """One log line on what got adapters; its record goes into `record` when the caller keeps one."""
     line, described = describe_targets(model, targets)
     logger.info(line)
-    record.update(described)
+    if record is not None:
+        record.update(described)
 
 
 def _no_router_loss(model) -> None:
