@@ -159,17 +159,18 @@ def check_expert_settings(targets: LoraTargets, lora_dropout: float) -> None:
 
 def describe(model: nn.Module, targets: LoraTargets) -> tuple[str, dict[str, Any]]:
     """One log line and its record: how many modules and expert tensors got adapters, the trainable share."""
-    wrapped = [m for _, m in model.named_modules() if hasattr(m, "lora_A") and not hasattr(m, "parameter_name")]
-    param_wrapped = [m for _, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "parameter_name")]
+    # PEFT's ParamWrapper (an expert tensor's adapter) names its parameter; a module's adapter does not.
+    on_tensor = [hasattr(m, "parameter_name") for _, m in model.named_modules() if hasattr(m, "lora_A")]
+    modules, tensors = on_tensor.count(False), on_tensor.count(True)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(_numel(p) for p in model.parameters())
     share = trainable / total if total else 0.0
     what = "from the model" if targets.source == "model" else "from lora_args.target_modules"
     experts = (f" + experts {', '.join(targets.parameters)}" if targets.parameters else "")
     line = (f"LoRA targets ({what}): {', '.join(targets.modules) or 'no linear layer'}{experts} -> "
-            f"{len(wrapped)} modules, {len(param_wrapped)} expert tensors; trainable {trainable:,} of {total:,} "
+            f"{modules} modules, {tensors} expert tensors; trainable {trainable:,} of {total:,} "
             f"parameters ({100 * share:.3g}%)")
-    record = {**targets.record(), "adapted_modules": len(wrapped), "adapted_expert_tensors": len(param_wrapped),
+    record = {**targets.record(), "adapted_modules": modules, "adapted_expert_tensors": tensors,
               "trainable_parameters": trainable, "trainable_share": round(share, 8)}
     return line, record
 
