@@ -246,6 +246,10 @@ def settle_attention(description, loaded_model, longest_sample: int,
     choice = resolve_attention(requested, gather_facts(description, loaded_model, longest_sample))
     if choice.kernel == "fa4":
         fa4_cache_env(cache_dir())  # before flash_attn.cute is imported: its cache reads them at import
+        if registry is None:
+            from HyperSloth.train.fa4_kernels import route_torch_fa4_here
+
+            route_torch_fa4_here()  # torch's FA4 entry unpacks fewer values than flash-attn-4 4.0.0b3x returns
     choice = apply_attention(choice, registry if registry is not None else torch_registry())
     (logger.warning if requested == "fa4" and choice.kernel != "fa4" else logger.info)(choice.line())
     return choice

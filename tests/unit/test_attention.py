@@ -234,3 +234,38 @@ def test_the_stock_rows_record_what_unsloths_own_rule_chose(monkeypatch):
     assert bench_systems.unsloth_attention()["kernel"] == "fa4"
     monkeypatch.setitem(sys.modules, "unsloth.utils.flash_impl", None)  # an Unsloth without the switch
     assert bench_systems.unsloth_attention()["reason"] == "this Unsloth has no flash-impl switch"
+
+
+def test_torch_fa4_entry_unpacks_what_newer_flash_attn_4_wheels_return(monkeypatch):
+    """flash-attn-4 4.0.0b36 returns five values forward and four backward (with a sink); torch's FA4 entry
+    unpacks two and three. Routed through HyperSloth.train.fa4_kernels, torch's own run functions get theirs."""
+    torch = pytest.importorskip("torch")
+    fa4 = pytest.importorskip("torch.nn.attention._fa4")
+    from torch.nn.attention import _registry
+
+    from HyperSloth.train import fa4_kernels
+
+    out, lse, dq, dk, dv = (torch.full((2,), float(i)) for i in range(5))
+    calls = []
+
+    def fwd(q, k, v, **kwargs):
+        calls.append(("fwd", kwargs["return_lse"], kwargs["cu_seqlens_q"]))
+        return out, lse, None, None, None
+
+    def bwd(q, k, v, o, do, lse_, **kwargs):
+        calls.append(("bwd", kwargs["causal"]))
+        return dq, dk, dv, torch.zeros(1)
+
+    monkeypatch.setitem(sys.modules, fa4_kernels.FA4_MODULE, types.SimpleNamespace(_flash_attn_fwd=fwd, _flash_attn_bwd=bwd))
+    monkeypatch.setitem(_registry._FLASH_ATTENTION_IMPLS, "FA4", _registry._FLASH_ATTENTION_IMPLS.get("FA4"))
+    assert fa4_kernels.route_torch_fa4_here()
+    entry = _registry._FLASH_ATTENTION_IMPLS["FA4"]
+    assert entry.keywords == {"module_path": "HyperSloth.train.fa4_kernels"}  # activation stays torch's own
+    monkeypatch.setattr(fa4, "_FA4_MODULE_PATH", "HyperSloth.train.fa4_kernels")  # what that activation sets
+    q = torch.zeros(3, 2, 4)
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    got = fa4._fa4_run_forward(q, q, q, cu, cu, 3, 3, None, True, -1, 0, None)
+    assert [t.tolist() for t in got] == [out.tolist(), lse.tolist()]
+    grads = fa4._fa4_run_backward(q, q, q, q, q, lse, cu, cu, None, True, -1, 0)
+    assert [t.tolist() for t in grads] == [dq.tolist(), dk.tolist(), dv.tolist()]
+    assert calls == [("fwd", True, cu), ("bwd", True)]
