@@ -6,7 +6,12 @@ flash-attn-4 betas since 4.0.0b3x return more (`out, lse, p, row_max, o_lo` forw
 gradient backward), so activating FA4 as torch ships it fails on the first call with "too many values to unpack
 (expected 2)" (measured on the H200, 4.0.0b36 with torch 2.11). `route_torch_fa4_here` points torch's "FA4" entry
 at this module, which hands torch the values it unpacks; activation itself stays torch's
-(`activate_flash_attention_impl("FA4")`), and so does every check torch makes before calling a kernel.
+(`activate_flash_attention_impl("FA4")`), and so does every check torch makes before calling a kernel, but one:
+torch 2.11's backward refuses any window size that is not None ("windowed attention not supported"), and causal
+packed rows arrive with aten's spelling of plain causal attention, window (-1, 0) (Unsloth's lean varlen path,
+torch's `varlen_attn`). The backward registered here passes that window on as None, None, which is the same
+attention (FA4 resolves causal + (-1, 0) to causal itself: `_resolve_causal_local_window`); a real sliding
+window is passed on as it is, and torch still refuses it.
 """
 
 from __future__ import annotations
@@ -35,14 +40,42 @@ def _flash_attn_bwd(*args: Any, **kwargs: Any):
     return tuple(result[:3])
 
 
+def plain_causal_windows_as_none(backward):
+    """torch's FA4 backward impl, with a window that only spells full or causal attention passed on as None."""
+
+    @functools.wraps(backward)
+    def run(*args: Any, **kwargs: Any):
+        is_causal = args[11] if len(args) > 11 else kwargs.get("is_causal", False)
+        left, right = kwargs.get("window_size_left"), kwargs.get("window_size_right")
+        if left is not None and left < 0:
+            kwargs["window_size_left"] = left = None
+        if right is not None and (right < 0 or (is_causal and right == 0)) and left is None:
+            kwargs["window_size_right"] = None
+        return backward(*args, **kwargs)
+
+    return run
+
+
+def _register(module_path: str = __name__):
+    """torch's own FA4 registration, its module this one, its backward impl `plain_causal_windows_as_none` of
+    torch's (bound at registration; torch's module is left as it was)."""
+    from torch.nn.attention import _fa4
+
+    original = _fa4._fa4_flash_attention_backward_impl
+    _fa4._fa4_flash_attention_backward_impl = plain_causal_windows_as_none(original)
+    try:
+        return _fa4.register_flash_attention_fa4(module_path=module_path)
+    finally:
+        _fa4._fa4_flash_attention_backward_impl = original
+
+
 def route_torch_fa4_here() -> bool:
     """Point torch's registry entry "FA4" at this module; False where torch has no FA4 registration (< 2.11)."""
     try:
         from torch.nn.attention import _fa4, register_flash_attention_impl
     except ImportError:
         return False
-    if not hasattr(_fa4, "register_flash_attention_fa4"):
+    if not (hasattr(_fa4, "register_flash_attention_fa4") and hasattr(_fa4, "_fa4_flash_attention_backward_impl")):
         return False
-    register_flash_attention_impl(
-        "FA4", register_fn=functools.partial(_fa4.register_flash_attention_fa4, module_path=__name__))
+    register_flash_attention_impl("FA4", register_fn=_register)
     return True

@@ -259,8 +259,17 @@ def test_torch_fa4_entry_unpacks_what_newer_flash_attn_4_wheels_return(monkeypat
     monkeypatch.setitem(sys.modules, fa4_kernels.FA4_MODULE, types.SimpleNamespace(_flash_attn_fwd=fwd, _flash_attn_bwd=bwd))
     monkeypatch.setitem(_registry._FLASH_ATTENTION_IMPLS, "FA4", _registry._FLASH_ATTENTION_IMPLS.get("FA4"))
     assert fa4_kernels.route_torch_fa4_here()
-    entry = _registry._FLASH_ATTENTION_IMPLS["FA4"]
-    assert entry.keywords == {"module_path": "HyperSloth.train.fa4_kernels"}  # activation stays torch's own
+    assert _registry._FLASH_ATTENTION_IMPLS["FA4"] is fa4_kernels._register  # activation stays torch's own
+    registered = {}
+
+    def torch_registration(module_path):
+        registered.update(module_path=module_path, backward=fa4._fa4_flash_attention_backward_impl)
+        return "handle"
+
+    original_backward = fa4._fa4_flash_attention_backward_impl
+    monkeypatch.setattr(fa4, "register_flash_attention_fa4", torch_registration)
+    assert fa4_kernels._register() == "handle" and registered["module_path"] == "HyperSloth.train.fa4_kernels"
+    assert registered["backward"] is not original_backward and fa4._fa4_flash_attention_backward_impl is original_backward
     monkeypatch.setattr(fa4, "_FA4_MODULE_PATH", "HyperSloth.train.fa4_kernels")  # what that activation sets
     q = torch.zeros(3, 2, 4)
     cu = torch.tensor([0, 3], dtype=torch.int32)
@@ -269,3 +278,18 @@ def test_torch_fa4_entry_unpacks_what_newer_flash_attn_4_wheels_return(monkeypat
     grads = fa4._fa4_run_backward(q, q, q, q, q, lse, cu, cu, None, True, -1, 0)
     assert [t.tolist() for t in grads] == [dq.tolist(), dk.tolist(), dv.tolist()]
     assert calls == [("fwd", True, cu), ("bwd", True)]
+
+
+@pytest.mark.parametrize("is_causal, window, passed", [
+    (True, (-1, 0), (None, None)),  # aten's causal: torch 2.11's FA4 backward refused it as "windowed"
+    (False, (-1, -1), (None, None)),  # full attention
+    (True, (None, None), (None, None)),
+    (True, (4096, 0), (4096, 0)),  # a real sliding window reaches torch's check as it is
+])
+def test_fa4_backward_gets_plain_causal_windows_as_none(is_causal, window, passed):
+    from HyperSloth.train.fa4_kernels import plain_causal_windows_as_none
+
+    seen = []
+    backward = plain_causal_windows_as_none(lambda *a, **k: seen.append((a[11], k["window_size_left"], k["window_size_right"])))
+    backward(*range(11), is_causal, 0, 0, scale=None, window_size_left=window[0], window_size_right=window[1])
+    assert seen == [(is_causal, *passed)]
