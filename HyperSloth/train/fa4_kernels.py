@@ -28,15 +28,25 @@ def _kernels():
     return importlib.import_module(FA4_MODULE)
 
 
+def fa4_windows(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """aten's "no limit" window side (-1) as FA4's (None). torch 2.11's FA4 forward passes aten's window on as it
+    is, and FA4 reads causal + (-1, 0) as *local* attention with a left window of -1 (`_resolve_causal_local_window`):
+    outputs 4 off and gradients in the thousands on the H200 (scripts/fa4_smoke.py), NaN losses from step 2."""
+    for side in ("window_size_left", "window_size_right"):
+        if kwargs.get(side) is not None and kwargs[side] < 0:
+            kwargs[side] = None
+    return kwargs
+
+
 def _flash_attn_fwd(*args: Any, **kwargs: Any):
     """FA4's forward: (out, lse), the two values torch unpacks (newer wheels return extra ones after them)."""
-    result = _kernels()._flash_attn_fwd(*args, **kwargs)
+    result = _kernels()._flash_attn_fwd(*args, **fa4_windows(kwargs))
     return tuple(result[:2])
 
 
 def _flash_attn_bwd(*args: Any, **kwargs: Any):
     """FA4's backward: (dq, dk, dv), the three values torch unpacks."""
-    result = _kernels()._flash_attn_bwd(*args, **kwargs)
+    result = _kernels()._flash_attn_bwd(*args, **fa4_windows(kwargs))
     return tuple(result[:3])
 
 

@@ -250,6 +250,7 @@ def test_torch_fa4_entry_unpacks_what_newer_flash_attn_4_wheels_return(monkeypat
 
     def fwd(q, k, v, **kwargs):
         calls.append(("fwd", kwargs["return_lse"], kwargs["cu_seqlens_q"]))
+        assert kwargs.get("window_size_left") is None  # aten's -1: FA4 would read causal + (-1, 0) as local
         return out, lse, None, None, None
 
     def bwd(q, k, v, o, do, lse_, **kwargs):
@@ -293,3 +294,11 @@ def test_fa4_backward_gets_plain_causal_windows_as_none(is_causal, window, passe
     backward = plain_causal_windows_as_none(lambda *a, **k: seen.append((a[11], k["window_size_left"], k["window_size_right"])))
     backward(*range(11), is_causal, 0, 0, scale=None, window_size_left=window[0], window_size_right=window[1])
     assert seen == [(is_causal, *passed)]
+
+
+def test_aten_no_limit_window_reaches_fa4_as_none():
+    from HyperSloth.train.fa4_kernels import fa4_windows
+
+    assert fa4_windows({"window_size_left": -1, "window_size_right": 0}) == {"window_size_left": None, "window_size_right": 0}
+    assert fa4_windows({"window_size_left": -1, "window_size_right": -1}) == {"window_size_left": None, "window_size_right": None}
+    assert fa4_windows({"window_size_left": 128, "window_size_right": 0}) == {"window_size_left": 128, "window_size_right": 0}
