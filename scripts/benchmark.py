@@ -147,6 +147,13 @@ def step_stats(seconds: list[float], warmup: int) -> dict:
             "timed_steps": int(timed.size)}
 
 
+def loss_problem(losses: list[float]) -> str | None:
+    """Why a system's timings are not a result: a loss that is not finite (a wrong kernel trains fast and on NaN;
+    this session's first FA4 runs did, from step 2), or None."""
+    bad = next((k for k, x in enumerate(losses) if not np.isfinite(x)), None)
+    return None if bad is None else f"loss not finite from step {bad + 1} ({losses[bad]})"
+
+
 def record_for(name: str, workload: str, raw: dict, data: dict, a, launched: float, wall_s: float) -> dict:
     system, w = SYSTEMS[name], workload_of(workload, a.long_tokens)
     stats = step_stats(raw["step_seconds"], a.warmup)
@@ -248,6 +255,13 @@ def run_slot(slot: list[str], workload: str, a, data: dict) -> list[dict]:
             print(f"[{workload} {name}] {json.dumps(raw)}", flush=True)
             continue
         record = record_for(name, workload, raw, data, a, started, wall)
+        problem = loss_problem(record["losses"])
+        if problem is not None:  # its timings stay in the record, marked; its line says it is no result
+            record["error"] = problem
+            print(f"[{workload} {name}] NO RESULT: {problem}; its {record['s_median']:.3f} s median step is not a speed",
+                  flush=True)
+            records.append(record)
+            continue
         print(f"[{workload} {name}] mean {record['s_per_step']:.3f} median {record['s_median']:.3f} "
               f"p90 {record['s_p90']:.3f} first {record['first_step_s']:.2f} s/step, {record['tokens_per_s']:,.0f} tok/s, "
               f"slowest step per token {record['us_per_token_max_over_median']:.2f}x the median, "

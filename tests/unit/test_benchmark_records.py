@@ -104,3 +104,9 @@ def test_every_stock_runner_loads_the_same_lora_model(monkeypatch):
     assert str(load["dtype"]) == "torch.bfloat16"
     assert peft == dict(r=16, lora_alpha=16, lora_dropout=0, bias="none", target_modules=["q_proj"], random_state=7,
                         use_gradient_checkpointing="unsloth")
+
+
+def test_a_system_whose_loss_is_not_finite_has_no_speed():
+    assert benchmark.loss_problem([12.1, 12.2, 12.0]) is None
+    assert benchmark.loss_problem([12.1, float("nan"), float("nan")]) == "loss not finite from step 2 (nan)"
+    assert benchmark.loss_problem([float("inf")]) == "loss not finite from step 1 (inf)"
