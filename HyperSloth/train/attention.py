@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -149,6 +149,14 @@ def fa4_installed() -> bool:
     return any((Path(folder) / "cute" / "interface.py").is_file() for folder in folders or ())
 
 
+def model_heads(config: Any) -> tuple[int, int, int]:
+    """Query heads, key-value heads and head_dim of a transformers config (its text config where it has one)."""
+    text = text_config(config)
+    heads = int(text.num_attention_heads)
+    kv_heads = getattr(text, "num_key_value_heads", None)
+    return heads, int(kv_heads) if isinstance(kv_heads, int) else heads, model_head_dims(config)[0][0]
+
+
 def model_head_dims(config: Any) -> tuple[tuple[int, ...], float]:
     """The attention head dims and attention dropout of a transformers config (its text config where it has one)."""
     text = text_config(config)
@@ -183,9 +191,12 @@ def fa4_cache_env(cache_root: Path | None, env: MutableMapping[str, str] = os.en
     env.setdefault(FA4_CACHE_DIR_ENV, str(cache_root / "fa4"))
 
 
-def apply_attention(choice: AttentionChoice, registry: FlashImplRegistry | None) -> AttentionChoice:
+def apply_attention(choice: AttentionChoice, registry: FlashImplRegistry | None,
+                    check: Callable[[FlashImplRegistry], str | None] | None = None) -> AttentionChoice:
     """Make torch's flash ops run `choice`: FA4 activated in the registry, or whatever was active restored to
-    torch's bundled kernels. A failed activation falls back to bundled flash, the choice then saying why."""
+    torch's bundled kernels. `check`, where given, activates FA4 itself after comparing it with bundled flash
+    and returns what disagreed (train/fa4_kernels.agreement_check). A failed activation or check falls back to
+    bundled flash, the choice then saying why."""
     if registry is None:
         return choice
     if choice.kernel != "fa4":
@@ -193,7 +204,17 @@ def apply_attention(choice: AttentionChoice, registry: FlashImplRegistry | None)
             registry.restore_flash_attention_impl(_raise_warn=False)
         return choice
     try:
-        registry.activate_flash_attention_impl("FA4")
+        if check is None:
+            registry.activate_flash_attention_impl("FA4")
+        else:
+            disagreement = check(registry)
+            if disagreement is not None:
+                try:
+                    registry.restore_flash_attention_impl(_raise_warn=False)
+                except Exception:
+                    pass
+                return AttentionChoice(choice.requested, "flash",
+                                       f"FA4 disagrees with bundled flash on this model's heads: {disagreement}")
         active = registry.current_flash_attention_impl()
         if active != "FA4":
             raise RuntimeError(f"the registry reports {active!r} active")
@@ -246,10 +267,12 @@ def settle_attention(description, loaded_model, longest_sample: int,
     choice = resolve_attention(requested, gather_facts(description, loaded_model, longest_sample))
     if choice.kernel == "fa4":
         fa4_cache_env(cache_dir())  # before flash_attn.cute is imported: its cache reads them at import
-        if registry is None:
-            from HyperSloth.train.fa4_kernels import route_torch_fa4_here
+    check = None
+    if choice.kernel == "fa4" and registry is None:
+        from HyperSloth.train.fa4_kernels import agreement_check, route_torch_fa4_here
 
-            route_torch_fa4_here()  # torch's FA4 entry unpacks fewer values than flash-attn-4 4.0.0b3x returns
-    choice = apply_attention(choice, registry if registry is not None else torch_registry())
+        route_torch_fa4_here()  # torch's FA4 entry unpacks fewer values than flash-attn-4 4.0.0b3x returns
+        check = agreement_check(*model_heads(loaded_model.model.config))  # a wrong kernel trains fast, on NaN
+    choice = apply_attention(choice, registry if registry is not None else torch_registry(), check)
     (logger.warning if requested == "fa4" and choice.kernel != "fa4" else logger.info)(choice.line())
     return choice

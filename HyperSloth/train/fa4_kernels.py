@@ -17,6 +17,7 @@ window is passed on as it is, and torch still refuses it.
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any
 
 FA4_MODULE = "flash_attn.cute.interface"  # the kernels' own module (flash-attn-4)
@@ -89,3 +90,49 @@ def route_torch_fa4_here() -> bool:
         return False
     register_flash_attention_impl("FA4", register_fn=_register)
     return True
+
+
+# The packed row the agreement check attends over: segments of the lengths a chat row holds, one of them past a
+# 128-token tile, one of a single token.
+CHECK_LENGTHS = (1, 7, 130, 333, 1024)
+CHECK_TOLERANCE = 2e-2  # of max(1, the largest value): bf16 rounding, as Unsloth's own FA4 probe allows
+
+
+def agreement_check(heads: int, kv_heads: int, head_dim: int, lengths=CHECK_LENGTHS):
+    """A check for `attention.apply_attention`: one causal packed row in the model's head layout (bf16, K/V heads
+    as they are) forward and backward through aten's flash ops on bundled flash, then with FA4 activated; returns
+    what differs by more than CHECK_TOLERANCE or is not finite, else None, leaving FA4 active. Its compile is the
+    one training needs anyway (the same layout); the rest takes milliseconds. This caught nothing less than a
+    wrong kernel: before `fa4_windows`, FA4 under torch 2.11 attended locally and trained on NaN from step 2."""
+
+    def check(registry) -> str | None:
+        import torch
+
+        total, longest, scale = sum(lengths), max(lengths), head_dim ** -0.5
+        generator = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, grad = (torch.randn(total, n, head_dim, device="cuda", dtype=torch.bfloat16, generator=generator)
+                         for n in (heads, kv_heads, kv_heads, heads))
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], device="cuda", dtype=torch.int32)
+
+        def attend():
+            out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
+                q, k, v, cu, cu, longest, longest, 0.0, True, return_debug_mask=False, scale=scale,
+                window_size_left=-1, window_size_right=0)
+            return (out, *torch.ops.aten._flash_attention_backward(
+                grad, q, k, v, out, lse, cu, cu, longest, longest, 0.0, True, seed, offset, scale=scale,
+                window_size_left=-1, window_size_right=0))
+
+        if registry.current_flash_attention_impl() is not None:
+            registry.restore_flash_attention_impl(_raise_warn=False)
+        reference = attend()
+        registry.activate_flash_attention_impl("FA4")
+        for name, got, want in zip(("output", "dq", "dk", "dv"), attend(), reference):
+            if not bool(torch.isfinite(got).all()):
+                return f"FA4's {name} is not finite"
+            error = (got.float() - want.float()).abs().max().item()
+            allowed = CHECK_TOLERANCE * max(1.0, want.float().abs().max().item())
+            if error > allowed:
+                return f"FA4's {name} differs by {error:.3g} (bf16 allows {allowed:.3g})"
+        return None
+
+    return check

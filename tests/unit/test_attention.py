@@ -302,3 +302,25 @@ def test_aten_no_limit_window_reaches_fa4_as_none():
     assert fa4_windows({"window_size_left": -1, "window_size_right": 0}) == {"window_size_left": None, "window_size_right": 0}
     assert fa4_windows({"window_size_left": -1, "window_size_right": -1}) == {"window_size_left": None, "window_size_right": None}
     assert fa4_windows({"window_size_left": 128, "window_size_right": 0}) == {"window_size_left": 128, "window_size_right": 0}
+
+
+def test_fa4_that_disagrees_with_bundled_flash_trains_on_bundled_flash_and_says_why():
+    registry = FakeRegistry()
+
+    def disagrees(reg):
+        reg.activate_flash_attention_impl("FA4")
+        return "FA4's dq differs by 2.01e+03 (bf16 allows 0.2)"
+
+    choice = att.apply_attention(att.AttentionChoice("auto", "fa4", "CUDA-graphed decoder"), registry, disagrees)
+    assert choice.kernel == "flash" and "dq differs by 2.01e+03" in choice.reason
+    assert registry.calls == [("activate", "FA4"), ("restore",)] and registry.current_flash_attention_impl() is None
+    agrees = att.apply_attention(att.AttentionChoice("fa4", "fa4", "asked for by name"), FakeRegistry(),
+                                 lambda reg: reg.activate_flash_attention_impl("FA4"))
+    assert agrees.kernel == "fa4"
+
+
+def test_model_heads_from_the_config():
+    gqa = types.SimpleNamespace(hidden_size=1024, num_attention_heads=16, num_key_value_heads=8, head_dim=128)
+    assert att.model_heads(gqa) == (16, 8, 128)
+    mha = types.SimpleNamespace(hidden_size=4096, num_attention_heads=32)
+    assert att.model_heads(mha) == (32, 32, 128)
