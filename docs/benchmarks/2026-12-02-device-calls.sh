@@ -6,7 +6,8 @@
 # This session ran callA (the "+" slip, then both systems: records-2026-12-02-moe-moe-short.json), callC
 # (moe_diag + arch_check: arch-check-2026-12-02.json), callD (profiles: the cuDNN masked attention) and started callA
 # again after the fix (patches.enable_unsloth_hf_packed_attention): the device time ran out while it built the
-# checkpoint. Next session, first: callA (the MoE re-measure, ~5 minutes), then the FA4 calls A/B/C of
+# checkpoint. The next session ran callA (records-2026-12-02-moe-fixed-moe-short.json: 0.331 vs 0.332 s/step). Then
+# the FA4 calls A/B/C of
 # 2026-12-02-fa4-device-calls.sh, then GRPO: `bench --workloads grpo-0.6b --warmup 2 --steps 8
 # --slots hypersloth-1,trl-grpo-64x1,trl-grpo-32x2,trl-grpo-16x4 --tag grpo` (docs/grpo.md).
 source scripts/device_calls_lib.sh  # the GPU environment, $W / $L, el, left, bench, show, pack, ...

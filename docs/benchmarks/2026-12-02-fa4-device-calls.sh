@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Issue 33, FlashAttention-4 inside our CUDA graphs: one H200 (kind nvidia-h200). Prepared on the CPU machine, not
-# run yet. Before the calls, on this machine, from the repository root:
+# Issue 33, FlashAttention-4 inside our CUDA graphs: one H200 (kind nvidia-h200). Run 2026-12-02 (second session):
+# callA, callB (the smoke test failed: 'too many values to unpack'; then 'windowed attention not supported'), callB
+# and callC with FA4 computing local attention (NaN from step 2: those FA4 rows are no result), callD after the fix
+# (the smoke test passes: docs/benchmarks/fa4-smoke-2026-12-02-*.json). Next: callA, callB, callC as they are.
+# Before the calls, on this machine, from the repository root:
 #   bash ../shared/device/wheelhouse.sh   # .whl/ (unsloth, trl, ...: 25 MB), if not there yet
 #   bash scripts/fa4_wheels.sh            # .fa4/part1 (the DSL's 193 MB compiler library as xz), .fa4/part2 (the rest)
 # Then three calls, each right after the one before (the machine keeps .fa4/site only while warm, 30 s):
