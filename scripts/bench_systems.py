@@ -77,6 +77,11 @@ def run_stock_unsloth(a) -> dict | None:
     shim = enable_unsloth_torch_varlen() if a.shim else False
     if a.shim:
         pad_unsloth_loss_rows()  # the same fused-loss patch HyperSloth's workers apply
+        # torch 2.11's FA4 entry as HyperSloth fixes it (train/fa4_kernels.py): where the fa4 wheels are installed,
+        # Unsloth's own rule (its probe included) decides on a working FA4, not on one that fails its first call
+        from HyperSloth.train.fa4_kernels import route_torch_fa4_here
+
+        route_torch_fa4_here()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     w = workload_of(a.workload, a.long_tokens)
