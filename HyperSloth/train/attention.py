@@ -17,7 +17,9 @@ How: `torch.nn.attention.activate_flash_attention_impl("FA4")` re-registers aten
 those ops: torch's `varlen_attn` (Unsloth's varlen dispatch, our GQA shim on torch 2.11) and Unsloth's lean path
 (`_LeanFlashVarlen`, aten's flash ops directly, fewer K/V heads than query heads, which FA4 takes as they are).
 The worker activates it once, after the model is loaded and the budget settled, before the trainer captures any
-CUDA graph; the first FA4 call of each shape compiles (JIT), kept on disk in the HyperSloth cache
+CUDA graph, and only after checking it (train/fa4_kernels.agreement_check): one packed row in the model's head
+layout, forward and backward, must agree with bundled flash, and under `auto` FA4 must also time at least
+FA4_MIN_GAIN faster there; the first FA4 call of each shape compiles (JIT), kept on disk in the HyperSloth cache
 (`FLASH_ATTENTION_CUTE_DSL_CACHE_DIR`), so a second run of the same shapes on the same GPU skips it. Unsloth's own
 switch (`UNSLOTH_FLASH_ATTENTION_IMPL`) is turned off in the worker: the setting here decides, not Unsloth's rule.
 
@@ -45,6 +47,10 @@ FA4_MAJORS = (9, 10)
 # near 8k tokens per sample, Qwen3-8B near 48k; HyperSloth.plan.run.attention_coef), so a faster kernel pays there
 # even without graphs. The rule's threshold until a measurement moves it.
 LONG_ROW_TOKENS = 16_384
+# What `auto` asks of FA4 on the worker's own timing of both kernels (train/fa4_kernels.agreement_check): this
+# much faster than bundled flash, or bundled flash it is (measured 2026-12-02 on the H200, 0.6B heads: 44% eager,
+# 54% graphed; 8B heads: 34% / 40%).
+FA4_MIN_GAIN = 0.05
 UNSLOTH_IMPL_ENV = "UNSLOTH_FLASH_ATTENTION_IMPL"  # Unsloth's own FA3/FA4 switch (unsloth/utils/flash_impl.py)
 FA4_CACHE_ENABLED_ENV = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"  # read by flash_attn.cute.cache_utils at import
 FA4_CACHE_DIR_ENV = "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"
@@ -192,11 +198,12 @@ def fa4_cache_env(cache_root: Path | None, env: MutableMapping[str, str] = os.en
 
 
 def apply_attention(choice: AttentionChoice, registry: FlashImplRegistry | None,
-                    check: Callable[[FlashImplRegistry], str | None] | None = None) -> AttentionChoice:
+                    check: Callable[[FlashImplRegistry], Any] | None = None) -> AttentionChoice:
     """Make torch's flash ops run `choice`: FA4 activated in the registry, or whatever was active restored to
     torch's bundled kernels. `check`, where given, activates FA4 itself after comparing it with bundled flash
-    and returns what disagreed (train/fa4_kernels.agreement_check). A failed activation or check falls back to
-    bundled flash, the choice then saying why."""
+    and timing both on this GPU (train/fa4_kernels.agreement_check, an FA4Check). A failed activation or check
+    falls back to bundled flash, and so does `auto` where FA4 was not at least FA4_MIN_GAIN faster; the choice
+    then says why."""
     if registry is None:
         return choice
     if choice.kernel != "fa4":
@@ -207,14 +214,18 @@ def apply_attention(choice: AttentionChoice, registry: FlashImplRegistry | None,
         if check is None:
             registry.activate_flash_attention_impl("FA4")
         else:
-            disagreement = check(registry)
-            if disagreement is not None:
+            found = check(registry)
+            slower = (choice.requested == "auto" and found.error is None
+                      and found.fa4_ms > (1 - FA4_MIN_GAIN) * found.flash_ms)
+            if found.error is not None or slower:
                 try:
                     registry.restore_flash_attention_impl(_raise_warn=False)
                 except Exception:
                     pass
-                return AttentionChoice(choice.requested, "flash",
-                                       f"FA4 disagrees with bundled flash on this model's heads: {disagreement}")
+                why = (f"FA4 disagrees with bundled flash on this model's heads: {found.error}" if found.error
+                       else f"{found.timing()}: not {FA4_MIN_GAIN:.0%} faster")
+                return AttentionChoice(choice.requested, "flash", why)
+            choice = AttentionChoice(choice.requested, "fa4", f"{choice.reason}; {found.timing()}")
         active = registry.current_flash_attention_impl()
         if active != "FA4":
             raise RuntimeError(f"the registry reports {active!r} active")

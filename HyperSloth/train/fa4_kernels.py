@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from dataclasses import dataclass
 from typing import Any
 
 FA4_MODULE = "flash_attn.cute.interface"  # the kernels' own module (flash-attn-4)
@@ -93,46 +94,93 @@ def route_torch_fa4_here() -> bool:
 
 
 # The packed row the agreement check attends over: segments of the lengths a chat row holds, one of them past a
-# 128-token tile, one of a single token.
+# 128-token tile, one of a single token. The timed row repeats them to TIMED_ROW_TOKENS (a packed micro-batch of
+# short chats; row lengths of 8k-37k tokens in the benchmark's short workloads).
 CHECK_LENGTHS = (1, 7, 130, 333, 1024)
+TIMED_ROW_TOKENS = 8192
 CHECK_TOLERANCE = 2e-2  # of max(1, the largest value): bf16 rounding, as Unsloth's own FA4 probe allows
+TIMED_REPS = 5
+
+
+@dataclass(frozen=True)
+class FA4Check:
+    """What `agreement_check` found: what disagreed (None: nothing), and each kernel's forward+backward
+    milliseconds on the timed row (eager, the median of TIMED_REPS after one warm call)."""
+
+    error: str | None
+    flash_ms: float | None = None
+    fa4_ms: float | None = None
+    row_tokens: int = 0
+
+    def timing(self) -> str:
+        return (f"FA4 {self.fa4_ms:.2f} ms against bundled flash {self.flash_ms:.2f} ms per forward+backward of a "
+                f"{self.row_tokens:,}-token packed row, measured here")
+
+
+def timed_lengths(lengths=CHECK_LENGTHS, tokens: int = TIMED_ROW_TOKENS) -> list[int]:
+    """`lengths` repeated until the row holds `tokens` (the last segment cut to fit)."""
+    out: list[int] = []
+    while sum(out) < tokens:
+        out.extend(lengths)
+    while sum(out) > tokens:
+        over = sum(out) - tokens
+        out[-1] -= min(over, out[-1])
+        if out[-1] == 0:
+            out.pop()
+    return out
 
 
 def agreement_check(heads: int, kv_heads: int, head_dim: int, lengths=CHECK_LENGTHS):
-    """A check for `attention.apply_attention`: one causal packed row in the model's head layout (bf16, K/V heads
-    as they are) forward and backward through aten's flash ops on bundled flash, then with FA4 activated; returns
-    what differs by more than CHECK_TOLERANCE or is not finite, else None, leaving FA4 active. Its compile is the
-    one training needs anyway (the same layout); the rest takes milliseconds. This caught nothing less than a
-    wrong kernel: before `fa4_windows`, FA4 under torch 2.11 attended locally and trained on NaN from step 2."""
+    """A check for `attention.apply_attention`: a causal packed row in the model's head layout (bf16, K/V heads as
+    they are) forward and backward through aten's flash ops on bundled flash, then with FA4 activated. Returns an
+    FA4Check: what differs by more than CHECK_TOLERANCE or is not finite, and both kernels timed on a row of
+    TIMED_ROW_TOKENS; FA4 is left active. Its compile is the one training needs anyway (the same layout); the
+    rest takes well under a second. This caught nothing less than a wrong kernel: before `fa4_windows`, FA4 under
+    torch 2.11 attended locally and trained on NaN from step 2."""
 
-    def check(registry) -> str | None:
+    def check(registry) -> FA4Check:
         import torch
 
-        total, longest, scale = sum(lengths), max(lengths), head_dim ** -0.5
         generator = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v, grad = (torch.randn(total, n, head_dim, device="cuda", dtype=torch.bfloat16, generator=generator)
-                         for n in (heads, kv_heads, kv_heads, heads))
-        cu = torch.tensor([0, *itertools.accumulate(lengths)], device="cuda", dtype=torch.int32)
 
-        def attend():
+        def row(segments):
+            q, k, v, grad = (torch.randn(sum(segments), n, head_dim, device="cuda", dtype=torch.bfloat16,
+                                         generator=generator) for n in (heads, kv_heads, kv_heads, heads))
+            cu = torch.tensor([0, *itertools.accumulate(segments)], device="cuda", dtype=torch.int32)
+            return q, k, v, grad, cu, max(segments)
+
+        def attend(q, k, v, grad, cu, longest):
             out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
-                q, k, v, cu, cu, longest, longest, 0.0, True, return_debug_mask=False, scale=scale,
+                q, k, v, cu, cu, longest, longest, 0.0, True, return_debug_mask=False, scale=head_dim ** -0.5,
                 window_size_left=-1, window_size_right=0)
             return (out, *torch.ops.aten._flash_attention_backward(
-                grad, q, k, v, out, lse, cu, cu, longest, longest, 0.0, True, seed, offset, scale=scale,
+                grad, q, k, v, out, lse, cu, cu, longest, longest, 0.0, True, seed, offset, scale=head_dim ** -0.5,
                 window_size_left=-1, window_size_right=0))
 
+        def milliseconds(inputs) -> float:
+            attend(*inputs)  # warm (FA4: its compile for this layout)
+            times = []
+            for _ in range(TIMED_REPS):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                attend(*inputs)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            return sorted(times)[len(times) // 2]
+
+        small, timed = row(list(lengths)), row(timed_lengths(lengths))
         if registry.current_flash_attention_impl() is not None:
             registry.restore_flash_attention_impl(_raise_warn=False)
-        reference = attend()
+        reference, flash_ms = attend(*small), milliseconds(timed)
         registry.activate_flash_attention_impl("FA4")
-        for name, got, want in zip(("output", "dq", "dk", "dv"), attend(), reference):
+        for name, got, want in zip(("output", "dq", "dk", "dv"), attend(*small), reference):
             if not bool(torch.isfinite(got).all()):
-                return f"FA4's {name} is not finite"
+                return FA4Check(f"FA4's {name} is not finite")
             error = (got.float() - want.float()).abs().max().item()
             allowed = CHECK_TOLERANCE * max(1.0, want.float().abs().max().item())
             if error > allowed:
-                return f"FA4's {name} differs by {error:.3g} (bf16 allows {allowed:.3g})"
-        return None
+                return FA4Check(f"FA4's {name} differs by {error:.3g} (bf16 allows {allowed:.3g})")
+        return FA4Check(None, flash_ms, milliseconds(timed), sum(timed_lengths(lengths)))
 
     return check

@@ -304,19 +304,47 @@ def test_aten_no_limit_window_reaches_fa4_as_none():
     assert fa4_windows({"window_size_left": 128, "window_size_right": 0}) == {"window_size_left": 128, "window_size_right": 0}
 
 
+def checked(found):
+    """A check as train/fa4_kernels.agreement_check behaves: FA4 activated, `found` returned."""
+    def check(registry):
+        registry.activate_flash_attention_impl("FA4")
+        return found
+    return check
+
+
 def test_fa4_that_disagrees_with_bundled_flash_trains_on_bundled_flash_and_says_why():
+    from HyperSloth.train.fa4_kernels import FA4Check
+
     registry = FakeRegistry()
-
-    def disagrees(reg):
-        reg.activate_flash_attention_impl("FA4")
-        return "FA4's dq differs by 2.01e+03 (bf16 allows 0.2)"
-
-    choice = att.apply_attention(att.AttentionChoice("auto", "fa4", "CUDA-graphed decoder"), registry, disagrees)
+    wrong = checked(FA4Check("FA4's dq differs by 2.01e+03 (bf16 allows 0.2)"))
+    choice = att.apply_attention(att.AttentionChoice("fa4", "fa4", "asked for by name"), registry, wrong)
     assert choice.kernel == "flash" and "dq differs by 2.01e+03" in choice.reason
     assert registry.calls == [("activate", "FA4"), ("restore",)] and registry.current_flash_attention_impl() is None
-    agrees = att.apply_attention(att.AttentionChoice("fa4", "fa4", "asked for by name"), FakeRegistry(),
-                                 lambda reg: reg.activate_flash_attention_impl("FA4"))
-    assert agrees.kernel == "fa4"
+
+
+@pytest.mark.parametrize("requested, fa4_ms, kernel", [
+    ("auto", 0.76, "fa4"),  # the H200's 0.6B heads, graphed: 2.2x
+    ("auto", 1.60, "flash"),  # 3% faster is not enough for auto
+    ("auto", 2.00, "flash"),
+    ("fa4", 2.00, "fa4"),  # asked for by name: timed and said, not overruled
+])
+def test_auto_keeps_fa4_only_where_it_measured_faster_here(requested, fa4_ms, kernel):
+    from HyperSloth.train.fa4_kernels import FA4Check
+
+    registry = FakeRegistry()
+    found = FA4Check(None, flash_ms=1.65, fa4_ms=fa4_ms, row_tokens=8192)
+    choice = att.apply_attention(att.AttentionChoice(requested, "fa4", "CUDA-graphed decoder"), registry, checked(found))
+    assert choice.kernel == kernel
+    assert f"FA4 {fa4_ms:.2f} ms against bundled flash 1.65 ms" in choice.reason and "8,192-token" in choice.reason
+    assert registry.current_flash_attention_impl() == ("FA4" if kernel == "fa4" else None)
+
+
+def test_the_timed_row_is_chat_segments_of_the_asked_size():
+    from HyperSloth.train.fa4_kernels import CHECK_LENGTHS, timed_lengths
+
+    row = timed_lengths(CHECK_LENGTHS, 8192)
+    assert sum(row) == 8192 and all(n > 0 for n in row) and row[:5] == list(CHECK_LENGTHS)
+    assert timed_lengths((1000,), 2500) == [1000, 1000, 500]
 
 
 def test_model_heads_from_the_config():
