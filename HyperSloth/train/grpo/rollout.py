@@ -1,7 +1,8 @@
 """GRPO's rollouts on one rank: sample each prompt's completions, score them, turn rewards into advantages.
 
 Sampling: one HF `generate` call (KV cache) per rank and step over all its prompts, each repeated
-`num_generations` times and left-padded (`sample_groups`; TRL's layout), or with
+`num_generations` times and left-padded (`sample_groups`; TRL's layout), split into calls over consecutive whole
+prompts when their KV cache would not fit the GPU's free memory (`sample_chunks`, generation_memory.py), or with
 `GrpoArgs.generation_batch="prompt"` one call per prompt (no padding). Tokens are drawn by `SeededSampler`, a
 logits processor that does the sampling itself (temperature, top-k, top-p, then Gumbel-max: exactly a draw from
 the filtered softmax) with noise from a generator per prompt seeded by (seed, step, prompt row)
@@ -114,6 +115,16 @@ def sample_groups(model, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
                          logits_processor=LogitsProcessorList([sampler]))
     tokens = out[:, width:].cpu().numpy()
     return [[cut_at_eos(tokens[k * g + j], config.eos_token_id) for j in range(g)] for k in range(len(prompts))]
+
+
+def sample_chunks(model, prompts: Sequence[Sequence[int]], seeds: Sequence[int], grpo: GrpoArgs,
+                  config: GenerationConfig, chunks: Sequence[range]) -> list[list[np.ndarray]]:
+    """`sample_groups` once per chunk of whole prompts (`generation_memory.split_prompts`), the groups in prompt
+    order: every prompt keeps its own generator, so the completions are those of one call over all prompts (bit for
+    bit when the prompts are as long as each other; otherwise up to what a different padding does to the logits)."""
+    return [group for chunk in chunks
+            for group in sample_groups(model, prompts[chunk.start:chunk.stop], seeds[chunk.start:chunk.stop], grpo,
+                                       config)]
 
 
 def completion_texts(tokenizer, completions: Sequence[np.ndarray], conversational: bool) -> list[Any]:

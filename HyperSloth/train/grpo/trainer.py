@@ -5,9 +5,10 @@
 - the plan unit is a prompt (`plan.prompts`): every rank gets whole prompts, so all completions of a prompt
   are sampled, scored and trained on one rank and the group's advantages need no exchange;
 - a step begins with the rollout (`rollout.py`): sampling each prompt's group with its own seeded
-  generator, the reward functions, one all-reduce of the step's sums (completion tokens and completions for
-  the loss's global normaliser, reward and length statistics, and a flag for a reward function that failed
-  on any rank), advantages; then this rank's completions are packed padding-free into micro-batches of the
+  generator (in as few generate calls as the GPU's free memory allows, `generation_memory.py`), the reward
+  functions, one all-reduce of the step's sums (completion tokens and completions for the loss's global
+  normaliser, reward and length statistics, and a flag for a reward function that failed on any rank),
+  advantages; then this rank's completions are packed padding-free into micro-batches of the
   token budget (`loss.pack_completions`) and the SFT trainer's `training_step` runs them, with GRPO's loss
   per micro-batch (`loss.py`) and its KL and clip sums in the gradient all-reduce;
 - with `beta > 0` the reference log-probabilities come from the same model with the adapter switched off
@@ -43,6 +44,7 @@ from HyperSloth.train.dist import DistInfo
 from HyperSloth.train.dpo.preference import ReferenceSwitch, add_reference_adapter, target_logps
 from HyperSloth.train.evaluation import sum_over_ranks
 from HyperSloth.train.grpo import loss as grpo_loss
+from HyperSloth.train.grpo.generation_memory import GenerationMemory
 from HyperSloth.train.grpo.rollout import (
     RewardFailure,
     advantages,
@@ -50,6 +52,7 @@ from HyperSloth.train.grpo.rollout import (
     eos_ids,
     generation_config,
     prompt_seed,
+    sample_chunks,
     sample_groups,
     score,
 )
@@ -126,6 +129,7 @@ class HyperSlothGRPOTrainer(HyperSlothTrainer):
         self._step_metrics: list[dict[str, float]] = []
         self._unlogged: list[dict[str, float]] = []
         self._timing: dict[str, float] = {}
+        self.generation_memory = GenerationMemory(grpo)  # generate calls within the GPU's free memory
         super().__init__(*args, **kwargs)
         tokenizer = self.processing_class
         self.generation = generation_config(grpo, tokenizer.pad_token_id, eos_ids(self.model, tokenizer))
@@ -174,7 +178,8 @@ class HyperSlothGRPOTrainer(HyperSlothTrainer):
                                       "rewards": [None if np.isnan(r) else float(r) for r in rewards]}) + "\n")
 
     def sample(self, model, inputs: dict[str, Any]) -> list[list[np.ndarray]]:
-        """Each prompt's completions, from its own generator (rollout.prompt_seed)."""
+        """Each prompt's completions, from its own generator (rollout.prompt_seed); "rank" batches in as few generate
+        calls of whole prompts as the GPU's free memory allows (generation_memory.py), one when they fit."""
         was_training = model.training
         model.eval()  # generate with the KV cache, no dropout
         seeds = [prompt_seed(self.sampling_seed, int(inputs["plan_step"]), row) for row in inputs["prompt_rows"]]
@@ -183,7 +188,8 @@ class HyperSlothGRPOTrainer(HyperSlothTrainer):
             if self.grpo.generation_batch == "prompt":  # one call per prompt: no padding, bit for bit on N GPUs
                 return [sample_groups(model, [ids], [seed], self.grpo, self.generation)[0]
                         for ids, seed in zip(prompts, seeds)]
-            return sample_groups(model, prompts, seeds, self.grpo, self.generation)
+            chunks = self.generation_memory.chunks(model, [len(ids) for ids in prompts])
+            return sample_chunks(model, prompts, seeds, self.grpo, self.generation, chunks)
         finally:
             model.train(was_training)
 
