@@ -2,7 +2,9 @@
 # Issue 33, FlashAttention-4 inside our CUDA graphs: one H200 (kind nvidia-h200). Run 2026-12-02 (second session):
 # callA, callB (the smoke test failed: 'too many values to unpack'; then 'windowed attention not supported'), callB
 # and callC with FA4 computing local attention (NaN from step 2: those FA4 rows are no result), callD after the fix
-# (the smoke test passes: docs/benchmarks/fa4-smoke-2026-12-02-*.json). Next: callA, callB, callC as they are.
+# (the smoke test passes: docs/benchmarks/fa4-smoke-2026-12-02-*.json). Next session: callA, then callB and callC
+# (HyperSloth at its defaults, `auto`, which now checks and times FA4 itself; hypersloth-1-flash; stock), then
+# callA + callE (short-8b) and callA + callF (the 262k first steps) as the time allows.
 # Before the calls, on this machine, from the repository root:
 #   bash ../shared/device/wheelhouse.sh   # .whl/ (unsloth, trl, ...: 25 MB), if not there yet
 #   bash scripts/fa4_wheels.sh            # .fa4/part1 (the DSL's 193 MB compiler library as xz), .fa4/part2 (the rest)
@@ -45,7 +47,7 @@ smoke() {  # NAME ARGS: scripts/fa4_smoke.py ARGS --out $OUT/fa4-smoke-NAME.json
 }
 
 attention_lines() {  # WORKLOAD: what each HyperSloth system attended with, its start-up and graphs
-  for d in $W/$1/out_hypersloth-1*; do
+  for d in $W/$1/out_hypersloth-1*/; do
     echo "--- $(basename $d)"; grep -h "attention:\|graphs\|eager decoder\|start-up\|median step" $d/logs/rank0.log | cut -c1-300
   done
 }
@@ -55,7 +57,7 @@ callB() {
   smoke 0.6b --layout 0.6b; rc=$?
   el "smoke rc=$rc"
   if [ $rc -eq 2 ]; then echo "FA4 did not run: benchmark left out (see the smoke log)"; pack; exit 1; fi
-  bench --workloads short-0.6b --slots "hypersloth-1-fa4,hypersloth-1-flash,unsloth-best" --warmup 3 --steps 20 \
+  bench --workloads short-0.6b --slots "hypersloth-1,hypersloth-1-flash,unsloth-best" --warmup 3 --steps 20 \
     --tag 2026-12-02-fa4 --budget-s $(left 560) > $L/bench-short.log 2>&1
   el "short-0.6b done"; show $L/bench-short.log; attention_lines short-0.6b
   du -sh ~/.cache/hypersloth/fa4 2>/dev/null
@@ -64,7 +66,7 @@ callB() {
 
 callC() {
   fa4_ready
-  bench --workloads long-0.6b --slots "hypersloth-1-fa4,hypersloth-1-flash,unsloth-best" --warmup 3 --steps 20 \
+  bench --workloads long-0.6b --slots "hypersloth-1,hypersloth-1-flash,unsloth-best" --warmup 3 --steps 20 \
     --tag 2026-12-02-fa4 --budget-s $(left 480) > $L/bench-long.log 2>&1
   el "long-0.6b done"; show $L/bench-long.log; attention_lines long-0.6b
   # FA4 vs bundled flash, forward+backward, eager and graphed (the issue's attn_bench rows): short chats, one long sample
@@ -82,6 +84,26 @@ callD() {  # after callA, carry [".whl", ".fa4/part2"]: the smoke test alone (ca
   fa4_ready
   smoke 0.6b --layout 0.6b --reps 10; el "smoke 0.6b rc=$?"
   [ $(left 150) -gt 60 ] && { smoke 8b-22k --layout 8b --row-tokens 22528 --reps 10; el "smoke 8b-22k rc=$?"; }
+  pack
+}
+
+callE() {  # short-8b, 4-bit: defaults (auto), bundled flash, stock at its best split there (16 x 2); Unsloth's own rule
+  # may pick FA4 at hidden 4096 (its record says), ~9 minutes
+  fa4_ready
+  bench --workloads short-8b --slots "hypersloth-1,hypersloth-1-flash,unsloth-best-16x2" --warmup 3 --steps 20 \
+    --tag 2026-12-02-fa4 --budget-s $(left 560) > $L/bench-8b.log 2>&1
+  el "short-8b done"; show $L/bench-8b.log; attention_lines short-8b
+  pack
+}
+
+callF() {  # one 262,144-token sample trained whole, first step (issue 33: <= 60 s on 0.6B, <= 120 s on 8B 4-bit)
+  fa4_ready
+  bench --workloads longctx-0.6b --long-tokens 262144 --warmup 0 --steps 1 --slots hypersloth-1 --tag fa4-lc262k \
+    --budget-s $(left 250) > $L/bench-lc06.log 2>&1
+  el "longctx-0.6b done"; show $L/bench-lc06.log; attention_lines longctx-0.6b
+  bench --workloads longctx-8b --long-tokens 262144 --warmup 0 --steps 1 --slots hypersloth-1 --tag fa4-lc262k \
+    --budget-s $(left 570) > $L/bench-lc8.log 2>&1
+  el "longctx-8b done"; show $L/bench-lc8.log; attention_lines longctx-8b
   pack
 }
 
