@@ -129,6 +129,8 @@ def test_the_first_step_is_ln2_and_every_metric_is_logged(runs):
     assert all(h["eval_pairs"] == 10 and f"eval_{REWARD_KEYS[3]}" in h for h in evaluated)
     assert "rewards/margins" in (run.out / "report.md").read_text()
     assert "global batch 16 pairs per optimizer step" in (run.out / "logs" / "rank0.log").read_text()
+    card = (run.out / "README.md").read_text()  # named after the method trained, not the SFT base class
+    assert "- dpo" in card and "- sft" not in card and "DPO" in card
 
 
 @needs("dpo-2w", "dpo-resume")

@@ -118,6 +118,8 @@ def test_two_workers_sample_the_same_completions_and_train_the_same_adapter(runs
     assert len(list((two / "logs").glob("rank*.completions.jsonl"))) == 2  # both ranks sampled
     s1, s2 = (json.loads((out / "train_summary.json").read_text()) for out in (one, two))
     assert s1["method"] == s2["method"] == "grpo" and s1["reward_funcs"] == ["length_reward", "answer_reward"]
+    card = (two / "README.md").read_text()  # named after the method trained, not the SFT base class
+    assert "- grpo" in card and "- sft" not in card and "GRPO" in card
     np.testing.assert_allclose(s2["step_losses"], s1["step_losses"], rtol=1e-5, atol=1e-6)
     for key in ("reward", "rewards/length_reward/mean", "completions/mean_length", "completions/max_length",
                 "completions/clipped_ratio"):

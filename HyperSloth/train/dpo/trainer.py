@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import trl
 
 from HyperSloth.plan.batching import adaptive_partition_batches, steps_per_epoch
 from HyperSloth.plan.eval_set import plan_eval
@@ -85,6 +86,8 @@ class PairEvaluator(Evaluator):
 class HyperSlothDPOTrainer(HyperSlothTrainer):
     """HyperSlothTrainer whose micro-batch loss is DPO's over packed pairs (see the module docstring)."""
 
+    # The model card and the model's Hub tags name the method trained, as TRL's DPOTrainer does (the SFT base named it SFT)
+    _tag_names, _name, _paper = trl.DPOTrainer._tag_names, trl.DPOTrainer._name, trl.DPOTrainer._paper
     step_sums_width = 1 + len(REWARD_KEYS)
 
     def __init__(self, *args, beta: float, reference: ReferenceSwitch, **kwargs):

@@ -29,6 +29,7 @@ import time
 
 import numpy as np
 import torch
+import trl
 import torch.distributed as torch_dist
 from loguru import logger
 
@@ -116,6 +117,8 @@ EVAL_STEP = 2**32 - 1  # the sampling seeds' step of evaluations (training steps
 class HyperSlothGRPOTrainer(HyperSlothTrainer):
     """HyperSlothTrainer whose steps sample, score and train on completions (see the module docstring)."""
 
+    # The model card and the model's Hub tags name the method trained, as TRL's GRPOTrainer does (the SFT base named it SFT)
+    _tag_names, _name, _paper = trl.GRPOTrainer._tag_names, trl.GRPOTrainer._name, trl.GRPOTrainer._paper
     step_sums_width = 1 + len(grpo_loss.LOSS_SUM_KEYS)
 
     def __init__(self, *args, grpo: GrpoArgs, reward_funcs: Sequence[Callable[..., Any]], reference: ReferenceSwitch,
