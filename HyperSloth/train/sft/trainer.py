@@ -40,7 +40,7 @@ import torch
 from loguru import logger
 from torch.utils.data import DataLoader
 from transformers import TrainerCallback
-from transformers.trainer_callback import ExportableState
+from transformers.trainer_callback import ExportableState, ProgressCallback
 from trl import SFTTrainer
 
 from HyperSloth.outputs import checkpoints, run_files
@@ -90,6 +90,34 @@ class StepHistory(TrainerCallback, ExportableState):
         series = record.get("attributes", {}).get("series", {}) if isinstance(record, dict) else {}
         # A checkpoint of an older HyperSloth has no record: then only this part's steps are known.
         self.earlier = {k: list(v[:state.global_step]) for k, v in series.items() if len(v) >= state.global_step}
+
+
+class ProgressOnBarStream(ProgressCallback):
+    """HF's progress bar on rank 0, its log lines (`{'loss': ...}`) written to the bar's own stream.
+
+    HF writes them with `tqdm.write`, which goes to stdout. Rank 0's stdout reaches the terminal straight from
+    the worker, while the bar (stderr) passes through the launcher's stderr pump: a loss line could arrive before
+    the bar's clear and land inside the bar's line. On one stream they arrive in the order written."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        bar = self.training_bar
+        if bar is None:
+            return
+        self.training_bar = _WritesTo(bar)
+        try:
+            super().on_log(args, state, control, logs=logs, **kwargs)
+        finally:
+            self.training_bar = bar
+
+
+class _WritesTo:
+    """A tqdm bar as ProgressCallback.on_log uses it (`write` only), writing to the bar's stream."""
+
+    def __init__(self, bar):
+        self.bar = bar
+
+    def write(self, text: str) -> None:
+        self.bar.write(text, file=self.bar.fp)
 
 
 class StepGarbageCollection(TrainerCallback):
@@ -162,6 +190,8 @@ class HyperSlothTrainer(SFTTrainer):
                                *([self.memory_snapshot] if self.memory_snapshot else [])]
         self._flop_parameters: int | None = None  # 6 x non-embedding parameters (floating_point_ops)
         super().__init__(*args, **kwargs)
+        if self.pop_callback(ProgressCallback) is not None:  # rank 0 shows progress (trainer_args: disable_tqdm)
+            self.add_callback(ProgressOnBarStream)
 
     @property
     def tokens_seen(self) -> int:
