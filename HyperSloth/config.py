@@ -74,7 +74,7 @@ class FastModelArgs(BaseModel):
         "SM90/SM100 GPUs, compiled at first use) through torch's flash ops; 'flash' = torch's bundled flash kernels; "
         "'sdpa' = torch's SDPA dispatch as is. 'auto' = FA4 where it runs (installed, GPU, head dims) and the "
         "decoder replays CUDA graphs or samples are long, else 'flash'; 'sdpa' without CUDA or on the transformers "
-        "backend. The worker logs which and why (HyperSloth.train.attention).",
+        "backend. The worker logs which and why (HyperSloth.train.attention.setting).",
     )
 
     @field_validator("model_name")

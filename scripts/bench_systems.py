@@ -32,7 +32,7 @@ SYSTEMS = {
     "hypersloth-1-eager": dict(runner="hypersloth", gpus=1, gc=False, graphs=False),
     "hypersloth-1-unsloth-lora": dict(runner="hypersloth", gpus=1, gc=False, lora_passes=False),
     "hypersloth-1-profile": dict(runner="hypersloth", gpus=1, gc=False, profile=True),
-    # fast_model_args.attention by name (HyperSloth.train.attention): FlashAttention-4 / torch's bundled flash;
+    # fast_model_args.attention by name (HyperSloth.train.attention.setting): FlashAttention-4 / torch's bundled flash;
     # hypersloth-N runs the default, "auto", and its record says what auto chose and why.
     "hypersloth-1-fa4": dict(runner="hypersloth", gpus=1, gc=False, attention="fa4"),
     "hypersloth-1-flash": dict(runner="hypersloth", gpus=1, gc=False, attention="flash"),
@@ -77,9 +77,9 @@ def run_stock_unsloth(a) -> dict | None:
     shim = enable_unsloth_torch_varlen() if a.shim else False
     if a.shim:
         pad_unsloth_loss_rows()  # the same fused-loss patch HyperSloth's workers apply
-        # torch 2.11's FA4 entry as HyperSloth fixes it (train/fa4_kernels.py): where the fa4 wheels are installed,
+        # torch 2.11's FA4 entry as HyperSloth fixes it (train/attention/fa4.py): where the fa4 wheels are installed,
         # Unsloth's own rule (its probe included) decides on a working FA4, not on one that fails its first call
-        from HyperSloth.train.fa4_kernels import route_torch_fa4_here
+        from HyperSloth.train.attention.fa4 import route_torch_fa4_here
 
         route_torch_fa4_here()
     local = int(os.environ.get("LOCAL_RANK", "0"))

@@ -6,7 +6,7 @@ heads; 8B: 32 / 8; head_dim 128), bf16, causal:
    take: aten's flash ops with fewer K/V heads than query heads (Unsloth's lean path, `_LeanFlashVarlen`) and
    `torch.nn.attention.varlen.varlen_attn` with K/V expanded (the GQA shim of train/patches.py on torch 2.11);
    and fp32 attention per segment, whose distance from bundled flash is the bf16 noise.
-2. `activate_flash_attention_impl("FA4")` (torch's entry pointed at HyperSloth.train.fa4_kernels first, as training
+2. `activate_flash_attention_impl("FA4")` (torch's entry pointed at HyperSloth.train.attention.fa4 first, as training
    does), the same calls, counted through torch's FA4 hooks (so FA4 ran them,
    not a fallback); the first call's seconds are its JIT compile.
 3. FA4's forward and backward captured in a CUDA graph and replayed on new values and new segment lengths
@@ -191,9 +191,9 @@ def run(a: argparse.Namespace) -> dict:
         record["bundled_graphed_ms"] = milliseconds(replay, a.reps)
     except Exception as err:
         record["bundled_graph_error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-    from HyperSloth.train.fa4_kernels import route_torch_fa4_here
+    from HyperSloth.train.attention.fa4 import route_torch_fa4_here
 
-    record["routed_through_hypersloth"] = route_torch_fa4_here()  # as training does (train/attention.py)
+    record["routed_through_hypersloth"] = route_torch_fa4_here()  # as training does (train/attention/setting.py)
     started = time.perf_counter()
     activate_flash_attention_impl("FA4")
     record["activate_s"], record["active"] = time.perf_counter() - started, current_flash_attention_impl()

@@ -23,7 +23,7 @@ from HyperSloth.outputs.startup import StartupTimeline, process_start_unix
 from HyperSloth.plan.batching import int_column
 from HyperSloth.plan.run import RunDescription, read_run
 from HyperSloth.train import dist
-from HyperSloth.train.attention import settle_attention
+from HyperSloth.train.attention.setting import settle_attention
 from HyperSloth.train.budget import settle as budget
 from HyperSloth.train.budget import cache as probe_cache
 

@@ -80,7 +80,7 @@ callC() {
 
 callD() {  # after callA, carry [".whl", ".fa4/part2"]: the smoke test alone (callB/callC found FA4 wrong: outputs 4
   # off, NaN losses from step 2; torch 2.11 hands FA4 aten's window -1, read as local attention; fixed in
-  # train/fa4_kernels.py), the 0.6B layout, then 8B heads on 22k of chats while time is left
+  # train/attention/fa4.py), the 0.6B layout, then 8B heads on 22k of chats while time is left
   fa4_ready
   smoke 0.6b --layout 0.6b --reps 10; el "smoke 0.6b rc=$?"
   [ $(left 150) -gt 60 ] && { smoke 8b-22k --layout 8b --row-tokens 22528 --reps 10; el "smoke 8b-22k rc=$?"; }

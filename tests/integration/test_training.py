@@ -432,7 +432,7 @@ def test_the_planned_token_budget_is_recorded_with_its_source(runs):
     assert resolved["token_budget"]["tokens"] == 512 and resolved["token_budget"]["source"] == "explicit"
     assert resolved["gradient_checkpointing"] is False
     assert run.summary["token_budget"] == resolved["token_budget"]
-    # fast_model_args.attention="auto" on CPU (HyperSloth.train.attention): SDPA, said why, in both records
+    # fast_model_args.attention="auto" on CPU (HyperSloth.train.attention.setting): SDPA, said why, in both records
     assert resolved["attention"] == {"requested": "auto", "kernel": "sdpa", "reason": "no CUDA device"}
     assert run.summary["attention"] == resolved["attention"]
 

@@ -1,4 +1,4 @@
-"""fast_model_args.attention (HyperSloth.train.attention): the resolution rule, what is activated in torch's
+"""fast_model_args.attention (HyperSloth.train.attention.setting): the resolution rule, what is activated in torch's
 flash-impl registry when (a fake registry here), and where the choice is recorded. No flash_attn needed."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from HyperSloth.config import FastModelArgs, HyperConfig, TrainingArgsConfig, runtime_problems
-from HyperSloth.train import attention as att
+from HyperSloth.train.attention import setting as att
 
 # Qwen3-0.6B on an H200 with flash-attn-4 installed, CUDA graphs on, short chats.
 H200 = att.AttentionFacts(cuda=True, backend="unsloth", capability_major=9, fa4_installed=True, registry=True,
@@ -238,12 +238,12 @@ def test_the_stock_rows_record_what_unsloths_own_rule_chose(monkeypatch):
 
 def test_torch_fa4_entry_unpacks_what_newer_flash_attn_4_wheels_return(monkeypatch):
     """flash-attn-4 4.0.0b36 returns five values forward and four backward (with a sink); torch's FA4 entry
-    unpacks two and three. Routed through HyperSloth.train.fa4_kernels, torch's own run functions get theirs."""
+    unpacks two and three. Routed through HyperSloth.train.attention.fa4, torch's own run functions get theirs."""
     torch = pytest.importorskip("torch")
     fa4 = pytest.importorskip("torch.nn.attention._fa4")
     from torch.nn.attention import _registry
 
-    from HyperSloth.train import fa4_kernels
+    from HyperSloth.train.attention import fa4 as ours
 
     out, lse, dq, dk, dv = (torch.full((2,), float(i)) for i in range(5))
     calls = []
@@ -257,10 +257,10 @@ def test_torch_fa4_entry_unpacks_what_newer_flash_attn_4_wheels_return(monkeypat
         calls.append(("bwd", kwargs["causal"]))
         return dq, dk, dv, torch.zeros(1)
 
-    monkeypatch.setitem(sys.modules, fa4_kernels.FA4_MODULE, types.SimpleNamespace(_flash_attn_fwd=fwd, _flash_attn_bwd=bwd))
+    monkeypatch.setitem(sys.modules, ours.FA4_MODULE, types.SimpleNamespace(_flash_attn_fwd=fwd, _flash_attn_bwd=bwd))
     monkeypatch.setitem(_registry._FLASH_ATTENTION_IMPLS, "FA4", _registry._FLASH_ATTENTION_IMPLS.get("FA4"))
-    assert fa4_kernels.route_torch_fa4_here()
-    assert _registry._FLASH_ATTENTION_IMPLS["FA4"] is fa4_kernels._register  # activation stays torch's own
+    assert ours.route_torch_fa4_here()
+    assert _registry._FLASH_ATTENTION_IMPLS["FA4"] is ours._register  # activation stays torch's own
     registered = {}
 
     def torch_registration(module_path):
@@ -269,9 +269,9 @@ def test_torch_fa4_entry_unpacks_what_newer_flash_attn_4_wheels_return(monkeypat
 
     original_backward = fa4._fa4_flash_attention_backward_impl
     monkeypatch.setattr(fa4, "register_flash_attention_fa4", torch_registration)
-    assert fa4_kernels._register() == "handle" and registered["module_path"] == "HyperSloth.train.fa4_kernels"
+    assert ours._register() == "handle" and registered["module_path"] == "HyperSloth.train.attention.fa4"
     assert registered["backward"] is not original_backward and fa4._fa4_flash_attention_backward_impl is original_backward
-    monkeypatch.setattr(fa4, "_FA4_MODULE_PATH", "HyperSloth.train.fa4_kernels")  # what that activation sets
+    monkeypatch.setattr(fa4, "_FA4_MODULE_PATH", "HyperSloth.train.attention.fa4")  # what that activation sets
     q = torch.zeros(3, 2, 4)
     cu = torch.tensor([0, 3], dtype=torch.int32)
     got = fa4._fa4_run_forward(q, q, q, cu, cu, 3, 3, None, True, -1, 0, None)
@@ -288,7 +288,7 @@ def test_torch_fa4_entry_unpacks_what_newer_flash_attn_4_wheels_return(monkeypat
     (True, (4096, 0), (4096, 0)),  # a real sliding window reaches torch's check as it is
 ])
 def test_fa4_backward_gets_plain_causal_windows_as_none(is_causal, window, passed):
-    from HyperSloth.train.fa4_kernels import plain_causal_windows_as_none
+    from HyperSloth.train.attention.fa4 import plain_causal_windows_as_none
 
     seen = []
     backward = plain_causal_windows_as_none(lambda *a, **k: seen.append((a[11], k["window_size_left"], k["window_size_right"])))
@@ -297,7 +297,7 @@ def test_fa4_backward_gets_plain_causal_windows_as_none(is_causal, window, passe
 
 
 def test_aten_no_limit_window_reaches_fa4_as_none():
-    from HyperSloth.train.fa4_kernels import fa4_windows
+    from HyperSloth.train.attention.fa4 import fa4_windows
 
     assert fa4_windows({"window_size_left": -1, "window_size_right": 0}) == {"window_size_left": None, "window_size_right": 0}
     assert fa4_windows({"window_size_left": -1, "window_size_right": -1}) == {"window_size_left": None, "window_size_right": None}
@@ -305,7 +305,7 @@ def test_aten_no_limit_window_reaches_fa4_as_none():
 
 
 def checked(found):
-    """A check as train/fa4_kernels.agreement_check behaves: FA4 activated, `found` returned."""
+    """A check as train/attention/fa4.agreement_check behaves: FA4 activated, `found` returned."""
     def check(registry):
         registry.activate_flash_attention_impl("FA4")
         return found
@@ -313,7 +313,7 @@ def checked(found):
 
 
 def test_fa4_that_disagrees_with_bundled_flash_trains_on_bundled_flash_and_says_why():
-    from HyperSloth.train.fa4_kernels import FA4Check
+    from HyperSloth.train.attention.fa4 import FA4Check
 
     registry = FakeRegistry()
     wrong = checked(FA4Check("FA4's dq differs by 2.01e+03 (bf16 allows 0.2)"))
@@ -329,7 +329,7 @@ def test_fa4_that_disagrees_with_bundled_flash_trains_on_bundled_flash_and_says_
     ("fa4", 2.00, "fa4"),  # asked for by name: timed and said, not overruled
 ])
 def test_auto_keeps_fa4_only_where_it_measured_faster_here(requested, fa4_ms, kernel):
-    from HyperSloth.train.fa4_kernels import FA4Check
+    from HyperSloth.train.attention.fa4 import FA4Check
 
     registry = FakeRegistry()
     found = FA4Check(None, flash_ms=1.65, fa4_ms=fa4_ms, row_tokens=8192)
@@ -340,7 +340,7 @@ def test_auto_keeps_fa4_only_where_it_measured_faster_here(requested, fa4_ms, ke
 
 
 def test_the_timed_row_is_chat_segments_of_the_asked_size():
-    from HyperSloth.train.fa4_kernels import CHECK_LENGTHS, timed_lengths
+    from HyperSloth.train.attention.fa4 import CHECK_LENGTHS, timed_lengths
 
     row = timed_lengths(CHECK_LENGTHS, 8192)
     assert sum(row) == 8192 and all(n > 0 for n in row) and row[:5] == list(CHECK_LENGTHS)

@@ -17,7 +17,7 @@ How: `torch.nn.attention.activate_flash_attention_impl("FA4")` re-registers aten
 those ops: torch's `varlen_attn` (Unsloth's varlen dispatch, our GQA shim on torch 2.11) and Unsloth's lean path
 (`_LeanFlashVarlen`, aten's flash ops directly, fewer K/V heads than query heads, which FA4 takes as they are).
 The worker activates it once, after the model is loaded and the budget settled, before the trainer captures any
-CUDA graph, and only after checking it (train/fa4_kernels.agreement_check): one packed row in the model's head
+CUDA graph, and only after checking it (train/attention/fa4.agreement_check): one packed row in the model's head
 layout, forward and backward, must agree with bundled flash, and under `auto` FA4 must also time at least
 FA4_MIN_GAIN faster there; the first FA4 call of each shape compiles (JIT), kept on disk in the HyperSloth cache
 (`FLASH_ATTENTION_CUTE_DSL_CACHE_DIR`), so a second run of the same shapes on the same GPU skips it. Unsloth's own
@@ -47,7 +47,7 @@ FA4_MAJORS = (9, 10)
 # near 8k tokens per sample, Qwen3-8B near 48k; HyperSloth.plan.run.attention_coef), so a faster kernel pays there
 # even without graphs. The rule's threshold until a measurement moves it.
 LONG_ROW_TOKENS = 16_384
-# What `auto` asks of FA4 on the worker's own timing of both kernels (train/fa4_kernels.agreement_check): this
+# What `auto` asks of FA4 on the worker's own timing of both kernels (train/attention/fa4.agreement_check): this
 # much faster than bundled flash, or bundled flash it is (measured 2026-12-02 on the H200, 0.6B heads: 44% eager,
 # 54% graphed; 8B heads: 34% / 40%).
 FA4_MIN_GAIN = 0.05
@@ -201,7 +201,7 @@ def apply_attention(choice: AttentionChoice, registry: FlashImplRegistry | None,
                     check: Callable[[FlashImplRegistry], Any] | None = None) -> AttentionChoice:
     """Make torch's flash ops run `choice`: FA4 activated in the registry, or whatever was active restored to
     torch's bundled kernels. `check`, where given, activates FA4 itself after comparing it with bundled flash
-    and timing both on this GPU (train/fa4_kernels.agreement_check, an FA4Check). A failed activation or check
+    and timing both on this GPU (train/attention/fa4.agreement_check, an FA4Check). A failed activation or check
     falls back to bundled flash, and so does `auto` where FA4 was not at least FA4_MIN_GAIN faster; the choice
     then says why."""
     if registry is None:
@@ -280,7 +280,7 @@ def settle_attention(description, loaded_model, longest_sample: int,
         fa4_cache_env(cache_dir())  # before flash_attn.cute is imported: its cache reads them at import
     check = None
     if choice.kernel == "fa4" and registry is None:
-        from HyperSloth.train.fa4_kernels import agreement_check, route_torch_fa4_here
+        from HyperSloth.train.attention.fa4 import agreement_check, route_torch_fa4_here
 
         route_torch_fa4_here()  # torch's FA4 entry unpacks fewer values than flash-attn-4 4.0.0b3x returns
         check = agreement_check(*model_heads(loaded_model.model.config))  # a wrong kernel trains fast, on NaN
