@@ -352,3 +352,16 @@ def test_model_heads_from_the_config():
     assert att.model_heads(gqa) == (16, 8, 128)
     mha = types.SimpleNamespace(hidden_size=4096, num_attention_heads=32)
     assert att.model_heads(mha) == (32, 32, 128)
+
+
+def test_fa4_on_one_rank_only_is_bundled_flash_on_every_rank(monkeypatch, tmp_path):
+    monkeypatch.setenv("HYPERSLOTH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(att, "gather_facts", lambda description, loaded, longest: H200)
+    registry = FakeRegistry()
+    asked = []
+    choice = att.settle_attention(_description("auto"), _loaded(), 512, registry=registry,
+                                  every_rank=lambda ok: asked.append(ok) or False)
+    assert asked == [True] and choice.kernel == "flash" and "not chosen on every rank" in choice.reason
+    assert registry.calls == [("activate", "FA4"), ("restore",)]
+    agreed = att.settle_attention(_description("auto"), _loaded(), 512, registry=FakeRegistry(), every_rank=lambda ok: ok)
+    assert agreed.kernel == "fa4"

@@ -267,11 +267,26 @@ def gather_facts(description, loaded_model, longest_sample: int) -> AttentionFac
         graphed=cuda and decoder_graphed(description, loaded_model.backend), longest_sample=int(longest_sample))
 
 
-def settle_attention(description, loaded_model, longest_sample: int,
-                     registry: FlashImplRegistry | None = None) -> AttentionChoice:
+def one_kernel_for_all_ranks(choice: AttentionChoice, every_rank_fa4: bool,
+                             registry: FlashImplRegistry | None) -> AttentionChoice:
+    """FA4 on this rank but not on every rank (another rank's check failed or timed it slower): bundled flash
+    everywhere, so that every rank attends with the same kernel."""
+    if choice.kernel != "fa4" or every_rank_fa4:
+        return choice
+    if registry is not None and registry.current_flash_attention_impl() is not None:
+        registry.restore_flash_attention_impl(_raise_warn=False)
+    return AttentionChoice(choice.requested, "flash", "FA4 was not chosen on every rank (each rank's line says why): "
+                                                      "every rank attends with bundled flash, one kernel for all")
+
+
+def settle_attention(description, loaded_model, longest_sample: int, registry: FlashImplRegistry | None = None,
+                     every_rank: Callable[[bool], bool] | None = None) -> AttentionChoice:
     """The worker's one call, before the trainer captures graphs: resolve `fast_model_args.attention` on this
-    machine and model, make torch's flash ops run it, log one line. `registry`: torch's (default) or a fake."""
+    machine and model, make torch's flash ops run it, agree on one kernel over the ranks, log one line.
+    `registry`: torch's (default) or a fake; `every_rank`: whether a flag holds on every rank (a collective,
+    `dist.all_ranks_ok` by default; every rank calls it once)."""
     from HyperSloth.train.budget.cache import cache_dir
+    from HyperSloth.train.dist import all_ranks_ok
 
     os.environ[UNSLOTH_IMPL_ENV] = "off"  # the setting here decides; Unsloth's rule would flip it inside train()
     requested = description.hyper_config.fast_model_args.attention
@@ -284,6 +299,8 @@ def settle_attention(description, loaded_model, longest_sample: int,
 
         route_torch_fa4_here()  # torch's FA4 entry unpacks fewer values than flash-attn-4 4.0.0b3x returns
         check = agreement_check(*model_heads(loaded_model.model.config))  # a wrong kernel trains fast, on NaN
-    choice = apply_attention(choice, registry if registry is not None else torch_registry(), check)
+    registry = registry if registry is not None else torch_registry()
+    choice = apply_attention(choice, registry, check)
+    choice = one_kernel_for_all_ranks(choice, (every_rank or all_ranks_ok)(choice.kernel == "fa4"), registry)
     (logger.warning if requested == "fa4" and choice.kernel != "fa4" else logger.info)(choice.line())
     return choice
