@@ -36,6 +36,9 @@ SYSTEMS = {
     # hypersloth-N runs the default, "auto", and its record says what auto chose and why.
     "hypersloth-1-fa4": dict(runner="hypersloth", gpus=1, gc=False, attention="fa4"),
     "hypersloth-1-flash": dict(runner="hypersloth", gpus=1, gc=False, attention="flash"),
+    # MoE: the expert adapters as grouped GEMMs beside the base experts (training.expert_lora="grouped") in place of
+    # Unsloth's MoE LoRA path, which `auto` keeps on the Unsloth backend until this is measured
+    "hypersloth-1-grouped-experts": dict(runner="hypersloth", gpus=1, gc=False, expert_lora="grouped"),
     "hypersloth-1-gc": dict(runner="hypersloth", gpus=1, gc="unsloth"),
     "hypersloth-2": dict(runner="hypersloth", gpus=2, gc=False),
     "hypersloth-2-gc": dict(runner="hypersloth", gpus=2, gc="unsloth"),
@@ -146,7 +149,7 @@ hyper_config_model = HyperConfig(
     data=DataConfig(dataset_name="bench", data_dir="{a.work}/data"),
     training=TrainingConfig(gpus={list(range(a.gpus))}, {method},
                             batching="packed", profile={a.profile}, cuda_graphs={a.graphs},
-                            lora_passes={a.lora_passes},
+                            lora_passes={a.lora_passes}, expert_lora={a.expert_lora!r},
                             tokens_per_micro_batch={a.token_budget!r}),
     fast_model_args=FastModelArgs(model_name="{a.checkpoint}", max_seq_length={w.max_len}, dtype="bfloat16",
                                   load_in_4bit={w.four_bit}, backend="unsloth",

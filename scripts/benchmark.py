@@ -27,7 +27,8 @@ Systems (every one sees the same global batches, in the same order, so per-step 
   LoRA projections (`lora_passes=False`, what HyperSloth's passes are worth); `hypersloth-1-fa4`,
   `hypersloth-1-flash`: HyperSloth-1 with `fast_model_args.attention` set to FlashAttention-4 / torch's bundled
   flash by name (every record's `attention` says what ran and why; for the stock rows, Unsloth's own rule,
-  which the same installed wheels let choose); `hypersloth-N-profile` and
+  which the same installed wheels let choose); `hypersloth-1-grouped-experts`: an MoE model's expert adapters as
+  grouped GEMMs (`training.expert_lora="grouped"`) in place of Unsloth's MoE LoRA path; `hypersloth-N-profile` and
   `unsloth-best-profile`: the per-phase timer on (synchronises between phases: for the breakdown, not the
   headline) and torch.profiler over steps 4-6 (`logs/rank0.profile_kernels.txt` and `.profile_trace.json.gz` in the
   system's output folder).
@@ -127,7 +128,7 @@ def system_argv(name: str, workload: str, a, work: Path, model: str) -> list[str
             "--accum", str(system.get("accum", 1)), "--gc", str(system["gc"]), "--gpus", str(system["gpus"]),
             "--shim", str(system.get("shim", False)), "--profile", str(system.get("profile", False)),
             "--graphs", str(system.get("graphs", True)), "--lora-passes", str(system.get("lora_passes", True)),
-            "--attention", system.get("attention", "auto"),
+            "--attention", system.get("attention", "auto"), "--expert-lora", system.get("expert_lora", "auto"),
             "--long-tokens", str(a.long_tokens), "--exactness", str(a.exactness),
             "--result", str(work / f"result_{name}.json")]
     if system["runner"] == "unsloth" and system["gpus"] > 1:
@@ -388,6 +389,7 @@ def main() -> None:
     p.add_argument("--graphs", type=lambda s: s == "True", default=True)
     p.add_argument("--lora-passes", type=lambda s: s == "True", default=True)
     p.add_argument("--attention", choices=["auto", "fa4", "flash", "sdpa"], default="auto")
+    p.add_argument("--expert-lora", choices=["auto", "grouped", "library"], default="auto")
     a = p.parse_args()
     if a.render:
         render(Path(a.render), Path(a.out))

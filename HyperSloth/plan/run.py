@@ -175,6 +175,8 @@ class RunDescription(BaseModel):
     profile: bool = Field(description="Per-phase step timing (a CUDA sync between phases).")
     cuda_graphs: bool = Field(description="Replay packed rows' decoder passes from CUDA graphs where possible.")
     lora_passes: bool = Field(True, description="HyperSloth's LoRA projections in place of Unsloth's where possible.")
+    expert_lora: Literal["auto", "grouped", "library"] = Field(
+        "auto", description="How MoE expert adapters run (training.expert_lora).")
     eval_steps: int | None = Field(description="Evaluate every N steps (and after the last); None = at the end only.")
     early_stopping_patience: int | None
     save_best_adapter: bool
@@ -405,6 +407,7 @@ def resolve_run(loaded: LoadedConfig, *, world_size: int, machine: MachineFacts,
         profile=training.profile,
         cuda_graphs=training.cuda_graphs,
         lora_passes=training.lora_passes,
+        expert_lora=training.expert_lora,
         eval_steps=targs.eval_steps,
         early_stopping_patience=targs.early_stopping_patience,
         save_best_adapter=targs.save_best_adapter,

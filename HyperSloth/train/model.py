@@ -54,9 +54,11 @@ def import_backend(backend: str) -> None:
         importlib.import_module("unsloth")
 
 
-def load_model(fast: FastModelArgs, lora: LoraArgs | None, lora_passes: bool = False) -> LoadedModel:
+def load_model(fast: FastModelArgs, lora: LoraArgs | None, lora_passes: bool = False,
+               expert_lora: str = "auto") -> LoadedModel:
     """Load the base model (4-bit, 8-bit or 16/32-bit) and attach LoRA, or leave it whole for full FT.
-    `lora_passes`: put HyperSloth's LoRA projections (`lora_passes`) in place of Unsloth's (Unsloth backend)."""
+    `lora_passes`: put HyperSloth's LoRA projections (`lora_passes`) in place of Unsloth's (Unsloth backend).
+    `expert_lora`: training.expert_lora, how an MoE layer's expert adapters run (`_install_expert_lora`)."""
     backend = resolve_backend(fast)
     dtype = resolve_dtype(fast)
     native = _checkpoint_config(fast)
@@ -69,6 +71,8 @@ def load_model(fast: FastModelArgs, lora: LoraArgs | None, lora_passes: bool = F
             stamps["adapter"] = time.time()  # the adapters are attached once their passes are in place
     else:
         model, tokenizer = _load_transformers(fast, lora, dtype, stamps, native, record)
+    if lora is not None and (expert_lora == "grouped" or (expert_lora == "auto" and backend != "unsloth")):
+        _install_expert_lora(model, expert_lora)
     _no_router_loss(model)
     line = describe_rope(native, model.config, fast.max_seq_length, backend) if native is not None else None
     if line:
@@ -126,6 +130,19 @@ def _install_lora_passes(model) -> None:
         logger.info("LoRA projections: HyperSloth's passes (no separate low-rank output pass; lora_passes=True)")
     else:
         logger.info(f"LoRA projections: Unsloth's ({why})")
+
+
+def _install_expert_lora(model, setting: str) -> None:
+    """The MoE expert adapters as grouped GEMMs beside the base experts, or one line saying why not (a model
+    without adapted experts says nothing)."""
+    from HyperSloth.train.lora.experts import install_grouped_expert_lora
+
+    count, why = install_grouped_expert_lora(model)
+    if count:
+        logger.info(f"expert LoRA: grouped GEMMs beside the base experts in {count} MoE layers "
+                    f"(training.expert_lora={setting!r}; PEFT would form every expert's W + BA each step)")
+    elif why != "no adapted experts":
+        logger.info(f"expert LoRA: the library's ({why})")
 
 
 def _allow_packed_rows(model) -> None:

@@ -239,7 +239,8 @@ def _loader(description: RunDescription, timeline: StartupTimeline):
         mode = description.gradient_checkpointing if checkpointing is None else checkpointing
         fast = description.hyper_config.fast_model_args.model_copy(
             update={"use_gradient_checkpointing": mode, "tiled_mlp": bool(tiled_mlp)})
-        loaded = model_lib.load_model(fast, description.hyper_config.lora_args, lora_passes=description.lora_passes)
+        loaded = model_lib.load_model(fast, description.hyper_config.lora_args, lora_passes=description.lora_passes,
+                                      expert_lora=description.expert_lora)
         timeline.marks_from(loaded.stamps)
         return loaded
 

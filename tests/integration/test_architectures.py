@@ -83,7 +83,10 @@ def test_moe_targets_are_recorded_and_logged(runs):
     assert targets["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
     assert targets["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
     assert (targets["adapted_modules"], targets["adapted_expert_tensors"]) == (8, 4)
-    assert "-> 8 modules, 4 expert tensors; trainable" in (run.out / "logs" / "rank0.log").read_text()
+    log = (run.out / "logs" / "rank0.log").read_text()
+    assert "-> 8 modules, 4 expert tensors; trainable" in log
+    # the transformers backend's default: the expert adapters beside the base experts, not PEFT's W + BA stack
+    assert "expert LoRA: grouped GEMMs beside the base experts in 2 MoE layers (training.expert_lora='auto'" in log
 
 
 @needs("phi3-2w")

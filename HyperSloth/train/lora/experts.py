@@ -1,0 +1,140 @@
+"""An MoE layer's expert adapters as two small grouped GEMMs per projection, instead of PEFT's expert stack.
+
+PEFT adapts a fused expert tensor (`target_parameters`, peft 0.21 `ParamWrapper`) by a parametrization: on every
+forward it forms W + s·lhs·rhs for the whole stack (`torch.baddbmm`, every expert, routed or not), and the
+experts then run on that. So each step builds a second copy of every expert weight, and the backward computes
+the gradient of that full copy before it reaches the adapter. For Qwen3-30B-A3B's shape that is 1.2 GB per
+layer and a GEMM the size of the base weight's own, for adapters of rank 16.
+
+Here the adapter runs beside the base weight, as LoRA on a linear layer does: for the rows routed to expert e,
+y = x·Wₑᵀ + s·(x·rhsₑᵀ)·lhsₑᵀ (W stored (experts, out, in); for a layout stored (experts, in, out), gpt-oss's,
+y = x·Wₑ + s·(x·lhsₑ)·rhsₑ), each product a grouped GEMM over the rows sorted by expert, with the offsets that
+transformers' own `grouped_mm` experts use (`histc` and `cumsum` on the device: nothing read on the host, which
+transformers keeps for CUDA graphs). lhs, rhs and s are PEFT's own factors (`ParamWrapper.get_delta_factors`),
+so the adapter, its initialisation, its saved file and its merge stay PEFT's. Everything else (sorting, the
+sentinel rows of expert parallelism, biases, the gate function, the routing weights, the per-token sum) follows
+`transformers.integrations.moe.grouped_mm_experts_forward`, whose grouped-linear helpers it calls.
+
+`install_grouped_expert_lora` puts this forward on the outermost `ParamWrapper` of each experts module (the
+instance's `forward`; PEFT's class stays as it is), and leaves a module whose LoRA is not plain to PEFT with a
+reason. With the adapter disabled (DPO's and GRPO's reference forward) or merged, PEFT's own forward runs.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+MARK = "_hypersloth_grouped_experts"  # set on an installed wrapper
+
+
+def wrapper_chain(module: nn.Module) -> list[nn.Module]:
+    """The ParamWrappers around an experts module, outermost first (empty when `module` is not one)."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    chain = []
+    while isinstance(module, ParamWrapper):
+        chain.append(module)
+        module = module.base_layer
+    return chain
+
+
+def _active_adapter(wrapper: nn.Module) -> str | None:
+    adapters = wrapper.active_adapters
+    return adapters[0] if len(adapters) == 1 else None
+
+
+def refusal(chain: list[nn.Module]) -> str | None:
+    """Why these wrappers' experts cannot run here (None: they can)."""
+    from transformers.integrations import moe
+
+    base = chain[-1].get_base_layer()
+    if not hasattr(moe, "_grouped_linear"):
+        return "this transformers has no grouped experts (transformers.integrations.moe._grouped_linear)"
+    if not all(hasattr(base, k) for k in ("num_experts", "down_proj", "has_gate", "has_bias", "is_transposed")):
+        return f"{type(base).__name__} is not a fused experts module transformers' grouped_mm runs"
+    names = {w.parameter_name for w in chain}
+    known = {"gate_up_proj" if base.has_gate else "up_proj", "down_proj"}
+    if not names <= known or len(names) != len(chain):
+        return f"adapters on {sorted(names)}, not the expert projections {sorted(known)}"
+    for wrapper in chain:
+        adapter = _active_adapter(wrapper)
+        if adapter is None or adapter not in wrapper.lora_A:
+            return "not exactly one active adapter"
+        if wrapper.use_dora.get(adapter) or wrapper.lora_bias.get(adapter):
+            return "a DoRA or bias adapter"
+        if not isinstance(wrapper.lora_dropout[adapter], nn.Identity):
+            return "LoRA dropout"
+    return None
+
+
+def _project(x: torch.Tensor, base: nn.Module, name: str, offsets: torch.Tensor, expert_ids: torch.Tensor,
+             factors: tuple[torch.Tensor, torch.Tensor, float] | None) -> torch.Tensor:
+    """One expert projection of the rows sorted by expert: the base weight's grouped GEMM, plus the adapter's two."""
+    from transformers.integrations.moe import _grouped_linear
+
+    weight = base._parameters[name]  # the stored weight: no parametrization is active on this path
+    bias = getattr(base, f"{name}_bias")[expert_ids] if base.has_bias else None
+    out = _grouped_linear(x, weight, offsets, bias=bias, is_transposed=base.is_transposed)
+    if factors is None:
+        return out
+    lhs, rhs, scaling = factors  # the delta of expert e is scaling * lhs[e] @ rhs[e], shaped like weight[e]
+    if base.is_transposed:  # y = x @ W[e]: x @ lhs[e] @ rhs[e], each factor in the base weight's layout
+        low = _grouped_linear(x, lhs.contiguous(), offsets, is_transposed=True)
+        delta = _grouped_linear(low, rhs.contiguous(), offsets, is_transposed=True)
+    else:  # y = x @ W[e].T: x @ rhs[e].T @ lhs[e].T
+        low = _grouped_linear(x, rhs.contiguous(), offsets)
+        delta = _grouped_linear(low, lhs.contiguous(), offsets)
+    return out + scaling * delta
+
+
+def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                            top_k_weights: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """The forward installed on the outermost ParamWrapper (`self`): the experts with their adapters split."""
+    chain = wrapper_chain(self)
+    if any(w.disable_adapters or w.merged for w in chain):
+        return type(self).forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+    base = chain[-1].get_base_layer()
+    factors = {w.parameter_name: w.get_delta_factors(_active_adapter(w)) for w in chain}
+    device, top_k, tokens = hidden_states.device, top_k_index.size(-1), hidden_states.size(0)
+    expert_ids_g, perm = torch.sort(top_k_index.reshape(-1))
+    rows = hidden_states[perm // top_k]
+    weights_g = top_k_weights.reshape(-1)[perm]
+    # histc, not bincount: sizes stay on the device (transformers: "to avoid cuda graph issues"); CPU wants floats
+    counts = torch.histc(expert_ids_g.float() if device.type in ("cpu", "mps") else expert_ids_g.int(),
+                         bins=base.num_experts, min=0, max=base.num_experts - 1)
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    sentinel = (expert_ids_g >= base.num_experts).unsqueeze(-1)  # expert parallelism's ids past the last expert
+    expert_ids_g = expert_ids_g.clamp(max=base.num_experts - 1)
+    rows = rows.masked_fill(sentinel, 0.0)
+    first = "gate_up_proj" if base.has_gate else "up_proj"
+    out = _project(rows, base, first, offsets, expert_ids_g, factors.get(first)).masked_fill(sentinel, 0.0)
+    out = base._apply_gate(out) if base.has_gate else base.act_fn(out)
+    out = _project(out, base, "down_proj", offsets, expert_ids_g, factors.get("down_proj")).masked_fill(sentinel, 0.0)
+    weighted = out * weights_g.unsqueeze(-1)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.size(0), device=device)
+    return weighted[inverse].view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def install_grouped_expert_lora(model: nn.Module) -> tuple[int, str | None]:
+    """Put `grouped_experts_forward` on every adapted experts module of `model`: (how many, None), or (0, why
+    not) at the first one that cannot take it (then none is changed)."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    wrappers = [m for m in model.modules() if isinstance(m, ParamWrapper)]
+    inner = {id(w.base_layer) for w in wrappers}
+    outermost = [w for w in wrappers if id(w) not in inner]
+    if not outermost:
+        return 0, "no adapted experts"
+    for module in outermost:
+        why = refusal(wrapper_chain(module))
+        if why is not None:
+            return 0, why
+    for module in outermost:
+        module.forward = types.MethodType(grouped_experts_forward, module)
+        setattr(module, MARK, True)
+    return len(outermost), None

@@ -1,0 +1,73 @@
+"""train/lora/experts.py: an MoE layer's expert adapters as grouped GEMMs beside the base experts compute what
+PEFT's parametrization of the whole expert stack computes (fp32, CPU): loss, every gradient, the reference
+forward with the adapter off; and a LoRA that is not plain stays PEFT's, with the reason."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from HyperSloth.config import LoraArgs
+from HyperSloth.train.lora.experts import MARK, install_grouped_expert_lora, wrapper_chain
+from HyperSloth.train.model import _attach_peft
+from HyperSloth.train.tiny_architectures import tiny_causal_lm, tiny_config
+
+
+def adapted(architecture: str):
+    """A tiny MoE model (4 experts, 2 active) with adapters on attention and experts, lora_B random (PEFT starts
+    it at zero, where the adapter's own product would not be tested)."""
+    config = tiny_config(architecture, vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256,
+                         initializer_range=0.02, pad_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    model = _attach_peft(tiny_causal_lm(config), LoraArgs(r=8, lora_alpha=16))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    return model
+
+
+def loss_and_grads(model, ids):
+    model.zero_grad()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("architecture", ["qwen3_moe", "gpt_oss"])  # (experts, out, in) and (experts, in, out) + biases
+def test_grouped_expert_adapters_equal_peft(architecture):
+    peft_model = adapted(architecture)
+    ours = copy.deepcopy(peft_model)
+    assert install_grouped_expert_lora(ours) == (2, None)
+    ids = torch.randint(2, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    peft_loss, peft_grads = loss_and_grads(peft_model, ids)
+    our_loss, our_grads = loss_and_grads(ours, ids)
+    assert our_loss == pytest.approx(peft_loss, rel=1e-6)
+    assert peft_grads.keys() == our_grads.keys() and any("experts" in n and "lora_A" in n for n in our_grads)
+    for name, grad in peft_grads.items():
+        torch.testing.assert_close(our_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    with ours.disable_adapter(), peft_model.disable_adapter(), torch.no_grad():  # DPO's / GRPO's reference
+        torch.testing.assert_close(ours(input_ids=ids).logits, peft_model(input_ids=ids).logits)
+
+
+def test_only_the_outermost_wrapper_of_each_layer_gets_the_forward():
+    model = adapted("qwen3_moe")
+    install_grouped_expert_lora(model)
+    marked = [name for name, m in model.named_modules() if getattr(m, MARK, False)]
+    assert [name.split(".")[-3:] for name in marked] == [["0", "mlp", "experts"], ["1", "mlp", "experts"]]
+    assert [w.parameter_name for w in wrapper_chain(model.get_submodule(marked[0]))] == ["down_proj", "gate_up_proj"]
+
+
+def test_an_adapter_that_is_not_plain_stays_peft_and_says_why():
+    model = adapted("qwen3_moe")
+    wrapper = model.get_submodule("base_model.model.model.layers.1.mlp.experts")
+    wrapper.use_dora["default"] = True
+    assert install_grouped_expert_lora(model) == (0, "a DoRA or bias adapter")
+    assert not any(getattr(m, MARK, False) for m in model.modules())  # all or nothing
+    dense = _attach_peft(tiny_causal_lm(tiny_config(
+        "qwen3", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2,
+        head_dim=16, max_position_embeddings=256, initializer_range=0.02, pad_token_id=0, eos_token_id=1)), LoraArgs())
+    assert install_grouped_expert_lora(dense) == (0, "no adapted experts")
