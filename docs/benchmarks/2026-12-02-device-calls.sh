@@ -58,4 +58,17 @@ callD() {  # callC: stock loading and ours run the same packed row equally (1.34
   pack
 }
 
+callE() {  # the MoE expert adapters as grouped GEMMs (training.expert_lora="grouped", train/lora/experts.py; 4.3x
+  # PEFT's speed on the CPU) against Unsloth's MoE LoRA path (HyperSloth's auto on Unsloth) and stock, moe-short,
+  # 3 warm-up + 20 timed steps each (~8 minutes; the checkpoint is built first)
+  bench --workloads moe-short --slots hypersloth-1-grouped-experts,hypersloth-1,unsloth-best --tag moe-grouped \
+    --budget-s $(left 560) > $L/bench.log 2>&1
+  el "bench done"; show $L/bench.log
+  for d in $W/moe-short/out_hypersloth-1*/; do
+    echo "--- $(basename $d)"; grep -h "expert LoRA\|LoRA projections\|eager decoder\|budget probe\|median step\|memory      peak" \
+      $d/logs/rank0.log | cut -c1-400
+  done
+  pack
+}
+
 "$@"
