@@ -197,7 +197,7 @@ def test_benchmark_records_carry_the_attention_choice(tmp_path):
     assert argv[argv.index("--attention") + 1] == "flash"
     config = bench_systems.hypersloth_config(types.SimpleNamespace(
         workload="short-0.6b", long_tokens=131072, gpus=1, work=str(tmp_path), profile=False, graphs=True,
-        lora_passes=True, token_budget="auto", checkpoint="/ckpt", gc=False, attention="fa4", steps=3), out)
+        lora_passes=True, expert_lora="auto", token_budget="auto", checkpoint="/ckpt", gc=False, attention="fa4", steps=3), out)
     assert "attention='fa4'" in config.read_text()
 
 

@@ -45,7 +45,7 @@ def test_hypersloth_trains_the_workload_as_dpo(built, tmp_path):
     checkpoint = tmp_path / "ckpt"
     checkpoint.mkdir()
     args = Namespace(workload="dpo-0.6b", long_tokens=None, gpus=1, profile=False, token_budget="auto",
-                     work=str(work), checkpoint=str(checkpoint), gc=False, steps=5, graphs=True, lora_passes=True,
+                     work=str(work), checkpoint=str(checkpoint), gc=False, steps=5, graphs=True, lora_passes=True, expert_lora="auto",
                      attention="auto")
     config = bench_systems.hypersloth_config(args, tmp_path / "out_hypersloth-1")
     summary = preview(str(config))

@@ -101,7 +101,8 @@ def test_a_reload_for_checkpointing_puts_the_first_probe_between_the_two_loads(m
 
     monkeypatch.setattr(model_lib, "load_model", fake_load)
     hyper = types.SimpleNamespace(fast_model_args=FastModelArgs(model_name="m"), lora_args=None)
-    description = types.SimpleNamespace(gradient_checkpointing=False, hyper_config=hyper, lora_passes=False)
+    description = types.SimpleNamespace(gradient_checkpointing=False, hyper_config=hyper, lora_passes=False,
+                                        expert_lora="auto")
     timeline = StartupTimeline(time.time())
     load = worker._loader(description, timeline)
     load(None)
