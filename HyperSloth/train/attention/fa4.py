@@ -1,17 +1,20 @@
-"""FlashAttention-4's two kernels as torch's flash-impl registry calls them, whatever the installed wheel returns.
+"""FlashAttention-4 inside torch's flash-impl registry as torch 2.11 needs it, and checked before a run trains on it.
 
 torch's FA4 registration (torch/nn/attention/_fa4.py, 2.11 to 2.13) imports a module exposing `_flash_attn_fwd` and
-`_flash_attn_bwd` and unpacks `out, lse = _flash_attn_fwd(...)` and `dq, dk, dv = _flash_attn_bwd(...)`. The
-flash-attn-4 betas since 4.0.0b3x return more (`out, lse, p, row_max, o_lo` forward; `dq, dk, dv` and a sink
-gradient backward), so activating FA4 as torch ships it fails on the first call with "too many values to unpack
-(expected 2)" (measured on the H200, 4.0.0b36 with torch 2.11). `route_torch_fa4_here` points torch's "FA4" entry
-at this module, which hands torch the values it unpacks; activation itself stays torch's
-(`activate_flash_attention_impl("FA4")`), and so does every check torch makes before calling a kernel, but one:
-torch 2.11's backward refuses any window size that is not None ("windowed attention not supported"), and causal
-packed rows arrive with aten's spelling of plain causal attention, window (-1, 0) (Unsloth's lean varlen path,
-torch's `varlen_attn`). The backward registered here passes that window on as None, None, which is the same
-attention (FA4 resolves causal + (-1, 0) to causal itself: `_resolve_causal_local_window`); a real sliding
-window is passed on as it is, and torch still refuses it.
+`_flash_attn_bwd` and calls them. With flash-attn-4 4.0.0b36 and torch 2.11 that went wrong three ways, each found
+on the H200 (docs/benchmarks.md, 2026-12-02), each handled here:
+1. The betas return more than torch unpacks (`out, lse, p, row_max, o_lo` forward; a sink gradient backward):
+   "too many values to unpack (expected 2)". `_flash_attn_fwd` / `_flash_attn_bwd` hand torch its two and three.
+2. torch 2.11's backward refuses any window that is not None ("windowed attention not supported"), and causal
+   packed rows arrive with aten's spelling of plain causal attention, window (-1, 0) (Unsloth's lean varlen path,
+   torch's `varlen_attn`): the backward registered here passes that window on as None, None
+   (`plain_causal_windows_as_none`); a real sliding window is passed on as it is, and torch still refuses it.
+3. torch 2.11's forward passes aten's -1 on as it is, and FA4 reads causal + (-1, 0) as *local* attention
+   (outputs 4 off, gradients in the thousands, NaN losses from step 2): `fa4_windows` makes -1 None.
+`route_torch_fa4_here` points torch's "FA4" entry (the public `register_flash_attention_impl`) at this module;
+activation itself stays torch's (`activate_flash_attention_impl("FA4")`). `agreement_check` then compares FA4 with
+bundled flash on one packed row in the model's head layout, forward and backward, and times both, before the
+worker lets a run train on it (attention/setting.py).
 """
 
 from __future__ import annotations
@@ -31,9 +34,8 @@ def _kernels():
 
 
 def fa4_windows(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """aten's "no limit" window side (-1) as FA4's (None). torch 2.11's FA4 forward passes aten's window on as it
-    is, and FA4 reads causal + (-1, 0) as *local* attention with a left window of -1 (`_resolve_causal_local_window`):
-    outputs 4 off and gradients in the thousands on the H200 (scripts/fa4_smoke.py), NaN losses from step 2."""
+    """aten's "no limit" window side (-1) as FA4's (None): FA4 reads causal + (-1, 0) as local attention with a
+    left window of -1 (`_resolve_causal_local_window`; the module docstring, 3)."""
     for side in ("window_size_left", "window_size_right"):
         if kwargs.get(side) is not None and kwargs[side] < 0:
             kwargs[side] = None
