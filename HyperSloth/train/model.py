@@ -142,7 +142,7 @@ def _install_expert_lora(model, setting: str) -> None:
         logger.info(f"expert LoRA: grouped GEMMs beside the base experts in {count} MoE layers "
                     f"(training.expert_lora={setting!r}; PEFT would form every expert's W + BA each step)")
     elif why != "no adapted experts":
-        logger.info(f"expert LoRA: the library's ({why})")
+        (logger.warning if setting == "grouped" else logger.info)(f"expert LoRA: the library's ({why})")
 
 
 def _allow_packed_rows(model) -> None:

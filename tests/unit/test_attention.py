@@ -16,7 +16,8 @@ from HyperSloth.train.attention import setting as att
 
 # Qwen3-0.6B on an H200 with flash-attn-4 installed, CUDA graphs on, short chats.
 H200 = att.AttentionFacts(cuda=True, backend="unsloth", capability_major=9, fa4_installed=True, registry=True,
-                          head_dims=(128,), attention_dropout=0.0, graphed=True, longest_sample=4096)
+                          head_dims=(128,), attention_dropout=0.0, sliding_window=False, graphed=True,
+                          longest_sample=4096)
 
 
 def kernel(requested: str, **facts) -> att.AttentionChoice:
@@ -365,3 +366,16 @@ def test_fa4_on_one_rank_only_is_bundled_flash_on_every_rank(monkeypatch, tmp_pa
     assert registry.calls == [("activate", "FA4"), ("restore",)]
     agreed = att.settle_attention(_description("auto"), _loaded(), 512, registry=FakeRegistry(), every_rank=lambda ok: ok)
     assert agreed.kernel == "fa4"
+
+
+def test_sliding_window_models_keep_bundled_flash():
+    """torch 2.11's FA4 backward refuses any window: a model with sliding-window layers would fail its first
+    backward, and the check at start tries plain causal rows only."""
+    choice = att.resolve_attention("auto", replace(H200, sliding_window=True))
+    assert choice.kernel == "flash" and "sliding-window attention layers" in choice.reason
+    by_name = att.resolve_attention("fa4", replace(H200, sliding_window=True))
+    assert by_name.kernel == "flash" and "FA4 cannot run here" in by_name.reason
+    gemma = types.SimpleNamespace(layer_types=["sliding_attention", "full_attention"], sliding_window=512)
+    qwen = types.SimpleNamespace(layer_types=["full_attention"] * 2, sliding_window=4096, use_sliding_window=False)
+    mistral = types.SimpleNamespace(sliding_window=4096)
+    assert [att.has_sliding_window(c) for c in (gemma, qwen, mistral, types.SimpleNamespace())] == [True, False, True, False]

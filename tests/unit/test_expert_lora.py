@@ -15,14 +15,14 @@ from HyperSloth.train.model import _attach_peft
 from HyperSloth.train.tiny_architectures import tiny_causal_lm, tiny_config
 
 
-def adapted(architecture: str):
+def adapted(architecture: str, r: int = 8, dtype=torch.float32):
     """A tiny MoE model (4 experts, 2 active) with adapters on attention and experts, lora_B random (PEFT starts
     it at zero, where the adapter's own product would not be tested)."""
     config = tiny_config(architecture, vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
                          num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256,
                          initializer_range=0.02, pad_token_id=0, eos_token_id=1)
     torch.manual_seed(0)
-    model = _attach_peft(tiny_causal_lm(config), LoraArgs(r=8, lora_alpha=16))
+    model = _attach_peft(tiny_causal_lm(config).to(dtype), LoraArgs(r=r, lora_alpha=16))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
@@ -71,3 +71,19 @@ def test_an_adapter_that_is_not_plain_stays_peft_and_says_why():
         "qwen3", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2,
         head_dim=16, max_position_embeddings=256, initializer_range=0.02, pad_token_id=0, eos_token_id=1)), LoraArgs())
     assert install_grouped_expert_lora(dense) == (0, "no adapted experts")
+
+
+@pytest.mark.parametrize("r, dtype", [(4, torch.bfloat16), (2, torch.float32)])
+def test_ranks_the_grouped_gemm_cannot_take_are_padded(r, dtype):
+    """torch's grouped GEMM wants 16-byte strides: rank 4 in bf16, 2 in fp32 would raise; padded with zeros the
+    product is the same."""
+    peft_model = adapted("qwen3_moe", r=r, dtype=dtype)
+    ours = copy.deepcopy(peft_model)
+    assert install_grouped_expert_lora(ours) == (2, None)
+    ids = torch.randint(2, 128, (1, 32), generator=torch.Generator().manual_seed(2))
+    (peft_loss, peft_grads), (our_loss, our_grads) = loss_and_grads(peft_model, ids), loss_and_grads(ours, ids)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    assert our_loss == pytest.approx(peft_loss, rel=tolerance)
+    for name, grad in peft_grads.items():
+        scale = grad.float().abs().max().item() or 1.0
+        assert (our_grads[name].float() - grad.float()).abs().max().item() <= 5 * tolerance * scale, name

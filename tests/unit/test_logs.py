@@ -49,3 +49,17 @@ def test_hf_log_lines_go_to_the_progress_bars_stream_not_stdout(capsys):
     assert capsys.readouterr().out == ""
     assert isinstance(callback.training_bar, tqdm)  # the bar itself is back in place
     callback.training_bar.close()
+
+
+def test_a_disabled_progress_bar_still_shows_the_log_lines(capsys):
+    """A bar disabled by TQDM_DISABLE has no stream of its own: the line goes where tqdm.write puts it."""
+    import types
+
+    from tqdm.auto import tqdm
+
+    from HyperSloth.train.sft.trainer import ProgressOnBarStream
+
+    callback = ProgressOnBarStream()
+    callback.training_bar = tqdm(total=4, disable=True)
+    callback.on_log(None, types.SimpleNamespace(is_world_process_zero=True), None, logs={"loss": 2.0})
+    assert "{'loss': '2'}" in capsys.readouterr().out

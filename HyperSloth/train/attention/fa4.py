@@ -3,7 +3,8 @@
 torch's FA4 registration (torch/nn/attention/_fa4.py, 2.11 to 2.13) imports a module exposing `_flash_attn_fwd` and
 `_flash_attn_bwd` and calls them. With flash-attn-4 4.0.0b36 and torch 2.11 that went wrong three ways, each found
 on the H200 (docs/benchmarks.md, 2026-12-02), each handled here:
-1. The betas return more than torch unpacks (`out, lse, p, row_max, o_lo` forward; a sink gradient backward):
+1. The betas return more than torch unpacks (`out, lse, p, row_max, o_lo` forward; backward, a sink gradient too
+   when a learnable sink is passed):
    "too many values to unpack (expected 2)". `_flash_attn_fwd` / `_flash_attn_bwd` hand torch its two and three.
 2. torch 2.11's backward refuses any window that is not None ("windowed attention not supported"), and causal
    packed rows arrive with aten's spelling of plain causal attention, window (-1, 0) (Unsloth's lean varlen path,

@@ -67,6 +67,7 @@ class AttentionFacts:
     registry: bool  # torch has the flash-impl registry (>= 2.11)
     head_dims: tuple[int, ...]  # the model's attention head dims
     attention_dropout: float  # FA4 raises on dropout instead of falling back
+    sliding_window: bool  # the model has sliding-window attention layers (Gemma 3, gpt-oss, Mistral v0.1)
     graphed: bool  # the decoder replays CUDA graphs (`step_graph.graph_unavailable` is None)
     longest_sample: int  # tokens
 
@@ -110,6 +111,9 @@ def fa4_problem(facts: AttentionFacts) -> str | None:
         return f"head_dim {unsupported} is not one FA4 has on SM{facts.capability_major}x"
     if facts.attention_dropout > 0:
         return f"attention dropout {facts.attention_dropout} (FA4 has none)"
+    if facts.sliding_window:
+        return ("sliding-window attention layers (torch 2.11's FA4 backward refuses windows, and the check at start "
+                "tries plain causal rows only)")
     return None
 
 
@@ -161,6 +165,16 @@ def model_heads(config: Any) -> tuple[int, int, int]:
     heads = int(text.num_attention_heads)
     kv_heads = getattr(text, "num_key_value_heads", None)
     return heads, int(kv_heads) if isinstance(kv_heads, int) else heads, model_head_dims(config)[0][0]
+
+
+def has_sliding_window(config: Any) -> bool:
+    """Whether some attention layer of the model (its text config) is sliding-window: layer_types naming one, or a
+    sliding_window size the model uses (Qwen2/Qwen3 carry one with use_sliding_window=False)."""
+    text = text_config(config)
+    layer_types = getattr(text, "layer_types", None)
+    if isinstance(layer_types, (list, tuple)) and layer_types:
+        return any("sliding" in str(kind) for kind in layer_types)
+    return bool(getattr(text, "sliding_window", None)) and getattr(text, "use_sliding_window", True) is not False
 
 
 def model_head_dims(config: Any) -> tuple[tuple[int, ...], float]:
@@ -263,7 +277,7 @@ def gather_facts(description, loaded_model, longest_sample: int) -> AttentionFac
         cuda=cuda, backend=loaded_model.backend,
         capability_major=torch.cuda.get_device_capability()[0] if cuda else None,
         fa4_installed=cuda and fa4_installed(), registry=torch_registry() is not None,
-        head_dims=head_dims, attention_dropout=dropout,
+        head_dims=head_dims, attention_dropout=dropout, sliding_window=has_sliding_window(loaded_model.model.config),
         graphed=cuda and decoder_graphed(description, loaded_model.backend), longest_sample=int(longest_sample))
 
 

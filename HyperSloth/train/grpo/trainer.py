@@ -29,8 +29,8 @@ import time
 
 import numpy as np
 import torch
-import trl
 import torch.distributed as torch_dist
+import trl
 from loguru import logger
 
 from HyperSloth.config import GrpoArgs, load_reward_funcs, reward_name

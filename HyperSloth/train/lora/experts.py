@@ -71,6 +71,20 @@ def refusal(chain: list[nn.Module]) -> str | None:
     return None
 
 
+GROUPED_MM_ALIGNMENT = 16  # bytes: torch's grouped GEMM wants every matrix's leading stride a multiple of this
+
+
+def aligned_rank(lhs: torch.Tensor, rhs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """lhs (experts, d1, r) and rhs (experts, r, d2) with r zero-padded to a multiple of 16 bytes (bf16: 8; torch's
+    grouped GEMM refuses r=4 in bf16, "strides should be multiple of 16 bytes"): the same product, and the
+    padding's gradient goes nowhere."""
+    multiple = max(1, GROUPED_MM_ALIGNMENT // lhs.element_size())
+    pad = -lhs.shape[-1] % multiple
+    if pad == 0:
+        return lhs, rhs
+    return nn.functional.pad(lhs, (0, pad)), nn.functional.pad(rhs, (0, 0, 0, pad))
+
+
 def _project(x: torch.Tensor, base: nn.Module, name: str, offsets: torch.Tensor, expert_ids: torch.Tensor,
              factors: tuple[torch.Tensor, torch.Tensor, float] | None) -> torch.Tensor:
     """One expert projection of the rows sorted by expert: the base weight's grouped GEMM, plus the adapter's two."""
@@ -82,6 +96,7 @@ def _project(x: torch.Tensor, base: nn.Module, name: str, offsets: torch.Tensor,
     if factors is None:
         return out
     lhs, rhs, scaling = factors  # the delta of expert e is scaling * lhs[e] @ rhs[e], shaped like weight[e]
+    lhs, rhs = aligned_rank(lhs, rhs)
     if base.is_transposed:  # y = x @ W[e]: x @ lhs[e] @ rhs[e], each factor in the base weight's layout
         low = _grouped_linear(x, lhs.contiguous(), offsets, is_transposed=True)
         delta = _grouped_linear(low, rhs.contiguous(), offsets, is_transposed=True)
@@ -95,7 +110,7 @@ def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
                             top_k_weights: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """The forward installed on the outermost ParamWrapper (`self`): the experts with their adapters split."""
     chain = wrapper_chain(self)
-    if any(w.disable_adapters or w.merged for w in chain):
+    if any(w.disable_adapters or w.merged or _active_adapter(w) is None for w in chain):
         return type(self).forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
     base = chain[-1].get_base_layer()
     factors = {w.parameter_name: w.get_delta_factors(_active_adapter(w)) for w in chain}

@@ -117,7 +117,7 @@ class _WritesTo:
         self.bar = bar
 
     def write(self, text: str) -> None:
-        self.bar.write(text, file=self.bar.fp)
+        self.bar.write(text, file=getattr(self.bar, "fp", None))  # a disabled bar (TQDM_DISABLE) has no stream
 
 
 class StepGarbageCollection(TrainerCallback):
