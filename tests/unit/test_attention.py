@@ -280,6 +280,9 @@ def test_torch_fa4_entry_unpacks_what_newer_flash_attn_4_wheels_return(monkeypat
     grads = fa4._fa4_run_backward(q, q, q, q, q, lse, cu, cu, None, True, -1, 0)
     assert [t.tolist() for t in grads] == [dq.tolist(), dk.tolist(), dv.tolist()]
     assert calls == [("fwd", True, cu), ("bwd", True)]
+    # torch 2.11 hands the module aten's window as it is (2.13 turns -1 into None first): the module turns it
+    ours._flash_attn_fwd(q, q, q, return_lse=True, cu_seqlens_q=cu, window_size_left=-1, window_size_right=0)
+    assert len(calls) == 3  # the fake forward asserted window_size_left is None
 
 
 @pytest.mark.parametrize("is_causal, window, passed", [
