@@ -158,7 +158,8 @@ def annotate(records: list[dict], long_tokens: int) -> list[dict]:
         r["ref_loss_diff"] = abs(r["losses"][0] - reference["reference_loss"]) if r["losses"] else None
         r["attention_floor_s"] = reference["attention_floor_s"]
         r["trained_whole"] = bool(
-            not r["truncated"] and r["ref_loss_diff"] is not None and r["ref_loss_diff"] <= REF_LOSS_TOL
+            "error" not in r  # a loss that went non-finite (benchmark.loss_problem) is no whole training
+            and not r["truncated"] and r["ref_loss_diff"] is not None and r["ref_loss_diff"] <= REF_LOSS_TOL
             and r["first_step_s"] >= FLOOR_FRACTION * reference["attention_floor_s"])
     return records
 
@@ -169,4 +170,5 @@ def verdict_line(r: dict) -> str:
             "attention_floor_s", "trained_whole", "truncated")
     cells = [f"{k}={r.get(k):.4g}" if isinstance(r.get(k), float) else f"{k}={r.get(k)}" for k in keys]
     flag = "  <-- DID NOT TRAIN THE LONG SAMPLE WHOLE" if r.get("truncated") or r.get("trained_whole") is False else ""
-    return f"[{r['workload']} {r['system']}] " + " ".join(cells) + flag
+    error = f"  ({r['error']})" if r.get("error") else ""
+    return f"[{r['workload']} {r['system']}] " + " ".join(cells) + flag + error

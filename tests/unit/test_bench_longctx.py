@@ -36,7 +36,8 @@ def test_annotate_flags_a_cut_sample_a_wrong_loss_and_a_step_below_the_attention
                  "attention_floor_s": 54.0}
     records = [reference, _record("hypersloth-1", 12.712, 85.0, 131072), _record("cut", 12.73, 7.9, 131072),
                _record("short", 12.71, 60.0, 32768), _record("fast", 12.71, 20.0, 131072),
-               {"workload": "longctx-8b", "system": "oom", "error": "exit 1"}]
+               {"workload": "longctx-8b", "system": "oom", "error": "exit 1"},
+               {**_record("nan", 12.711, 85.0, 131072), "error": "loss not finite from step 2 (nan)"}]
     out = {r["system"]: r for r in bench_longctx.annotate(records, long_tokens=131072)}
     assert out["hypersloth-1"]["trained_whole"] and not out["hypersloth-1"]["truncated"]
     assert out["hypersloth-1"]["ref_loss_diff"] == pytest.approx(0.002)
@@ -46,6 +47,8 @@ def test_annotate_flags_a_cut_sample_a_wrong_loss_and_a_step_below_the_attention
     assert "trained_whole" not in out["oom"] and "trained_whole" not in out["reference"]
     assert "DID NOT TRAIN" in bench_longctx.verdict_line(out["cut"])
     assert "DID NOT TRAIN" not in bench_longctx.verdict_line(out["hypersloth-1"])
+    assert out["nan"]["trained_whole"] is False  # step 1 right, then NaN: no whole training
+    assert "loss not finite from step 2" in bench_longctx.verdict_line(out["nan"])
 
 
 def test_without_a_reference_only_truncation_is_judged():
