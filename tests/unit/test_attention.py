@@ -211,6 +211,7 @@ def test_graphed_means_what_the_trainer_checks_before_capturing(monkeypatch):
                                 hyper_config=types.SimpleNamespace(lora_args=lora))
     assert att.decoder_graphed(run, "unsloth") is True
     assert att.decoder_graphed(run, "transformers") is False
+    assert att.decoder_graphed(run, "unsloth", types.SimpleNamespace(num_experts=128)) is False  # MoE runs eager
     assert att.decoder_graphed(replace_ns(run, gradient_checkpointing="unsloth"), "unsloth") is False
     assert att.decoder_graphed(replace_ns(run, cuda_graphs=False), "unsloth") is False
 

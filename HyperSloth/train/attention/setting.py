@@ -253,18 +253,20 @@ def apply_attention(choice: AttentionChoice, registry: FlashImplRegistry | None,
     return choice
 
 
-def decoder_graphed(description, backend: str) -> bool:
+def decoder_graphed(description, backend: str, config: Any = None) -> bool:
     """Whether the run's decoder will replay CUDA graphs (the conditions `trainer_args.decoder_graphs` checks
-    first; a layout too small for graphs is found later and leaves the choice made)."""
+    first, an MoE model's included; a layout too small for graphs is found later and leaves the choice made)."""
     import torch
 
+    from HyperSloth.train.model_config import num_experts
     from HyperSloth.train.step_graph import graph_unavailable
 
     lora = description.hyper_config.lora_args
     return graph_unavailable(
         enabled=description.cuda_graphs, cuda=torch.cuda.is_available(), backend=backend, mode=description.batching,
         lora=lora is not None, lora_dropout=lora.lora_dropout if lora else 0.0,
-        checkpointing=description.gradient_checkpointing, tiled_mlp=description.tiled_mlp is True) is None
+        checkpointing=description.gradient_checkpointing, tiled_mlp=description.tiled_mlp is True,
+        experts=num_experts(config) if config is not None else 0) is None
 
 
 def gather_facts(description, loaded_model, longest_sample: int) -> AttentionFacts:
@@ -278,7 +280,8 @@ def gather_facts(description, loaded_model, longest_sample: int) -> AttentionFac
         capability_major=torch.cuda.get_device_capability()[0] if cuda else None,
         fa4_installed=cuda and fa4_installed(), registry=torch_registry() is not None,
         head_dims=head_dims, attention_dropout=dropout, sliding_window=has_sliding_window(loaded_model.model.config),
-        graphed=cuda and decoder_graphed(description, loaded_model.backend), longest_sample=int(longest_sample))
+        graphed=cuda and decoder_graphed(description, loaded_model.backend, loaded_model.model.config),
+        longest_sample=int(longest_sample))
 
 
 def one_kernel_for_all_ranks(choice: AttentionChoice, every_rank_fa4: bool,
