@@ -354,7 +354,9 @@ def render(records_path: Path, out_dir: Path) -> None:
     fig.savefig(out_dir / "benchmarks.png", dpi=120)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line: the benchmark's own options, and the internal ones a system's process is started with
+    (`system_argv`), whose defaults are the systems' defaults."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", default="short-0.6b,long-0.6b,short-8b")
     p.add_argument("--slots", default="unsloth-best+hypersloth-1,unsloth-ddp,hypersloth-2")
@@ -390,7 +392,11 @@ def main() -> None:
     p.add_argument("--lora-passes", type=lambda s: s == "True", default=True)
     p.add_argument("--attention", choices=["auto", "fa4", "flash", "sdpa"], default="auto")
     p.add_argument("--expert-lora", choices=["auto", "grouped", "library"], default="auto")
-    a = p.parse_args()
+    return p
+
+
+def main() -> None:
+    a = parser().parse_args()
     if a.render:
         render(Path(a.render), Path(a.out))
         return

@@ -192,13 +192,13 @@ def test_benchmark_records_carry_the_attention_choice(tmp_path):
     a = types.SimpleNamespace(warmup=0, long_tokens=131072)
     data = {"step_tokens": [1000], "order": list(range(32)), "lengths": [10] * 32}
     assert benchmark.record_for("hypersloth-1-fa4", "short-0.6b", raw, data, a, 0.0, 1.0)["attention"] == record
-    argv = benchmark.system_argv("hypersloth-1-flash", "short-0.6b", types.SimpleNamespace(
-        ckpt_dir=None, work="/w", token_budget="auto", warmup=3, steps=20, long_tokens=131072, exactness=False),
-        Path("/w/short-0.6b"), "0.6b")
+    run = types.SimpleNamespace(ckpt_dir=None, work="/w", token_budget="auto", warmup=3, steps=20, long_tokens=131072,
+                                exactness=False)
+    argv = benchmark.system_argv("hypersloth-1-flash", "short-0.6b", run, tmp_path, "0.6b")
     assert argv[argv.index("--attention") + 1] == "flash"
-    config = bench_systems.hypersloth_config(types.SimpleNamespace(
-        workload="short-0.6b", long_tokens=131072, gpus=1, work=str(tmp_path), profile=False, graphs=True,
-        lora_passes=True, expert_lora="auto", token_budget="auto", checkpoint="/ckpt", gc=False, attention="fa4", steps=3), out)
+    argv = benchmark.system_argv("hypersloth-1-fa4", "short-0.6b", run, tmp_path, "0.6b")
+    args = benchmark.parser().parse_args(argv[2:])
+    config = bench_systems.hypersloth_config(args, out)  # the system's process parses what it was started with
     assert "attention='fa4'" in config.read_text()
 
 

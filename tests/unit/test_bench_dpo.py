@@ -42,11 +42,10 @@ def test_both_systems_get_the_same_pairs_in_the_same_steps(built):
 
 def test_hypersloth_trains_the_workload_as_dpo(built, tmp_path):
     work, _ = built
-    checkpoint = tmp_path / "ckpt"
-    checkpoint.mkdir()
-    args = Namespace(workload="dpo-0.6b", long_tokens=None, gpus=1, profile=False, token_budget="auto",
-                     work=str(work), checkpoint=str(checkpoint), gc=False, steps=5, graphs=True, lora_passes=True, expert_lora="auto",
-                     attention="auto")
+    (tmp_path / "ckpt_0.6b").mkdir()
+    run = Namespace(ckpt_dir=str(tmp_path), work=str(work), token_budget="auto", warmup=0, steps=5, long_tokens=131072,
+                    exactness=False)  # the system's process, started and parsed as the benchmark does it
+    args = benchmark.parser().parse_args(benchmark.system_argv("hypersloth-1", "dpo-0.6b", run, work, "0.6b")[2:])
     config = bench_systems.hypersloth_config(args, tmp_path / "out_hypersloth-1")
     summary = preview(str(config))
     assert (summary.unit, summary.spec.samples_per_step, summary.num_samples) == ("pairs", 32, 64)

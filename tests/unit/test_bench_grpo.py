@@ -45,11 +45,10 @@ def test_both_systems_get_the_same_prompts_in_the_same_steps(built, tiny_model_d
 
 def test_hypersloth_trains_the_workload_as_grpo(built, tmp_path):
     work, _ = built
-    checkpoint = tmp_path / "ckpt"
-    checkpoint.mkdir()
-    args = Namespace(workload="grpo-0.6b", long_tokens=None, gpus=1, profile=False, token_budget="auto",
-                     work=str(work), checkpoint=str(checkpoint), gc=False, steps=5, graphs=True, lora_passes=True, expert_lora="auto",
-                     attention="auto")
+    (tmp_path / "ckpt_0.6b").mkdir()
+    run = Namespace(ckpt_dir=str(tmp_path), work=str(work), token_budget="auto", warmup=0, steps=5, long_tokens=131072,
+                    exactness=False)  # the system's process, started and parsed as the benchmark does it
+    args = benchmark.parser().parse_args(benchmark.system_argv("hypersloth-1", "grpo-0.6b", run, work, "0.6b")[2:])
     config = bench_systems.hypersloth_config(args, tmp_path / "out_hypersloth-1")
     loaded = load_config(config)
     assert [f.__name__ for f in loaded.reward_funcs] == ["length_reward"]
