@@ -18,10 +18,9 @@ from HyperSloth.plan.run import RunDescription, rank_seed
 from HyperSloth.train.collate import packed_row_tokens
 from HyperSloth.train.dist import DistInfo, GradientSync
 from HyperSloth.train.evaluation import Evaluator, eval_callbacks, eval_sft_kwargs
-from HyperSloth.train.model_config import num_experts
 from HyperSloth.train.model import trainable_parameters
 from HyperSloth.train.plan_loader import PlanSteps
-from HyperSloth.train.step_graph import DecoderGraphs, graph_layout, graph_unavailable, rows_to_capture
+from HyperSloth.train.step_graph import DecoderGraphs, graph_layout, rows_to_capture, run_graph_refusal
 
 
 def sft_config_for(targs: TrainingArgsConfig, dtype: torch.dtype, rank: int,
@@ -76,13 +75,8 @@ def decoder_graphs(description: RunDescription, loaded_model, steps: PlanSteps, 
                    ) -> dict[str, Any]:
     """The trainer's CUDA-graph arguments: the installed `DecoderGraphs` and the planned row lengths to
     capture, or why the decoder runs eagerly (one log line)."""
-    lora = description.hyper_config.lora_args
-    spec = steps.plan(0).spec
-    reason = graph_unavailable(
-        enabled=description.cuda_graphs, cuda=torch.cuda.is_available(), backend=loaded_model.backend,
-        mode=spec.mode, lora=lora is not None, lora_dropout=lora.lora_dropout if lora else 0.0,
-        checkpointing=description.gradient_checkpointing, tiled_mlp=description.tiled_mlp is True,
-        experts=num_experts(getattr(loaded_model.model, "config", None)))
+    spec = steps.plan(0).spec  # its mode is description.batching (plan.inputs.plan_spec_for)
+    reason = run_graph_refusal(description, loaded_model.backend, getattr(loaded_model.model, "config", None))
     if reason is not None:
         logger.info(f"eager decoder forward+backward: {reason}")
         return {"graphs_off": reason}

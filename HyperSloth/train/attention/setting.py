@@ -256,17 +256,9 @@ def apply_attention(choice: AttentionChoice, registry: FlashImplRegistry | None,
 def decoder_graphed(description, backend: str, config: Any = None) -> bool:
     """Whether the run's decoder will replay CUDA graphs (the conditions `trainer_args.decoder_graphs` checks
     first, an MoE model's included; a layout too small for graphs is found later and leaves the choice made)."""
-    import torch
+    from HyperSloth.train.step_graph import run_graph_refusal
 
-    from HyperSloth.train.model_config import num_experts
-    from HyperSloth.train.step_graph import graph_unavailable
-
-    lora = description.hyper_config.lora_args
-    return graph_unavailable(
-        enabled=description.cuda_graphs, cuda=torch.cuda.is_available(), backend=backend, mode=description.batching,
-        lora=lora is not None, lora_dropout=lora.lora_dropout if lora else 0.0,
-        checkpointing=description.gradient_checkpointing, tiled_mlp=description.tiled_mlp is True,
-        experts=num_experts(config) if config is not None else 0) is None
+    return run_graph_refusal(description, backend, config) is None
 
 
 def gather_facts(description, loaded_model, longest_sample: int) -> AttentionFacts:
