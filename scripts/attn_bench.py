@@ -22,6 +22,8 @@ import json
 import numpy as np
 import torch
 
+from HyperSloth.train.profiling import cuda_event_ms
+
 SHAPES = {"0.6b": (16, 8), "8b": (32, 8)}  # query heads, key/value heads (head_dim 128)
 
 
@@ -76,16 +78,7 @@ def route(name: str):
     return run
 
 
-def time_ms(fn, reps: int) -> list[float]:
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
+time_ms = cuda_event_ms  # fn's milliseconds, reps times (HyperSloth.train.profiling)
 
 
 def case(model: str, tokens: int, reps: int) -> dict:

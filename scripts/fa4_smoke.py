@@ -74,14 +74,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def lean(torch, q, k, v, cu, max_len, scale, grad):
-    """Unsloth's lean varlen path: aten's flash forward and backward, K/V heads as they are."""
-    out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu, cu, max_len, max_len, 0.0, True, return_debug_mask=False, scale=scale,
-        window_size_left=-1, window_size_right=0)
-    dq, dk, dv = torch.ops.aten._flash_attention_backward(
-        grad, q, k, v, out, lse, cu, cu, max_len, max_len, 0.0, True, seed, offset, scale=scale,
-        window_size_left=-1, window_size_right=0)
-    return out, dq, dk, dv
+    """Unsloth's lean varlen path: aten's flash forward and backward, K/V heads as they are (the FA4 check's)."""
+    from HyperSloth.train.attention.fa4 import aten_flash_attention
+
+    return aten_flash_attention(q, k, v, grad, cu, max_len, scale)
 
 
 def shim(torch, q, k, v, cu, max_len, scale, grad):

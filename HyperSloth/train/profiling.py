@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,20 @@ from HyperSloth.outputs.startup import StartupTimeline
 PHASES = ("data", "forward", "backward", "allreduce", "clip", "optimizer")
 PROFILE_TABLE, PROFILE_TRACE = "profile_kernels.txt", "profile_trace.json.gz"  # rank file kinds (KernelProfile)
 MEMORY_SNAPSHOT = "memory_snapshot.pickle"  # rank file kind (MemorySnapshot)
+
+
+def cuda_event_ms(fn: Callable[[], Any], reps: int) -> list[float]:
+    """`fn`'s milliseconds on the GPU, `reps` times, each between two CUDA events (the attention benchmarks, the
+    FA4 check at start)."""
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
 
 
 def _sync() -> None:

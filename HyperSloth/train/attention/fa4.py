@@ -133,6 +133,19 @@ def timed_lengths(lengths=CHECK_LENGTHS, tokens: int = TIMED_ROW_TOKENS) -> list
     return out
 
 
+def aten_flash_attention(q, k, v, grad, cu_seqlens, longest: int, scale: float):
+    """Causal packed-row attention forward and backward through aten's flash ops, K/V heads as they are (Unsloth's
+    lean varlen path), on whichever flash kernel torch's registry has active: (out, dq, dk, dv)."""
+    import torch
+
+    out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_seqlens, cu_seqlens, longest, longest, 0.0, True, return_debug_mask=False, scale=scale,
+        window_size_left=-1, window_size_right=0)
+    return (out, *torch.ops.aten._flash_attention_backward(
+        grad, q, k, v, out, lse, cu_seqlens, cu_seqlens, longest, longest, 0.0, True, seed, offset, scale=scale,
+        window_size_left=-1, window_size_right=0))
+
+
 def agreement_check(heads: int, kv_heads: int, head_dim: int, lengths=CHECK_LENGTHS):
     """A check for `attention.apply_attention`: a causal packed row in the model's head layout (bf16, K/V heads as
     they are) forward and backward through aten's flash ops on bundled flash, then with FA4 activated. Returns an
@@ -144,6 +157,8 @@ def agreement_check(heads: int, kv_heads: int, head_dim: int, lengths=CHECK_LENG
     def check(registry) -> FA4Check:
         import torch
 
+        from HyperSloth.train.profiling import cuda_event_ms
+
         generator = torch.Generator(device="cuda").manual_seed(0)
 
         def row(segments):
@@ -153,24 +168,11 @@ def agreement_check(heads: int, kv_heads: int, head_dim: int, lengths=CHECK_LENG
             return q, k, v, grad, cu, max(segments)
 
         def attend(q, k, v, grad, cu, longest):
-            out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
-                q, k, v, cu, cu, longest, longest, 0.0, True, return_debug_mask=False, scale=head_dim ** -0.5,
-                window_size_left=-1, window_size_right=0)
-            return (out, *torch.ops.aten._flash_attention_backward(
-                grad, q, k, v, out, lse, cu, cu, longest, longest, 0.0, True, seed, offset, scale=head_dim ** -0.5,
-                window_size_left=-1, window_size_right=0))
+            return aten_flash_attention(q, k, v, grad, cu, longest, head_dim ** -0.5)
 
         def milliseconds(inputs) -> float:
             attend(*inputs)  # warm (FA4: its compile for this layout)
-            times = []
-            for _ in range(TIMED_REPS):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                attend(*inputs)
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            return sorted(times)[len(times) // 2]
+            return sorted(cuda_event_ms(lambda: attend(*inputs), TIMED_REPS))[TIMED_REPS // 2]
 
         small, timed = row(list(lengths)), row(timed_lengths(lengths))
         if registry.current_flash_attention_impl() is not None:
@@ -184,6 +186,6 @@ def agreement_check(heads: int, kv_heads: int, head_dim: int, lengths=CHECK_LENG
             allowed = CHECK_TOLERANCE * max(1.0, want.float().abs().max().item())
             if error > allowed:
                 return FA4Check(f"FA4's {name} differs by {error:.3g} (bf16 allows {allowed:.3g})")
-        return FA4Check(None, flash_ms, milliseconds(timed), sum(timed_lengths(lengths)))
+        return FA4Check(None, flash_ms, milliseconds(timed), timed[0].shape[0])
 
     return check
