@@ -232,25 +232,27 @@ def apply_attention(choice: AttentionChoice, registry: FlashImplRegistry | None,
             slower = (choice.requested == "auto" and found.error is None
                       and found.fa4_ms > (1 - FA4_MIN_GAIN) * found.flash_ms)
             if found.error is not None or slower:
-                try:
-                    registry.restore_flash_attention_impl(_raise_warn=False)
-                except Exception:
-                    pass
-                why = (f"FA4 disagrees with bundled flash on this model's heads: {found.error}" if found.error
-                       else f"{found.timing()}: not {FA4_MIN_GAIN:.0%} faster")
-                return AttentionChoice(choice.requested, "flash", why)
+                return back_to_bundled_flash(registry, choice.requested, (
+                    f"FA4 disagrees with bundled flash on this model's heads: {found.error}" if found.error
+                    else f"{found.timing()}: not {FA4_MIN_GAIN:.0%} faster"))
             choice = AttentionChoice(choice.requested, "fa4", f"{choice.reason}; {found.timing()}")
         active = registry.current_flash_attention_impl()
         if active != "FA4":
             raise RuntimeError(f"the registry reports {active!r} active")
     except Exception as err:  # an import error in flash_attn.cute, a missing CUDA library: say it, train on flash
-        try:
-            registry.restore_flash_attention_impl(_raise_warn=False)
-        except Exception:
-            pass
-        reason = f"FA4 activation failed ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
-        return AttentionChoice(choice.requested, "flash", reason)
+        return back_to_bundled_flash(registry, choice.requested, f"FA4 activation failed ({type(err).__name__}: "
+                                                                 f"{str(err).splitlines()[0] if str(err) else ''})")
     return choice
+
+
+def back_to_bundled_flash(registry: FlashImplRegistry, requested: str, why: str) -> AttentionChoice:
+    """Torch's bundled flash kernels active again (a restore that raises changes nothing: the run trains on them
+    either way) and the choice that says why."""
+    try:
+        registry.restore_flash_attention_impl(_raise_warn=False)
+    except Exception:
+        pass
+    return AttentionChoice(requested, "flash", why)
 
 
 def decoder_graphed(description, backend: str, config: Any = None) -> bool:
@@ -282,10 +284,11 @@ def one_kernel_for_all_ranks(choice: AttentionChoice, every_rank_fa4: bool,
     everywhere, so that every rank attends with the same kernel."""
     if choice.kernel != "fa4" or every_rank_fa4:
         return choice
-    if registry is not None and registry.current_flash_attention_impl() is not None:
-        registry.restore_flash_attention_impl(_raise_warn=False)
-    return AttentionChoice(choice.requested, "flash", "FA4 was not chosen on every rank (each rank's line says why): "
-                                                      "every rank attends with bundled flash, one kernel for all")
+    why = ("FA4 was not chosen on every rank (each rank's line says why): every rank attends with bundled flash, "
+           "one kernel for all")
+    if registry is None:  # nothing was activated (a torch without the registry never gets here with "fa4")
+        return AttentionChoice(choice.requested, "flash", why)
+    return back_to_bundled_flash(registry, choice.requested, why)
 
 
 def settle_attention(description, loaded_model, longest_sample: int, registry: FlashImplRegistry | None = None,
