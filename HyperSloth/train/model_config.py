@@ -1,6 +1,6 @@
 """What a loaded model's transformers config says about its text decoder, read one way everywhere: the text part of a
-multimodal config, and the number of routed experts of a mixture-of-experts one. No torch: the budget's arithmetic
-(budget/choice.py) reads it too."""
+multimodal config, its attention heads, and the number of routed experts of a mixture-of-experts one. No torch: the
+budget's arithmetic (budget/choice.py) reads it too."""
 
 from __future__ import annotations
 
@@ -23,3 +23,13 @@ def num_experts(config: Any) -> int:
             if isinstance(value, int) and value > 1:
                 return value
     return 0
+
+
+def attention_heads(config: Any) -> tuple[int, int, int]:
+    """Query heads, key-value heads and head_dim of a config's text model (key-value heads default to the query
+    heads, head_dim to hidden_size / heads)."""
+    text = text_config(config)
+    heads = int(text.num_attention_heads)
+    kv_heads, head_dim = getattr(text, "num_key_value_heads", None), getattr(text, "head_dim", None)
+    return (heads, int(kv_heads) if isinstance(kv_heads, int) and kv_heads > 0 else heads,
+            int(head_dim) if isinstance(head_dim, int) and head_dim > 0 else int(text.hidden_size) // heads)

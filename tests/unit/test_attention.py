@@ -352,11 +352,13 @@ def test_the_timed_row_is_chat_segments_of_the_asked_size():
     assert timed_lengths((1000,), 2500) == [1000, 1000, 500]
 
 
-def test_model_heads_from_the_config():
+def test_attention_heads_from_the_config():
+    from HyperSloth.train.model_config import attention_heads
+
     gqa = types.SimpleNamespace(hidden_size=1024, num_attention_heads=16, num_key_value_heads=8, head_dim=128)
-    assert att.model_heads(gqa) == (16, 8, 128)
+    assert attention_heads(gqa) == (16, 8, 128)
     mha = types.SimpleNamespace(hidden_size=4096, num_attention_heads=32)
-    assert att.model_heads(mha) == (32, 32, 128)
+    assert attention_heads(mha) == (32, 32, 128)
 
 
 def test_fa4_on_one_rank_only_is_bundled_flash_on_every_rank(monkeypatch, tmp_path):

@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 from loguru import logger
 
-from HyperSloth.train.model_config import text_config
+from HyperSloth.train.model_config import attention_heads, text_config
 
 ATTENTION_SETTINGS = ("auto", "fa4", "flash", "sdpa")
 # Compute capabilities torch's FA4 registration accepts (torch/nn/attention/_fa4.py, `_fa4_common_support_error`).
@@ -159,14 +159,6 @@ def fa4_installed() -> bool:
     return any((Path(folder) / "cute" / "interface.py").is_file() for folder in folders or ())
 
 
-def model_heads(config: Any) -> tuple[int, int, int]:
-    """Query heads, key-value heads and head_dim of a transformers config (its text config where it has one)."""
-    text = text_config(config)
-    heads = int(text.num_attention_heads)
-    kv_heads = getattr(text, "num_key_value_heads", None)
-    return heads, int(kv_heads) if isinstance(kv_heads, int) else heads, model_head_dims(config)[0][0]
-
-
 def has_sliding_window(config: Any) -> bool:
     """Whether some attention layer of the model (its text config) is sliding-window: layer_types naming one, or a
     sliding_window size the model uses (Qwen2/Qwen3 carry one with use_sliding_window=False)."""
@@ -179,12 +171,8 @@ def has_sliding_window(config: Any) -> bool:
 
 def model_head_dims(config: Any) -> tuple[tuple[int, ...], float]:
     """The attention head dims and attention dropout of a transformers config (its text config where it has one)."""
-    text = text_config(config)
-    head_dim = getattr(text, "head_dim", None)
-    if not isinstance(head_dim, int):
-        head_dim = int(text.hidden_size) // int(text.num_attention_heads)
-    dropout = getattr(text, "attention_dropout", 0.0)
-    return (head_dim,), float(dropout) if isinstance(dropout, (int, float)) else 0.0
+    dropout = getattr(text_config(config), "attention_dropout", 0.0)
+    return (attention_heads(config)[2],), float(dropout) if isinstance(dropout, (int, float)) else 0.0
 
 
 class FlashImplRegistry(Protocol):
@@ -310,7 +298,7 @@ def settle_attention(description, loaded_model, longest_sample: int, registry: F
         from HyperSloth.train.attention.fa4 import agreement_check, route_torch_fa4_here
 
         route_torch_fa4_here()  # torch's FA4 entry unpacks fewer values than flash-attn-4 4.0.0b3x returns
-        check = agreement_check(*model_heads(loaded_model.model.config))  # a wrong kernel trains fast, on NaN
+        check = agreement_check(*attention_heads(loaded_model.model.config))  # a wrong kernel trains fast, on NaN
     registry = registry if registry is not None else torch_registry()
     choice = apply_attention(choice, registry, check)
     choice = one_kernel_for_all_ranks(choice, (every_rank or all_ranks_ok)(choice.kernel == "fa4"), registry)

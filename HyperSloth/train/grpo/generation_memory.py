@@ -37,7 +37,7 @@ from loguru import logger
 
 from HyperSloth.config import GrpoArgs
 from HyperSloth.train.budget.choice import SAFETY_FRACTION
-from HyperSloth.train.model_config import text_config
+from HyperSloth.train.model_config import attention_heads, text_config
 
 LOGIT_COPIES = 10  # fp32 vocabulary vectors live per row at a sampling step (module docstring)
 GIB = 2**30
@@ -66,8 +66,7 @@ def row_cost(config: Any, dtype_bytes: int) -> RowCost | None:
                                                               "hidden_size"))
     if not all(isinstance(v, int) and v > 0 for v in (layers, heads, hidden)):
         return None
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    _, kv_heads, head_dim = attention_heads(config)
     intermediate = getattr(text, "intermediate_size", None) or 4 * hidden
     return RowCost(kv_per_token=2 * layers * kv_heads * head_dim * dtype_bytes,
                    prefill_per_token=(3 * intermediate + 2 * hidden) * dtype_bytes,
