@@ -87,3 +87,45 @@ def test_ranks_the_grouped_gemm_cannot_take_are_padded(r, dtype):
     for name, grad in peft_grads.items():
         scale = grad.float().abs().max().item() or 1.0
         assert (our_grads[name].float() - grad.float()).abs().max().item() <= 5 * tolerance * scale, name
+
+
+@pytest.mark.parametrize("architecture", ["qwen3_moe", "gpt_oss"])
+def test_a_copy_of_the_experts_class_without_transformers_decorator_still_runs_grouped(architecture):
+    """Unsloth's compiled modeling files copy the experts class without `use_experts_implementation`, so the
+    instance lacks has_gate / has_bias / is_transposed (seen on the H200): the layout is read from the parameters
+    and the grouped forward computes what PEFT's does."""
+    peft_model = adapted(architecture)
+    ours = copy.deepcopy(peft_model)
+    experts = [m for m in ours.modules() if type(m).__name__.endswith("Experts")]
+    expected = [{k: getattr(m, k) for k in ("has_gate", "has_bias", "is_transposed")} for m in experts]
+    for module in experts:
+        for key in ("has_gate", "has_bias", "is_transposed"):
+            del module.__dict__[key]
+    assert install_grouped_expert_lora(ours) == (2, None)
+    assert [{k: getattr(m, k) for k in expected[0]} for m in experts] == expected
+    ids = torch.randint(2, 128, (2, 24), generator=torch.Generator().manual_seed(3))
+    (peft_loss, peft_grads), (our_loss, our_grads) = loss_and_grads(peft_model, ids), loss_and_grads(ours, ids)
+    assert our_loss == pytest.approx(peft_loss, rel=1e-6)
+    for name, grad in peft_grads.items():
+        torch.testing.assert_close(our_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_experts_whose_shapes_do_not_say_their_layout_stay_peft():
+    from HyperSloth.train.lora.experts import read_layout
+
+    module = torch.nn.Module()
+    module.up_proj = torch.nn.Parameter(torch.zeros(4, 8, 8))  # no gate, square: either way round
+    module.down_proj = torch.nn.Parameter(torch.zeros(4, 8, 8))
+    assert "do not say which way" in read_layout(module)
+    module.up_proj = torch.nn.Parameter(torch.zeros(4, 6, 8))  # (experts, intermediate 6, hidden 8), or the
+    module.down_proj = torch.nn.Parameter(torch.zeros(4, 8, 6))  # other way round with hidden 6
+    assert "do not say which way" in read_layout(module)
+    module.hidden_dim = 8
+    assert read_layout(module) == {"has_gate": False, "has_bias": False, "is_transposed": False}
+    module.hidden_dim = 6
+    assert read_layout(module) == {"has_gate": False, "has_bias": False, "is_transposed": True}
+    module.gate_up_proj = torch.nn.Parameter(torch.zeros(4, 12, 8))  # with a gate the shapes say it
+    module.down_proj = torch.nn.Parameter(torch.zeros(4, 8, 6))
+    module.gate_up_proj_bias = torch.nn.Parameter(torch.zeros(4, 12))
+    del module.hidden_dim
+    assert read_layout(module) == {"has_gate": True, "has_bias": True, "is_transposed": False}

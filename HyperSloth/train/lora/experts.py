@@ -47,6 +47,37 @@ def _active_adapter(wrapper: nn.Module) -> str | None:
     return adapters[0] if len(adapters) == 1 else None
 
 
+LAYOUT = ("has_gate", "has_bias", "is_transposed")  # what transformers' `use_experts_implementation` sets
+
+
+def read_layout(base: nn.Module) -> dict[str, bool] | str:
+    """The fused experts module's layout, as transformers' `use_experts_implementation` sets it in `__init__`
+    (`has_gate`, `has_bias`, `is_transposed`), or why it cannot be told. A copy of the class made without that
+    decorator (Unsloth compiles the modeling file into its own cache: on the H200 its Qwen3MoeExperts had none of
+    the three) keeps only the parameters, so the layout is read from their names and shapes: gate_up_proj (or
+    up_proj) stored (experts, out, in) gives the projection's input width as its last dimension, equal to
+    down_proj's output width, the middle one of (experts, hidden, intermediate); stored (experts, in, out) it is
+    the other way round. Without a gate both readings can fit; then the module's hidden width decides."""
+    if all(hasattr(base, k) for k in LAYOUT):
+        return {k: bool(getattr(base, k)) for k in LAYOUT}
+    params = base._parameters
+    first = "gate_up_proj" if "gate_up_proj" in params else "up_proj"
+    up, down = params.get(first), params.get("down_proj")
+    if up is None or down is None or up.dim() != 3 or down.dim() != 3 or not up.is_floating_point():
+        return f"{type(base).__name__} has no 3-D floating-point {first} and down_proj"
+    width = 2 if first == "gate_up_proj" else 1  # gate and up side by side
+    plain = up.shape[2] == down.shape[1] and up.shape[1] == width * down.shape[2]
+    transposed = up.shape[1] == down.shape[2] and up.shape[2] == width * down.shape[1]
+    hidden = next((v for v in (getattr(base, "hidden_dim", None), getattr(base, "hidden_size", None),
+                               getattr(getattr(base, "config", None), "hidden_size", None)) if isinstance(v, int)), None)
+    if plain and transposed and hidden is not None:  # without a gate both readings fit; the hidden width decides
+        plain, transposed = up.shape[2] == hidden, up.shape[1] == hidden
+    if plain == transposed:
+        return (f"{type(base).__name__}'s {first} {tuple(up.shape)} and down_proj {tuple(down.shape)} do not say "
+                f"which way the experts are stored")
+    return {"has_gate": first == "gate_up_proj", "has_bias": f"{first}_bias" in params, "is_transposed": transposed}
+
+
 def refusal(chain: list[nn.Module]) -> str | None:
     """Why these wrappers' experts cannot run here (None: they can)."""
     from transformers.integrations import moe
@@ -54,10 +85,15 @@ def refusal(chain: list[nn.Module]) -> str | None:
     base = chain[-1].get_base_layer()
     if not hasattr(moe, "_grouped_linear"):
         return "this transformers has no grouped experts (transformers.integrations.moe._grouped_linear)"
-    if not all(hasattr(base, k) for k in ("num_experts", "down_proj", "has_gate", "has_bias", "is_transposed")):
+    if not hasattr(base, "num_experts"):
         return f"{type(base).__name__} is not a fused experts module transformers' grouped_mm runs"
+    layout = read_layout(base)
+    if isinstance(layout, str):
+        return layout
+    if not (hasattr(base, "_apply_gate") or hasattr(base, "act_fn")):  # the gate function, or the activation
+        return f"{type(base).__name__} has neither a gate function (_apply_gate) nor an activation (act_fn)"
     names = {w.parameter_name for w in chain}
-    known = {"gate_up_proj" if base.has_gate else "up_proj", "down_proj"}
+    known = {"gate_up_proj" if layout["has_gate"] else "up_proj", "down_proj"}
     if not names <= known or len(names) != len(chain):
         return f"adapters on {sorted(names)}, not the expert projections {sorted(known)}"
     for wrapper in chain:
@@ -135,6 +171,18 @@ def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
     return weighted[inverse].view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
 
 
+def give_layout(base: nn.Module) -> None:
+    """Set the layout attributes transformers' decorator would have set, where a copy of the class lacks them (the
+    grouped forward and transformers' helpers read them), and the default gate function where the class has none."""
+    from transformers.integrations import moe
+
+    for key, value in read_layout(base).items():
+        if not hasattr(base, key):
+            setattr(base, key, value)
+    if base.has_gate and not hasattr(base, "_apply_gate"):
+        base._apply_gate = types.MethodType(moe._default_apply_gate, base)
+
+
 def install_grouped_expert_lora(model: nn.Module) -> tuple[int, str | None]:
     """Put `grouped_experts_forward` on every adapted experts module of `model`: (how many, None), or (0, why
     not) at the first one that cannot take it (then none is changed)."""
@@ -150,6 +198,7 @@ def install_grouped_expert_lora(model: nn.Module) -> tuple[int, str | None]:
         if why is not None:
             return 0, why
     for module in outermost:
+        give_layout(wrapper_chain(module)[-1].get_base_layer())
         module.forward = types.MethodType(grouped_experts_forward, module)
         setattr(module, MARK, True)
     return len(outermost), None
