@@ -149,16 +149,10 @@ def milliseconds(fn, reps: int) -> float:
 
 
 def graphed(torch, step, inputs):
-    """`step(*inputs)` captured in a CUDA graph (after a warm-up on a side stream): (replay, its outputs)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step(*inputs)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):  # as train/step_graph.py
-        outputs = step(*inputs)
-    return graph.replay, outputs
+    """`step(*inputs)` captured in a CUDA graph: (replay, its outputs) (train/profiling.captured)."""
+    from HyperSloth.train.profiling import captured
+
+    return captured(step, inputs)
 
 
 def run(a: argparse.Namespace) -> dict:

@@ -47,6 +47,21 @@ def cuda_event_ms(fn: Callable[[], Any], reps: int) -> list[float]:
     return times
 
 
+def captured(step: Callable[..., Any], inputs: tuple) -> tuple[Callable[[], None], Any]:
+    """`step(*inputs)` captured in a CUDA graph after a warm-up on a side stream (as train/step_graph.py does):
+    (its replay, its outputs), for timing a kernel the way a graphed decoder runs it (the FA4 check at start, the
+    attention benchmarks)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step(*inputs)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+        outputs = step(*inputs)
+    return graph.replay, outputs
+
+
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()

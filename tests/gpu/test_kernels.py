@@ -52,9 +52,9 @@ def test_fa4_agrees_with_bundled_flash_through_hypersloths_hookup():
     registry = torch_registry()
     assert route_torch_fa4_here()
     try:
-        found = agreement_check(16, 8, 128)(registry)  # Qwen3-0.6B's heads
+        found = agreement_check(16, 8, 128, graphed=True)(registry)  # Qwen3-0.6B's heads, as a graphed run
         assert found.error is None, found.error
-        assert found.fa4_ms > 0 and found.flash_ms > 0 and found.row_tokens == 8192
+        assert found.fa4_ms > 0 and found.flash_ms > 0 and found.row_tokens == 8192 and found.graphed
         assert registry.current_flash_attention_impl() == "FA4"
     finally:
         registry.restore_flash_attention_impl(_raise_warn=False)

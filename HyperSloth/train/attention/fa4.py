@@ -98,26 +98,44 @@ def route_torch_fa4_here() -> bool:
 
 # The packed row the agreement check attends over: segments of the lengths a chat row holds, one of them past a
 # 128-token tile, one of a single token. The timed row repeats them to TIMED_ROW_TOKENS (a packed micro-batch of
-# short chats; row lengths of 8k-37k tokens in the benchmark's short workloads).
+# short chats; row lengths of 8k-37k tokens in the benchmark's short workloads), or, for a run whose samples are
+# long, is one sample of up to LONG_TIMED_TOKENS (where one sample's attention is most of the step).
 CHECK_LENGTHS = (1, 7, 130, 333, 1024)
 TIMED_ROW_TOKENS = 8192
+LONG_TIMED_TOKENS = 32_768
 CHECK_TOLERANCE = 2e-2  # of max(1, the largest value): bf16 rounding, as Unsloth's own FA4 probe allows
-TIMED_REPS = 5
+# Timed calls per kernel, the median kept, after two warm ones. Five eager calls of the 8k row on the H200 gave FA4
+# 0.60, 1.07 and 0.95 ms in three runs (bundled flash 0.71-0.77): host time per launch, not the kernel, so the check
+# now times what the run will do (graph replays for a graphed decoder) and more of it.
+TIMED_REPS = 15
 
 
 @dataclass(frozen=True)
 class FA4Check:
     """What `agreement_check` found: what disagreed (None: nothing), and each kernel's forward+backward
-    milliseconds on the timed row (eager, the median of TIMED_REPS after one warm call)."""
+    milliseconds on the timed row (the median of TIMED_REPS, replayed from a CUDA graph where `graphed`)."""
 
     error: str | None
     flash_ms: float | None = None
     fa4_ms: float | None = None
     row_tokens: int = 0
+    graphed: bool = False
+    segments: int = 0
 
     def timing(self) -> str:
-        return (f"FA4 {self.fa4_ms:.2f} ms against bundled flash {self.flash_ms:.2f} ms per forward+backward of a "
-                f"{self.row_tokens:,}-token packed row, measured here")
+        row = "one sample" if self.segments == 1 else "a packed row"
+        return (f"FA4 {self.fa4_ms:.2f} ms against bundled flash {self.flash_ms:.2f} ms per forward+backward of "
+                f"{row} of {self.row_tokens:,} tokens, {'graphed' if self.graphed else 'eager'}, measured here")
+
+
+def timed_row(graphed: bool, longest_sample: int) -> list[int]:
+    """The segment lengths the check times, as the run will attend: a long-sample run (past the attention
+    setting's long-row threshold, eager) one sample of up to LONG_TIMED_TOKENS; otherwise a packed row of chats."""
+    from HyperSloth.train.attention.setting import LONG_ROW_TOKENS
+
+    if not graphed and longest_sample > LONG_ROW_TOKENS:
+        return [min(longest_sample, LONG_TIMED_TOKENS)]
+    return timed_lengths()
 
 
 def timed_lengths(lengths=CHECK_LENGTHS, tokens: int = TIMED_ROW_TOKENS) -> list[int]:
@@ -146,18 +164,20 @@ def aten_flash_attention(q, k, v, grad, cu_seqlens, longest: int, scale: float):
         window_size_left=-1, window_size_right=0))
 
 
-def agreement_check(heads: int, kv_heads: int, head_dim: int, lengths=CHECK_LENGTHS):
+def agreement_check(heads: int, kv_heads: int, head_dim: int, graphed: bool = False, longest_sample: int = 0,
+                    lengths=CHECK_LENGTHS):
     """A check for `attention.apply_attention`: a causal packed row in the model's head layout (bf16, K/V heads as
     they are) forward and backward through aten's flash ops on bundled flash, then with FA4 activated. Returns an
-    FA4Check: what differs by more than CHECK_TOLERANCE or is not finite, and both kernels timed on a row of
-    TIMED_ROW_TOKENS; FA4 is left active. Its compile is the one training needs anyway (the same layout); the
-    rest takes well under a second. This caught nothing less than a wrong kernel: before `fa4_windows`, FA4 under
-    torch 2.11 attended locally and trained on NaN from step 2."""
+    FA4Check: what differs by more than CHECK_TOLERANCE or is not finite, and both kernels timed the way the run
+    will attend (`timed_row`; replayed from a CUDA graph where the decoder is `graphed`); FA4 is left active. Its
+    compile is the one training needs anyway (the same layout); the rest takes about a second. This caught nothing
+    less than a wrong kernel: before `fa4_windows`, FA4 under torch 2.11 attended locally and trained on NaN from
+    step 2."""
 
     def check(registry) -> FA4Check:
         import torch
 
-        from HyperSloth.train.profiling import cuda_event_ms
+        from HyperSloth.train.profiling import captured, cuda_event_ms
 
         generator = torch.Generator(device="cuda").manual_seed(0)
 
@@ -172,9 +192,12 @@ def agreement_check(heads: int, kv_heads: int, head_dim: int, lengths=CHECK_LENG
 
         def milliseconds(inputs) -> float:
             attend(*inputs)  # warm (FA4: its compile for this layout)
-            return sorted(cuda_event_ms(lambda: attend(*inputs), TIMED_REPS))[TIMED_REPS // 2]
+            call = captured(attend, inputs)[0] if graphed else (lambda: attend(*inputs))
+            call()
+            return sorted(cuda_event_ms(call, TIMED_REPS))[TIMED_REPS // 2]
 
-        small, timed = row(list(lengths)), row(timed_lengths(lengths))
+        segments = timed_row(graphed, longest_sample)
+        small, timed = row(list(lengths)), row(segments)
         if registry.current_flash_attention_impl() is not None:
             registry.restore_flash_attention_impl(_raise_warn=False)
         reference, flash_ms = attend(*small), milliseconds(timed)
@@ -186,6 +209,6 @@ def agreement_check(heads: int, kv_heads: int, head_dim: int, lengths=CHECK_LENG
             allowed = CHECK_TOLERANCE * max(1.0, want.float().abs().max().item())
             if error > allowed:
                 return FA4Check(f"FA4's {name} differs by {error:.3g} (bf16 allows {allowed:.3g})")
-        return FA4Check(None, flash_ms, milliseconds(timed), timed[0].shape[0])
+        return FA4Check(None, flash_ms, milliseconds(timed), sum(segments), graphed, len(segments))
 
     return check

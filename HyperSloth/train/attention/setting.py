@@ -290,7 +290,8 @@ def settle_attention(description, loaded_model, longest_sample: int, registry: F
 
     os.environ[UNSLOTH_IMPL_ENV] = "off"  # the setting here decides; Unsloth's rule would flip it inside train()
     requested = description.hyper_config.fast_model_args.attention
-    choice = resolve_attention(requested, gather_facts(description, loaded_model, longest_sample))
+    facts = gather_facts(description, loaded_model, longest_sample)
+    choice = resolve_attention(requested, facts)
     if choice.kernel == "fa4":
         fa4_cache_env(cache_dir())  # before flash_attn.cute is imported: its cache reads them at import
     check = None
@@ -298,7 +299,8 @@ def settle_attention(description, loaded_model, longest_sample: int, registry: F
         from HyperSloth.train.attention.fa4 import agreement_check, route_torch_fa4_here
 
         route_torch_fa4_here()  # torch's FA4 entry unpacks fewer values than flash-attn-4 4.0.0b3x returns
-        check = agreement_check(*attention_heads(loaded_model.model.config))  # a wrong kernel trains fast, on NaN
+        check = agreement_check(*attention_heads(loaded_model.model.config), graphed=facts.graphed,
+                                longest_sample=facts.longest_sample)  # a wrong kernel trains fast, on NaN
     registry = registry if registry is not None else torch_registry()
     choice = apply_attention(choice, registry, check)
     choice = one_kernel_for_all_ranks(choice, (every_rank or all_ranks_ok)(choice.kernel == "fa4"), registry)
