@@ -71,4 +71,16 @@ callE() {  # the MoE expert adapters as grouped GEMMs (training.expert_lora="gro
   pack
 }
 
+callG() {  # callE's grouped system stepped aside on Unsloth (its compiled Qwen3MoeExperts lacks transformers' layout
+  # attributes; lora/experts.read_layout now reads them from the tensors): the grouped experts alone, the token budget
+  # callE's probe measured (66,816) given so no probe runs, against callE's figures for Unsloth's path (0.329 s) and
+  # stock (0.335 s) on the same workload (~4 minutes with the checkpoint build)
+  bench --workloads moe-short --slots hypersloth-1-grouped-experts --token-budget 66816 --warmup 3 --steps 20 \
+    --tag moe-grouped2 --budget-s $(left 280) > $L/bench.log 2>&1
+  el "bench done"; show $L/bench.log
+  grep -h "expert LoRA\|LoRA projections\|eager decoder\|median step\|memory      peak\|Error\|error" \
+    $W/moe-short/out_hypersloth-1-grouped-experts/logs/rank0.log | cut -c1-400
+  pack
+}
+
 "$@"
