@@ -312,7 +312,8 @@ class TrainingConfig(BaseModel):
         "GEMMs per projection (HyperSloth.train.lora.experts; on the CPU 4x faster than PEFT's and a quarter of "
         "its extra memory at Qwen3-30B-A3B's expert widths); 'library': PEFT's parametrization, or Unsloth's MoE "
         "LoRA path on the Unsloth backend; 'auto': grouped on the transformers backend, Unsloth's path on the "
-        "Unsloth backend (measured equal to stock there; grouped is not yet measured on a GPU).",
+        "Unsloth backend (measured on one H200, Qwen3-30B-A3B's shape: Unsloth's path 0.33 s/step and 66.7 GB, "
+        "grouped 0.53 s and 92.3 GB, the same losses).",
     )
 
     method: Literal["sft", "dpo", "grpo"] = Field(
