@@ -8,7 +8,8 @@
 # again after the fix (patches.enable_unsloth_hf_packed_attention): the device time ran out while it built the
 # checkpoint. The next session ran callA (records-2026-12-02-moe-fixed-moe-short.json: 0.331 vs 0.332 s/step). Then
 # the FA4 calls A/B/C of
-# 2026-12-02-fa4-device-calls.sh, then GRPO: `bench --workloads grpo-0.6b --warmup 2 --steps 8
+# 2026-12-02-fa4-device-calls.sh, then callE, callG (the grouped experts: slower than Unsloth's path); next callI,
+# GRPO: `bench --workloads grpo-0.6b --warmup 2 --steps 8
 # --slots hypersloth-1,trl-grpo-64x1,trl-grpo-32x2,trl-grpo-16x4 --tag grpo` (docs/grpo.md).
 source scripts/device_calls_lib.sh  # the GPU environment, $W / $L, el, left, bench, show, pack, ...
 
@@ -80,6 +81,16 @@ callG() {  # callE's grouped system stepped aside on Unsloth (its compiled Qwen3
   el "bench done"; show $L/bench.log
   grep -h "expert LoRA\|LoRA projections\|eager decoder\|median step\|memory      peak\|Error\|error" \
     $W/moe-short/out_hypersloth-1-grouped-experts/logs/rank0.log | cut -c1-400
+  pack
+}
+
+callI() {  # GRPO's speed (issue 34, item 8), its first run on a GPU: HyperSloth at its defaults against TRL's
+  # GRPOTrainer + Unsloth at the splits that fit (docs/grpo.md), 2 warm-up + 8 timed steps (~9 minutes; each
+  # step generates 64 completions of 256 tokens)
+  bench --workloads grpo-0.6b --slots hypersloth-1,trl-grpo-64x1,trl-grpo-16x4 --warmup 2 --steps 8 --tag grpo \
+    --budget-s $(left 570) > $L/bench.log 2>&1
+  el "bench done"; show $L/bench.log
+  grep -h "generation\|reward\|median step\|Error\|error" $W/grpo-0.6b/out_hypersloth-1/logs/rank0.log | tail -15 | cut -c1-400
   pack
 }
 

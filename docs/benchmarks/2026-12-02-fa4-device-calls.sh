@@ -5,6 +5,10 @@
 # (the smoke test passes: docs/benchmarks/fa4-smoke-2026-12-02-*.json). Next session: callA, then callB and callC
 # (HyperSloth at its defaults, `auto`, which now checks and times FA4 itself; hypersloth-1-flash; stock), then
 # callA + callE (short-8b) and callA + callF (the 262k first steps) as the time allows.
+# Third session: callA, callB (short-0.6b: auto picked FA4, 1.57x), callC (long-0.6b: auto's eager timing kept
+# bundled flash; the kernel table), a call by hand (long-0.6b with attention="fa4": 1.41x; one 262k sample: 75.4 s).
+# Next: callA, then callH (long-0.6b at defaults with the check that now times graph replays, stock in the same run),
+# then callE (short-8b) as the time allows; each right after the one before.
 # Before the calls, on this machine, from the repository root:
 #   bash ../shared/device/wheelhouse.sh   # .whl/ (unsloth, trl, ...: 25 MB), if not there yet
 #   bash scripts/fa4_wheels.sh            # .fa4/part1 (the DSL's 193 MB compiler library as xz), .fa4/part2 (the rest)
@@ -104,6 +108,15 @@ callF() {  # one 262,144-token sample trained whole, first step (issue 33: <= 60
   bench --workloads longctx-8b --long-tokens 262144 --warmup 0 --steps 1 --slots hypersloth-1 --tag fa4-lc262k \
     --budget-s $(left 570) > $L/bench-lc8.log 2>&1
   el "longctx-8b done"; show $L/bench-lc8.log; attention_lines longctx-8b
+  pack
+}
+
+callH() {  # long-0.6b at defaults after the check's fix (it times graph replays for a graphed decoder: FA4 0.41 ms
+  # against 0.70 there), stock at its best in the same run; the 1.45x target (~4 minutes)
+  fa4_ready
+  bench --workloads long-0.6b --slots "hypersloth-1,unsloth-best" --warmup 3 --steps 20 \
+    --tag 2026-12-03-fa4 --budget-s $(left 400) > $L/bench-long.log 2>&1
+  el "long-0.6b done"; show $L/bench-long.log; attention_lines long-0.6b
   pack
 }
 
