@@ -365,7 +365,7 @@ def test_the_check_times_the_row_the_run_will_attend(graphed, longest, row):
     sample 2x faster: the check times the regime and the row the run has."""
     from HyperSloth.train.attention.fa4 import timed_lengths, timed_row
 
-    assert timed_row(graphed, longest) == (timed_lengths() if row == "chats" else row)
+    assert timed_row(graphed, longest, att.LONG_ROW_TOKENS) == (timed_lengths() if row == "chats" else row)
 
 
 def test_attention_heads_from_the_config():

@@ -128,12 +128,11 @@ class FA4Check:
                 f"{row} of {self.row_tokens:,} tokens, {'graphed' if self.graphed else 'eager'}, measured here")
 
 
-def timed_row(graphed: bool, longest_sample: int) -> list[int]:
-    """The segment lengths the check times, as the run will attend: a long-sample run (past the attention
-    setting's long-row threshold, eager) one sample of up to LONG_TIMED_TOKENS; otherwise a packed row of chats."""
-    from HyperSloth.train.attention.setting import LONG_ROW_TOKENS
-
-    if not graphed and longest_sample > LONG_ROW_TOKENS:
+def timed_row(graphed: bool, longest_sample: int, long_from: int) -> list[int]:
+    """The segment lengths the check times, as the run will attend: a long-sample run (a sample past `long_from`
+    tokens, the attention rule's threshold, and an eager decoder) one sample of up to LONG_TIMED_TOKENS; otherwise
+    a packed row of chats."""
+    if not graphed and longest_sample > long_from:
         return [min(longest_sample, LONG_TIMED_TOKENS)]
     return timed_lengths()
 
@@ -164,12 +163,13 @@ def aten_flash_attention(q, k, v, grad, cu_seqlens, longest: int, scale: float):
         window_size_left=-1, window_size_right=0))
 
 
-def agreement_check(heads: int, kv_heads: int, head_dim: int, graphed: bool = False, longest_sample: int = 0,
+def agreement_check(heads: int, kv_heads: int, head_dim: int, graphed: bool = False, segments: list[int] | None = None,
                     lengths=CHECK_LENGTHS):
     """A check for `attention.apply_attention`: a causal packed row in the model's head layout (bf16, K/V heads as
     they are) forward and backward through aten's flash ops on bundled flash, then with FA4 activated. Returns an
     FA4Check: what differs by more than CHECK_TOLERANCE or is not finite, and both kernels timed the way the run
-    will attend (`timed_row`; replayed from a CUDA graph where the decoder is `graphed`); FA4 is left active. Its
+    will attend (the timed row's `segments`, `timed_row`'s, an 8k row of chats by default; replayed from a CUDA
+    graph where the decoder is `graphed`); FA4 is left active. Its
     compile is the one training needs anyway (the same layout); the rest takes about a second. This caught nothing
     less than a wrong kernel: before `fa4_windows`, FA4 under torch 2.11 attended locally and trained on NaN from
     step 2."""
@@ -196,8 +196,8 @@ def agreement_check(heads: int, kv_heads: int, head_dim: int, graphed: bool = Fa
             call()
             return sorted(cuda_event_ms(call, TIMED_REPS))[TIMED_REPS // 2]
 
-        segments = timed_row(graphed, longest_sample)
-        small, timed = row(list(lengths)), row(segments)
+        timed_segments = segments or timed_lengths(lengths)
+        small, timed = row(list(lengths)), row(timed_segments)
         if registry.current_flash_attention_impl() is not None:
             registry.restore_flash_attention_impl(_raise_warn=False)
         reference, flash_ms = attend(*small), milliseconds(timed)
@@ -209,6 +209,6 @@ def agreement_check(heads: int, kv_heads: int, head_dim: int, graphed: bool = Fa
             allowed = CHECK_TOLERANCE * max(1.0, want.float().abs().max().item())
             if error > allowed:
                 return FA4Check(f"FA4's {name} differs by {error:.3g} (bf16 allows {allowed:.3g})")
-        return FA4Check(None, flash_ms, milliseconds(timed), sum(segments), graphed, len(segments))
+        return FA4Check(None, flash_ms, milliseconds(timed), sum(timed_segments), graphed, len(timed_segments))
 
     return check

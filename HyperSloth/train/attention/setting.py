@@ -296,11 +296,12 @@ def settle_attention(description, loaded_model, longest_sample: int, registry: F
         fa4_cache_env(cache_dir())  # before flash_attn.cute is imported: its cache reads them at import
     check = None
     if choice.kernel == "fa4" and registry is None:
-        from HyperSloth.train.attention.fa4 import agreement_check, route_torch_fa4_here
+        from HyperSloth.train.attention.fa4 import agreement_check, route_torch_fa4_here, timed_row
 
         route_torch_fa4_here()  # torch's FA4 entry unpacks fewer values than flash-attn-4 4.0.0b3x returns
+        # checked and timed before use: a wrong kernel trains fast, on NaN
         check = agreement_check(*attention_heads(loaded_model.model.config), graphed=facts.graphed,
-                                longest_sample=facts.longest_sample)  # a wrong kernel trains fast, on NaN
+                                segments=timed_row(facts.graphed, facts.longest_sample, LONG_ROW_TOKENS))
     registry = registry if registry is not None else torch_registry()
     choice = apply_attention(choice, registry, check)
     choice = one_kernel_for_all_ranks(choice, (every_rank or all_ranks_ok)(choice.kernel == "fa4"), registry)
