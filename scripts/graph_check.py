@@ -10,6 +10,10 @@ On one GPU, with a random-weight Qwen3-shaped checkpoint loaded through Unsloth 
 
     python scripts/graph_check.py --model 0.6b --rows 16384,24576 --out /tmp/graph_check.json
 
+With `--attention fa4` (flash-attn-4 on the path: scripts/fa4_env.sh) the rows attend with FlashAttention-4 through
+HyperSloth's hookup (train/attention/fa4.py), and each row gets one more check, "vs-flash": the FA4 replay against
+an eager step on torch's bundled flash, next to the eager-vs-eager pair, the noise floor (issue 33, item 3).
+
 Needs CUDA and Unsloth (the device machine: see ../shared/device/README.md); builds the checkpoint with
 scripts/benchmark.py in a child process when --checkpoint has none.
 """
@@ -64,6 +68,8 @@ def main() -> None:
     p.add_argument("--rows", default="16384,24576", help="packed row lengths (bucket lengths) to check")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--out", default="/tmp/graph_check.json")
+    p.add_argument("--attention", choices=["flash", "fa4"], default="flash",
+                   help="the packed rows' kernel: torch's bundled flash, or FlashAttention-4 (adds the vs-flash check)")
     a = p.parse_args()
     ckpt = Path(a.checkpoint.format(model=a.model))
     if not (ckpt / "config.json").exists():
@@ -86,6 +92,14 @@ def main() -> None:
         FastModelArgs(model_name=str(ckpt), max_seq_length=4096, dtype="bfloat16", load_in_4bit=FOUR_BIT[a.model],
                       backend="unsloth"),
         LoraArgs(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=PROJECTIONS))
+    registry = None
+    if a.attention == "fa4":
+        from HyperSloth.train.attention.fa4 import route_torch_fa4_here
+        from HyperSloth.train.attention.setting import torch_registry
+
+        route_torch_fa4_here()
+        registry = torch_registry()
+        registry.activate_flash_attention_impl("FA4")
     model, params = loaded.model, trainable_parameters(loaded.model)
     model.train()
     device = params[0].device
@@ -94,10 +108,15 @@ def main() -> None:
     graphs = DecoderGraphs(params, layout, static_packed_info=unsloth_static_packed_rows)
     graphs.install(model.get_base_model().model)
 
-    def step(mb: dict, denominator: int, graphed: bool) -> float:
+    def step(mb: dict, denominator: int, graphed: bool, bundled_flash: bool = False) -> float:
         for q in params:
             q.grad = None
         graphs.disabled = None if graphed else "off for the eager reference"
+        if registry is not None:  # FA4 unless this eager step is the bundled-flash reference
+            if bundled_flash:
+                registry.restore_flash_attention_impl(_raise_warn=False)
+            elif registry.current_flash_attention_impl() != "FA4":
+                registry.activate_flash_attention_impl("FA4")
         inputs = {k: (v if k == "packed_seq_lengths" else v.to(device, non_blocking=True)) for k, v in mb.items()}
         with torch.autocast("cuda", dtype=torch.bfloat16):  # what HF's bf16 run wraps the forward in
             loss = model(**inputs, num_items_in_batch=denominator, use_cache=False).loss
@@ -105,7 +124,7 @@ def main() -> None:
         return loss.detach()
 
     rng = np.random.default_rng(0)
-    report = {"model": a.model, "varlen_shim": shim, "layout": layout.as_dict(), "rows": {}}
+    report = {"model": a.model, "attention": a.attention, "varlen_shim": shim, "layout": layout.as_dict(), "rows": {}}
     for rows in rows_list:
         batches = [micro_batch(rows, rng, 4096, loaded.tokenizer.pad_token_id) for _ in range(2)]
         for b in batches:
@@ -123,16 +142,17 @@ def main() -> None:
                "segments": [int(len(b["packed_seq_lengths"])) for b in batches]}
         if rows in graphs.graphs:
             checks = []
-            for i in (1, 0, 1, "eager-twice"):
-                graphed = i != "eager-twice"  # the last pair: eager vs eager, the run-to-run noise floor
-                i = 1 if not graphed else i
+            for i in (1, 0, 1, "eager-twice", *(["vs-flash"] if registry is not None else [])):
+                kind = i if isinstance(i, str) else "graphed"
+                graphed = kind != "eager-twice"  # eager vs eager: the run-to-run noise floor
+                i = 1 if kind != "graphed" else i
                 loss_g = float(step(batches[i], denominators[i], graphed=graphed))
                 grads_g = [q.grad.detach().float().clone() for q in params]
-                loss_e = float(step(batches[i], denominators[i], graphed=False))
+                loss_e = float(step(batches[i], denominators[i], graphed=False, bundled_flash=kind == "vs-flash"))
                 grads_e = [q.grad.detach().float().clone() for q in params]
                 rel = float(torch.sqrt(sum(((g - e) ** 2).sum() for g, e in zip(grads_g, grads_e)) /
                                        sum((e ** 2).sum() for e in grads_e)))
-                checks.append({"batch": i, "graphed": graphed, "loss_graph": loss_g, "loss_eager": loss_e,
+                checks.append({"batch": i, "kind": kind, "graphed": graphed, "loss_graph": loss_g, "loss_eager": loss_e,
                                "loss_rel_diff": abs(loss_g - loss_e) / abs(loss_e), "grad_rel_l2_diff": rel,
                                "grad_max_abs_diff": max(float((g - e).abs().max()) for g, e in zip(grads_g, grads_e))})
             row["checks"] = checks
