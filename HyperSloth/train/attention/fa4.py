@@ -168,11 +168,10 @@ def agreement_check(heads: int, kv_heads: int, head_dim: int, graphed: bool = Fa
     """A check for `attention.apply_attention`: a causal packed row in the model's head layout (bf16, K/V heads as
     they are) forward and backward through aten's flash ops on bundled flash, then with FA4 activated. Returns an
     FA4Check: what differs by more than CHECK_TOLERANCE or is not finite, and both kernels timed the way the run
-    will attend (the timed row's `segments`, `timed_row`'s, an 8k row of chats by default; replayed from a CUDA
-    graph where the decoder is `graphed`); FA4 is left active. Its
-    compile is the one training needs anyway (the same layout); the rest takes about a second. This caught nothing
-    less than a wrong kernel: before `fa4_windows`, FA4 under torch 2.11 attended locally and trained on NaN from
-    step 2."""
+    will attend (`segments`, from `timed_row`; an 8k row of chats by default; replayed from a CUDA graph where the
+    decoder is `graphed`); FA4 is left active. Its compile is the one training needs anyway (the same layout); the
+    rest takes about a second. This caught nothing less than a wrong kernel: before `fa4_windows`, FA4 under
+    torch 2.11 attended locally and trained on NaN from step 2."""
 
     def check(registry) -> FA4Check:
         import torch
