@@ -7,9 +7,9 @@
 # callA + callE (short-8b) and callA + callF (the 262k first steps) as the time allows.
 # Third session: callA, callB (short-0.6b: auto picked FA4, 1.57x), callC (long-0.6b: auto's eager timing kept
 # bundled flash; the kernel table), a call by hand (long-0.6b with attention="fa4": 1.41x; one 262k sample: 75.4 s).
-# Next: callA, then callH (long-0.6b at defaults with the check that now times graph replays, stock in the same run),
-# then callJ (FA4 against bundled flash, loss and gradients, 8k and 32k rows) and callE (short-8b) as the time
-# allows; each right after the one before.
+# Next: callA, then callHJ (callH: long-0.6b at defaults with the check that now times graph replays, stock in the
+# same run; callJ: FA4 against bundled flash, loss and gradients, 8k and 32k rows), then callE (short-8b), each right
+# after the one before; then 2026-12-02-device-calls.sh callI (GRPO) as the time allows.
 # Before the calls, on this machine, from the repository root:
 #   bash ../shared/device/wheelhouse.sh   # .whl/ (unsloth, trl, ...: 25 MB), if not there yet
 #   bash scripts/fa4_wheels.sh            # .fa4/part1 (the DSL's 193 MB compiler library as xz), .fa4/part2 (the rest)
@@ -112,22 +112,22 @@ callF() {  # one 262,144-token sample trained whole, first step (issue 33: <= 60
   pack
 }
 
-callH() {  # long-0.6b at defaults after the check's fix (it times graph replays for a graphed decoder: FA4 0.41 ms
-  # against 0.70 there), stock at its best in the same run; the 1.45x target (~4 minutes)
-  fa4_ready
+long_defaults() {  # long-0.6b at defaults after the check's fix (it times graph replays for a graphed decoder: FA4
+  # 0.41 ms against 0.70 there), stock at its best in the same run; the 1.45x target (~4 minutes)
   bench --workloads long-0.6b --slots "hypersloth-1,unsloth-best" --warmup 3 --steps 20 \
-    --tag 2026-12-03-fa4 --budget-s $(left 400) > $L/bench-long.log 2>&1
+    --tag 2026-12-03-fa4 --budget-s $(left $1) > $L/bench-long.log 2>&1
   el "long-0.6b done"; show $L/bench-long.log; attention_lines long-0.6b
-  pack
 }
 
-callJ() {  # issue 33 item 3: FA4's loss and gradients against bundled flash next to eager-vs-eager, graphed, on
-  # packed rows of 8k and 32k tokens (scripts/graph_check.py --attention fa4; ~3 minutes with the checkpoint build)
-  fa4_ready
-  timeout $(left 560) python3 scripts/graph_check.py --model 0.6b --rows 8192,32768 --attention fa4 \
+fa4_gradients() {  # issue 33 item 3: FA4's loss and gradients against bundled flash next to eager-vs-eager, graphed,
+  # on packed rows of 8k and 32k tokens (scripts/graph_check.py --attention fa4; ~3 minutes)
+  timeout $(left $1) python3 scripts/graph_check.py --model 0.6b --rows 8192,32768 --attention fa4 \
     --out $OUT/graph-check-fa4-0.6b.json > $L/graph-check.log 2>&1
   el "graph check done"; grep -v "^Unsloth\|^==\|^ *$" $L/graph-check.log | tail -60 | cut -c1-300
-  pack
 }
+
+callH() { fa4_ready; long_defaults 400; pack; }
+callJ() { fa4_ready; fa4_gradients 560; pack; }
+callHJ() { fa4_ready; long_defaults 330; fa4_gradients 570; pack; }  # both in one call (one start fewer)
 
 "$@"
