@@ -1,5 +1,6 @@
 """MoE expert adapters, PEFT's parametrization against HyperSloth's grouped GEMMs (train/lora/experts.py): seconds
-per forward+backward and the process's peak memory growth, each variant in a process of its own, on this machine.
+per forward+backward, the process's peak memory growth and what autograd keeps for the backward inside the experts
+modules (an exact count), each variant in a process of its own, on this machine.
 
 The model is a random Qwen3-MoE at the given widths (default: Qwen3-30B-A3B's 128 experts, 8 active, expert width
 768, at hidden 1024 and 2 layers so that it runs on a CPU), LoRA r=16 on attention and the experts, one packed row.
@@ -42,6 +43,40 @@ def peak_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def experts_saved_gib(model, ids) -> float:
+    """What autograd keeps for the backward inside the experts modules during one forward (unique storages, GiB):
+    an exact count, where the process's peak memory is noisy."""
+    import torch
+
+    kept: dict[int, int] = {}
+    inside = [0]
+
+    def pack(t):
+        if inside[0]:
+            storage = t.untyped_storage()
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def enter(*_):
+        inside[0] += 1
+
+    def leave(*_):
+        inside[0] -= 1
+
+    experts = [m for name, m in model.named_modules() if name.endswith("mlp.experts")]
+    handles = [h for m in experts for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(input_ids=ids, labels=ids).loss
+    finally:
+        for h in handles:
+            h.remove()
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return sum(n for ptr, n in kept.items() if ptr not in weights) / 2**30
+
+
 def run_variant(a: argparse.Namespace) -> dict:
     import torch
 
@@ -69,7 +104,7 @@ def run_variant(a: argparse.Namespace) -> dict:
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - started)
     return {"variant": a.variant, "median_s": statistics.median(seconds[1:]), "first_s": seconds[0],
-            "peak_growth_gib": peak_gib() - before}
+            "peak_growth_gib": peak_gib() - before, "experts_saved_gib": experts_saved_gib(model, ids)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -86,9 +121,11 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"{a.experts} experts ({a.active} active), expert width {a.width}, hidden {a.hidden}, {a.layers} layers, "
           f"{a.tokens} tokens, r=16, {a.device}; median of {a.steps} forward+backward after one warm-up")
-    print("| expert adapters | s per forward+backward | first | peak memory growth |\n|---|---|---|---|")
+    print("| expert adapters | s per forward+backward | first | peak memory growth | kept for the backward in the "
+          "experts |\n|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['variant']} | {r['median_s']:.2f} | {r['first_s']:.2f} | {r['peak_growth_gib']:.2f} GiB |")
+        print(f"| {r['variant']} | {r['median_s']:.2f} | {r['first_s']:.2f} | {r['peak_growth_gib']:.2f} GiB | "
+              f"{r['experts_saved_gib']:.3f} GiB |")
 
 
 if __name__ == "__main__":

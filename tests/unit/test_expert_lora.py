@@ -15,10 +15,10 @@ from HyperSloth.train.model import _attach_peft
 from HyperSloth.train.tiny_architectures import tiny_causal_lm, tiny_config
 
 
-def adapted(architecture: str, r: int = 8, dtype=torch.float32):
+def adapted(architecture: str, r: int = 8, dtype=torch.float32, intermediate_size: int = 128):
     """A tiny MoE model (4 experts, 2 active) with adapters on attention and experts, lora_B random (PEFT starts
     it at zero, where the adapter's own product would not be tested)."""
-    config = tiny_config(architecture, vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
+    config = tiny_config(architecture, vocab_size=128, hidden_size=64, intermediate_size=intermediate_size, num_layers=2,
                          num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256,
                          initializer_range=0.02, pad_token_id=0, eos_token_id=1)
     torch.manual_seed(0)
@@ -129,3 +129,31 @@ def test_experts_whose_shapes_do_not_say_their_layout_stay_peft():
     module.gate_up_proj_bias = torch.nn.Parameter(torch.zeros(4, 12))
     del module.hidden_dim
     assert read_layout(module) == {"has_gate": True, "has_bias": True, "is_transposed": False}
+
+
+def test_the_backward_keeps_one_hidden_width_row_per_routed_token():
+    """What autograd keeps inside the experts for each routed token: the gathered input (hidden width), the
+    gate_up output the gate is recomputed from (2 x expert width), the down projection's input (expert width) and
+    the two adapters' rank-wide products; not the down projection's hidden-width output, nor the gate's activation
+    (routing weight applied before the down projection, GateThenWeight). The base GEMMs keep no input: their
+    weights are frozen."""
+    model = adapted("qwen3_moe", r=8, intermediate_size=80)
+    install_grouped_expert_lora(model)
+    experts = model.get_submodule("base_model.model.model.layers.0.mlp.experts")
+    tokens, top_k, hidden = 32, 2, 64
+    width = wrapper_chain(experts)[-1].get_base_layer().down_proj.shape[-1]  # (experts, hidden, width)
+    kept = {}
+
+    def pack(t):
+        kept.setdefault(t.untyped_storage().data_ptr(), t)
+        return t
+
+    x = torch.randn(tokens, hidden, requires_grad=True)
+    index = torch.stack([torch.randperm(4, generator=torch.Generator().manual_seed(i))[:top_k] for i in range(tokens)])
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = experts(x, index, torch.rand(tokens, top_k, requires_grad=True))
+    out.sum().backward()
+    routed = tokens * top_k
+    widths = sorted(t.untyped_storage().nbytes() // (routed * t.element_size()) for t in kept.values()
+                    if t.dim() == 2 and t.shape[0] == routed and t.is_floating_point())
+    assert width != hidden and widths == sorted([hidden, 8, 2 * width, width, 8])

@@ -122,12 +122,16 @@ def aligned_rank(lhs: torch.Tensor, rhs: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 def _project(x: torch.Tensor, base: nn.Module, name: str, offsets: torch.Tensor, expert_ids: torch.Tensor,
-             factors: tuple[torch.Tensor, torch.Tensor, float] | None) -> torch.Tensor:
-    """One expert projection of the rows sorted by expert: the base weight's grouped GEMM, plus the adapter's two."""
+             factors: tuple[torch.Tensor, torch.Tensor, float] | None,
+             bias_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """One expert projection of the rows sorted by expert: the base weight's grouped GEMM, plus the adapter's two.
+    `bias_scale` (one number per row) multiplies the bias, for rows that come in already scaled by it."""
     from transformers.integrations.moe import _grouped_linear
 
     weight = base._parameters[name]  # the stored weight: no parametrization is active on this path
     bias = getattr(base, f"{name}_bias")[expert_ids] if base.has_bias else None
+    if bias is not None and bias_scale is not None:
+        bias = bias * bias_scale.unsqueeze(-1)
     out = _grouped_linear(x, weight, offsets, bias=bias, is_transposed=base.is_transposed)
     if factors is None:
         return out
@@ -140,6 +144,28 @@ def _project(x: torch.Tensor, base: nn.Module, name: str, offsets: torch.Tensor,
         low = _grouped_linear(x, rhs.contiguous(), offsets)
         delta = _grouped_linear(low, lhs.contiguous(), offsets)
     return out + scaling * delta
+
+
+class GateThenWeight(torch.autograd.Function):
+    """gate(x) · w per row, keeping only x and w for the backward, which recomputes the gate (elementwise, cheap).
+    Autograd would keep the gate's input, its activation and the product of the two (three rows of the expert's
+    width, or four counting the gated half's view of x); this keeps x (two) and w."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, gate) -> torch.Tensor:
+        ctx.gate = gate
+        ctx.save_for_backward(x, w)
+        return gate(x) * w.unsqueeze(-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, w = ctx.saved_tensors
+        with torch.enable_grad():
+            x_ = x.detach().requires_grad_(True)
+            act = ctx.gate(x_)
+        grad_x = torch.autograd.grad(act, x_, grad * w.unsqueeze(-1))[0] if ctx.needs_input_grad[0] else None
+        grad_w = (grad * act.detach()).sum(-1).to(w.dtype) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None
 
 
 def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -163,9 +189,13 @@ def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
     rows = rows.masked_fill(sentinel, 0.0)
     first = "gate_up_proj" if base.has_gate else "up_proj"
     out = _project(rows, base, first, offsets, expert_ids_g, factors.get(first)).masked_fill(sentinel, 0.0)
-    out = base._apply_gate(out) if base.has_gate else base.act_fn(out)
-    out = _project(out, base, "down_proj", offsets, expert_ids_g, factors.get("down_proj")).masked_fill(sentinel, 0.0)
-    weighted = out * weights_g.unsqueeze(-1)
+    # The routing weight goes in before the down projection ((a·W + b)·w = (a·w)·W + b·w), where a row is the
+    # expert's width, not the hidden width, and the gate is recomputed in the backward: on Qwen3-30B-A3B's widths
+    # autograd keeps 2·hidden + 4·width + 2·r numbers per routed token without this, hidden + 3·width + 2·r + 1 with.
+    gate = base._apply_gate if base.has_gate else base.act_fn
+    out = GateThenWeight.apply(out, weights_g.to(out.dtype), gate)
+    weighted = _project(out, base, "down_proj", offsets, expert_ids_g, factors.get("down_proj"),
+                        bias_scale=weights_g.to(out.dtype)).masked_fill(sentinel, 0.0)
     inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(perm.size(0), device=device)
     return weighted[inverse].view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
