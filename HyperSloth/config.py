@@ -309,7 +309,7 @@ class TrainingConfig(BaseModel):
     expert_lora: Literal["auto", "grouped", "library"] = Field(
         "auto",
         description="How an MoE layer's expert adapters run. 'grouped': beside the base experts, two small grouped "
-        "GEMMs per projection (HyperSloth.train.lora.experts; on the CPU 4x faster than PEFT's and under a third of "
+        "GEMMs per projection (HyperSloth.train.lora.experts; on the CPU 4x faster than PEFT's and a quarter of "
         "its extra memory at Qwen3-30B-A3B's expert widths); 'library': PEFT's parametrization, or Unsloth's MoE "
         "LoRA path on the Unsloth backend; 'auto': grouped on the transformers backend, Unsloth's path on the "
         "Unsloth backend (measured on one H200, Qwen3-30B-A3B's shape: Unsloth's path 0.33 s/step and 66.7 GB, "

@@ -9,7 +9,8 @@
 # checkpoint. The next session ran callA (records-2026-12-02-moe-fixed-moe-short.json: 0.331 vs 0.332 s/step). Then
 # the FA4 calls A/B/C of
 # 2026-12-02-fa4-device-calls.sh, then callE, callG (the grouped experts: slower than Unsloth's path; since then the
-# grouped pass keeps 39% less for the backward, GateThenWeight: callG again when time allows); next callI, GRPO: `bench --workloads grpo-0.6b --warmup 2 --steps 8
+# grouped pass keeps half as much for the backward, GateThenWeight and GatheredLowRank: callG again when time
+# allows); next callI, GRPO: `bench --workloads grpo-0.6b --warmup 2 --steps 8
 # --slots hypersloth-1,trl-grpo-64x1,trl-grpo-32x2,trl-grpo-16x4 --tag grpo` (docs/grpo.md).
 source scripts/device_calls_lib.sh  # the GPU environment, $W / $L, el, left, bench, show, pack, ...
 

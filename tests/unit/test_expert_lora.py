@@ -131,12 +131,12 @@ def test_experts_whose_shapes_do_not_say_their_layout_stay_peft():
     assert read_layout(module) == {"has_gate": True, "has_bias": True, "is_transposed": False}
 
 
-def test_the_backward_keeps_one_hidden_width_row_per_routed_token():
-    """What autograd keeps inside the experts for each routed token: the gathered input (hidden width), the
-    gate_up output the gate is recomputed from (2 x expert width), the down projection's input (expert width) and
-    the two adapters' rank-wide products; not the down projection's hidden-width output, nor the gate's activation
-    (routing weight applied before the down projection, GateThenWeight). The base GEMMs keep no input: their
-    weights are frozen."""
+def test_the_backward_keeps_the_tokens_not_their_routed_copies():
+    """What autograd keeps inside the experts: the tokens themselves (one hidden-width row per token, GatheredLowRank)
+    and, per routed token, the gate_up output the gate is recomputed from (2 x expert width), the down projection's
+    input (expert width) and the two adapters' rank-wide products. Not the gathered copies of the tokens (top_k per
+    token), the down projection's hidden-width output, nor the gate's activation (the routing weight is applied
+    before the down projection, GateThenWeight). The base GEMMs keep no input: their weights are frozen."""
     model = adapted("qwen3_moe", r=8, intermediate_size=80)
     install_grouped_expert_lora(model)
     experts = model.get_submodule("base_model.model.model.layers.0.mlp.experts")
@@ -154,6 +154,14 @@ def test_the_backward_keeps_one_hidden_width_row_per_routed_token():
         out = experts(x, index, torch.rand(tokens, top_k, requires_grad=True))
     out.sum().backward()
     routed = tokens * top_k
-    widths = sorted(t.untyped_storage().nbytes() // (routed * t.element_size()) for t in kept.values()
-                    if t.dim() == 2 and t.shape[0] == routed and t.is_floating_point())
-    assert width != hidden and widths == sorted([hidden, 8, 2 * width, width, 8])
+
+    def widths(rows):
+        return sorted(t.untyped_storage().nbytes() // (rows * t.element_size()) for t in kept.values()
+                      if t.dim() == 2 and t.shape[0] == rows and t.is_floating_point())
+
+    assert width != hidden and widths(routed) == sorted([8, 2 * width, width, 8])
+    assert widths(tokens) == [hidden] and kept_tokens_are(x, kept.values())
+
+
+def kept_tokens_are(x, kept) -> bool:
+    return any(t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for t in kept)

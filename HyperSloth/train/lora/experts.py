@@ -123,9 +123,11 @@ def aligned_rank(lhs: torch.Tensor, rhs: torch.Tensor) -> tuple[torch.Tensor, to
 
 def _project(x: torch.Tensor, base: nn.Module, name: str, offsets: torch.Tensor, expert_ids: torch.Tensor,
              factors: tuple[torch.Tensor, torch.Tensor, float] | None,
-             bias_scale: torch.Tensor | None = None) -> torch.Tensor:
+             bias_scale: torch.Tensor | None = None, gathered_from: tuple | None = None) -> torch.Tensor:
     """One expert projection of the rows sorted by expert: the base weight's grouped GEMM, plus the adapter's two.
-    `bias_scale` (one number per row) multiplies the bias, for rows that come in already scaled by it."""
+    `bias_scale` (one number per row) multiplies the bias, for rows that come in already scaled by it.
+    `gathered_from` = (tokens, token_of_row, sentinel) where `x` is `tokens[token_of_row]` with the sentinel rows
+    zeroed: the adapter's first product then keeps `tokens` for its backward, not `x` (GatheredLowRank)."""
     from transformers.integrations.moe import _grouped_linear
 
     weight = base._parameters[name]  # the stored weight: no parametrization is active on this path
@@ -137,13 +139,46 @@ def _project(x: torch.Tensor, base: nn.Module, name: str, offsets: torch.Tensor,
         return out
     lhs, rhs, scaling = factors  # the delta of expert e is scaling * lhs[e] @ rhs[e], shaped like weight[e]
     lhs, rhs = aligned_rank(lhs, rhs)
-    if base.is_transposed:  # y = x @ W[e]: x @ lhs[e] @ rhs[e], each factor in the base weight's layout
-        low = _grouped_linear(x, lhs.contiguous(), offsets, is_transposed=True)
-        delta = _grouped_linear(low, rhs.contiguous(), offsets, is_transposed=True)
-    else:  # y = x @ W[e].T: x @ rhs[e].T @ lhs[e].T
-        low = _grouped_linear(x, rhs.contiguous(), offsets)
-        delta = _grouped_linear(low, lhs.contiguous(), offsets)
-    return out + scaling * delta
+    # y = x @ W[e] (stored transposed): x @ lhs[e] @ rhs[e]; y = x @ W[e].T: x @ rhs[e].T @ lhs[e].T
+    first, second = (lhs, rhs) if base.is_transposed else (rhs, lhs)
+    first, second = first.contiguous(), second.contiguous()
+    if gathered_from is None:
+        low = _grouped_linear(x, first, offsets, is_transposed=base.is_transposed)
+    else:
+        low = GatheredLowRank.apply(*gathered_from, first, offsets, base.is_transposed)
+    return out + scaling * _grouped_linear(low, second, offsets, is_transposed=base.is_transposed)
+
+
+def _gathered_low_rank(tokens, token_of_row, sentinel, factor, offsets, transposed: bool) -> torch.Tensor:
+    from transformers.integrations.moe import _grouped_linear
+
+    rows = tokens[token_of_row].masked_fill(sentinel, 0.0)
+    return _grouped_linear(rows, factor, offsets, is_transposed=transposed)
+
+
+class GatheredLowRank(torch.autograd.Function):
+    """tokens[token_of_row] through the adapter's first (rank-wide) grouped GEMM, keeping `tokens` (one row per
+    token) for the backward instead of the gathered rows (top_k rows per token), and gathering again there. The base
+    GEMM beside it keeps nothing (its weight is frozen), so this is what lets the gathered rows go after the
+    forward: top_k x hidden numbers per token, the largest thing the pass kept."""
+
+    @staticmethod
+    def forward(ctx, tokens, token_of_row, sentinel, factor, offsets, transposed: bool) -> torch.Tensor:
+        ctx.transposed = transposed
+        ctx.save_for_backward(tokens, token_of_row, sentinel, factor, offsets)
+        return _gathered_low_rank(tokens, token_of_row, sentinel, factor, offsets, transposed)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        tokens, token_of_row, sentinel, factor, offsets = ctx.saved_tensors
+        need_tokens, need_factor = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
+        with torch.enable_grad():
+            tokens_ = tokens.detach().requires_grad_(need_tokens)
+            factor_ = factor.detach().requires_grad_(need_factor)
+            low = _gathered_low_rank(tokens_, token_of_row, sentinel, factor_, offsets, ctx.transposed)
+        wanted = [t for t, need in ((tokens_, need_tokens), (factor_, need_factor)) if need]
+        grads = iter(torch.autograd.grad(low, wanted, grad) if wanted else ())
+        return (next(grads) if need_tokens else None, None, None, next(grads) if need_factor else None, None, None)
 
 
 class GateThenWeight(torch.autograd.Function):
@@ -178,7 +213,8 @@ def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
     factors = {w.parameter_name: w.get_delta_factors(_active_adapter(w)) for w in chain}
     device, top_k, tokens = hidden_states.device, top_k_index.size(-1), hidden_states.size(0)
     expert_ids_g, perm = torch.sort(top_k_index.reshape(-1))
-    rows = hidden_states[perm // top_k]
+    token_of_row = perm // top_k
+    rows = hidden_states[token_of_row]
     weights_g = top_k_weights.reshape(-1)[perm]
     # histc, not bincount: sizes stay on the device (transformers: "to avoid cuda graph issues"); CPU wants floats
     counts = torch.histc(expert_ids_g.float() if device.type in ("cpu", "mps") else expert_ids_g.int(),
@@ -188,10 +224,12 @@ def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
     expert_ids_g = expert_ids_g.clamp(max=base.num_experts - 1)
     rows = rows.masked_fill(sentinel, 0.0)
     first = "gate_up_proj" if base.has_gate else "up_proj"
-    out = _project(rows, base, first, offsets, expert_ids_g, factors.get(first)).masked_fill(sentinel, 0.0)
+    out = _project(rows, base, first, offsets, expert_ids_g, factors.get(first),
+                   gathered_from=(hidden_states, token_of_row, sentinel)).masked_fill(sentinel, 0.0)
     # The routing weight goes in before the down projection ((a·W + b)·w = (a·w)·W + b·w), where a row is the
-    # expert's width, not the hidden width, and the gate is recomputed in the backward: on Qwen3-30B-A3B's widths
-    # autograd keeps 2·hidden + 4·width + 2·r numbers per routed token without this, hidden + 3·width + 2·r + 1 with.
+    # expert's width, not the hidden width, and the gate is recomputed in the backward. With GatheredLowRank above,
+    # autograd keeps hidden/top_k + 3·width + 2·r + 1 numbers per routed token (Qwen3-30B-A3B: 2,593) where plain
+    # autograd of the same pass keeps 2·hidden + 4·width + 2·r (7,200).
     gate = base._apply_gate if base.has_gate else base.act_fn
     out = GateThenWeight.apply(out, weights_g.to(out.dtype), gate)
     weighted = _project(out, base, "down_proj", offsets, expert_ids_g, factors.get("down_proj"),
