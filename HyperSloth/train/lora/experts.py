@@ -155,6 +155,17 @@ def _project(x: torch.Tensor, base: nn.Module, name: str, offsets: torch.Tensor,
     return out + scaling * _grouped_linear(low, second, offsets, is_transposed=base.is_transposed)
 
 
+def _note_autocast(ctx, like: torch.Tensor) -> None:
+    """Remember the forward's autocast state, for a backward that recomputes part of it (as torch's checkpoint does)."""
+    device = like.device.type
+    ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+
+
+def _autocast_of_forward(ctx):
+    device, enabled, dtype = ctx.autocast
+    return torch.autocast(device, dtype=dtype, enabled=enabled)
+
+
 def _gathered_low_rank(tokens, token_of_row, sentinel, factor, offsets, transposed: bool) -> torch.Tensor:
     from transformers.integrations.moe import _grouped_linear
 
@@ -171,6 +182,7 @@ class GatheredLowRank(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tokens, token_of_row, sentinel, factor, offsets, transposed: bool) -> torch.Tensor:
         ctx.transposed = transposed
+        _note_autocast(ctx, tokens)
         ctx.save_for_backward(tokens, token_of_row, sentinel, factor, offsets)
         return _gathered_low_rank(tokens, token_of_row, sentinel, factor, offsets, transposed)
 
@@ -178,7 +190,7 @@ class GatheredLowRank(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         tokens, token_of_row, sentinel, factor, offsets = ctx.saved_tensors
         need_tokens, need_factor = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
-        with torch.enable_grad():
+        with torch.enable_grad(), _autocast_of_forward(ctx):
             tokens_ = tokens.detach().requires_grad_(need_tokens)
             factor_ = factor.detach().requires_grad_(need_factor)
             low = _gathered_low_rank(tokens_, token_of_row, sentinel, factor_, offsets, ctx.transposed)
@@ -195,13 +207,14 @@ class GateThenWeight(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, gate) -> torch.Tensor:
         ctx.gate = gate
+        _note_autocast(ctx, x)
         ctx.save_for_backward(x, w)
         return gate(x) * w.unsqueeze(-1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, w = ctx.saved_tensors
-        with torch.enable_grad():
+        with torch.enable_grad(), _autocast_of_forward(ctx):
             x_ = x.detach().requires_grad_(True)
             act = ctx.gate(x_)
         grad_x = torch.autograd.grad(act, x_, grad * w.unsqueeze(-1))[0] if ctx.needs_input_grad[0] else None
