@@ -78,9 +78,6 @@ def route(name: str):
     return run
 
 
-time_ms = cuda_event_ms  # fn's milliseconds, reps times (HyperSloth.train.profiling)
-
-
 def case(model: str, tokens: int, reps: int) -> dict:
     heads, kv_heads = SHAPES[model]
     lengths = row_lengths(tokens)
@@ -101,8 +98,8 @@ def case(model: str, tokens: int, reps: int) -> dict:
             if reference is None:
                 reference = got
             diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(got, reference))
-            fwd = time_ms(lambda: run(q, k, v, cu, max_len), reps)
-            both = time_ms(lambda: run(q, k, v, cu, max_len)[1](grad), reps)
+            fwd = cuda_event_ms(lambda: run(q, k, v, cu, max_len), reps)
+            both = cuda_event_ms(lambda: run(q, k, v, cu, max_len)[1](grad), reps)
             f, b = float(np.median(fwd)), float(np.median(both))
             result["routes"][name] = {"fwd_ms": round(f, 3), "fwd_bwd_ms": round(b, 3), "max_abs_diff": diff,
                                       "fwd_tflops": round(flops / f / 1e9, 1),

@@ -37,7 +37,7 @@ SYSTEMS = {
     "hypersloth-1-fa4": dict(runner="hypersloth", gpus=1, gc=False, attention="fa4"),
     "hypersloth-1-flash": dict(runner="hypersloth", gpus=1, gc=False, attention="flash"),
     # MoE: the expert adapters as grouped GEMMs beside the base experts (training.expert_lora="grouped") in place of
-    # Unsloth's MoE LoRA path, which `auto` keeps on the Unsloth backend until this is measured
+    # Unsloth's MoE LoRA path, which `auto` keeps on the Unsloth backend (faster there on the H200, docs/models.md)
     "hypersloth-1-grouped-experts": dict(runner="hypersloth", gpus=1, gc=False, expert_lora="grouped"),
     "hypersloth-1-gc": dict(runner="hypersloth", gpus=1, gc="unsloth"),
     "hypersloth-2": dict(runner="hypersloth", gpus=2, gc=False),

@@ -142,22 +142,17 @@ def max_diffs(got, ref) -> list[float]:
 
 def milliseconds(fn, reps: int) -> float:
     """The median of attn_bench's CUDA-event timings of `fn`, in milliseconds."""
-    from attn_bench import time_ms  # scripts/ is on sys.path when this file runs
+    from HyperSloth.train.profiling import cuda_event_ms
 
-    times = sorted(time_ms(fn, reps))
+    times = sorted(cuda_event_ms(fn, reps))
     return times[len(times) // 2]
-
-
-def graphed(torch, step, inputs):
-    """`step(*inputs)` captured in a CUDA graph: (replay, its outputs) (train/profiling.captured)."""
-    from HyperSloth.train.profiling import captured
-
-    return captured(step, inputs)
 
 
 def run(a: argparse.Namespace) -> dict:
     import torch
     from torch.nn.attention import activate_flash_attention_impl, current_flash_attention_impl
+
+    from HyperSloth.train.profiling import captured
 
     heads, kv_heads, head_dim = LAYOUTS[a.layout]
     total, max_len, scale = sum(a.lengths), max(a.lengths), head_dim ** -0.5
@@ -176,8 +171,8 @@ def run(a: argparse.Namespace) -> dict:
     noise = max_diffs(flash["lean"], reference)
     bundled_ms = milliseconds(lambda: lean(*args), a.reps)
     try:
-        replay, _ = graphed(torch, lambda *t: lean(torch, *t[:3], t[3], max_len, scale, t[4]),
-                            [t.clone() for t in (q, k, v, cu, grad)])
+        replay, _ = captured(lambda *t: lean(torch, *t[:3], t[3], max_len, scale, t[4]),
+                             [t.clone() for t in (q, k, v, cu, grad)])
         record["bundled_graphed_ms"] = milliseconds(replay, a.reps)
     except Exception as err:
         record["bundled_graph_error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
@@ -210,10 +205,12 @@ def run(a: argparse.Namespace) -> dict:
 
 def graph_check(torch, a, args, noise) -> dict:
     """FA4 captured in a CUDA graph, replayed on new values and new lengths with the same bound, vs eager FA4."""
+    from HyperSloth.train.profiling import captured
+
     _, q, k, v, cu, max_len, scale, grad = args
     statics = [t.clone() for t in (q, k, v, cu, grad)]
     try:
-        replay, outputs = graphed(torch, lambda q, k, v, cu, grad: lean(torch, q, k, v, cu, max_len, scale, grad), statics)
+        replay, outputs = captured(lambda q, k, v, cu, grad: lean(torch, q, k, v, cu, max_len, scale, grad), statics)
     except Exception as err:  # say why, in one line: the benchmark's graphed rows would run eagerly
         return {"graph_ok": False, "graph_error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
     lengths = list(reversed(a.lengths))  # other segment lengths, the same count and bound

@@ -164,7 +164,6 @@ def graph_unavailable(*, enabled: bool, cuda: bool, backend: str, mode: str, lor
     return None
 
 
-
 def run_graph_refusal(description, backend: str, config: Any) -> str | None:
     """`graph_unavailable` on a run's settings (its RunDescription), its backend and its model's config: the
     trainer asks before capturing (trainer_args.decoder_graphs), the attention setting before picking a kernel."""
@@ -176,6 +175,7 @@ def run_graph_refusal(description, backend: str, config: Any) -> str | None:
         lora=lora is not None, lora_dropout=lora.lora_dropout if lora else 0.0,
         checkpointing=description.gradient_checkpointing, tiled_mlp=description.tiled_mlp is True,
         experts=num_experts(config) if config is not None else 0)
+
 
 class _Graph:
     """The two graphs of one row length and the static tensors they read and write."""

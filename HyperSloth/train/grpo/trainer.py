@@ -54,7 +54,6 @@ from HyperSloth.train.grpo.rollout import (
     generation_config,
     prompt_seed,
     sample_chunks,
-    sample_groups,
     score,
 )
 from HyperSloth.train.plan_loader import PlanSteps
@@ -189,9 +188,9 @@ class HyperSlothGRPOTrainer(HyperSlothTrainer):
         prompts = list(inputs["prompt_ids"])
         try:
             if self.grpo.generation_batch == "prompt":  # one call per prompt: no padding, bit for bit on N GPUs
-                return [sample_groups(model, [ids], [seed], self.grpo, self.generation)[0]
-                        for ids, seed in zip(prompts, seeds)]
-            chunks = self.generation_memory.chunks(model, [len(ids) for ids in prompts])
+                chunks = [range(k, k + 1) for k in range(len(prompts))]
+            else:
+                chunks = self.generation_memory.chunks(model, [len(ids) for ids in prompts])
             return sample_chunks(model, prompts, seeds, self.grpo, self.generation, chunks)
         finally:
             model.train(was_training)

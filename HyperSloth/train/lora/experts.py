@@ -250,9 +250,10 @@ def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
     # autograd keeps hidden/top_k + 3·width + 2·r + 1 numbers per routed token (Qwen3-30B-A3B: 2,593) where plain
     # autograd of the same pass keeps 2·hidden + 4·width + 2·r (7,200).
     gate = base._apply_gate if base.has_gate else base.act_fn
-    out = GateThenWeight.apply(out, weights_g.to(out.dtype), gate)
+    weights_g = weights_g.to(out.dtype)
+    out = GateThenWeight.apply(out, weights_g, gate)
     weighted = _project(out, base, "down_proj", offsets, expert_ids_g, factors.get("down_proj"),
-                        bias_scale=weights_g.to(out.dtype)).masked_fill(sentinel, 0.0)
+                        bias_scale=weights_g).masked_fill(sentinel, 0.0)
     inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(perm.size(0), device=device)
     return weighted[inverse].view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
