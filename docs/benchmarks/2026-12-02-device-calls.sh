@@ -12,6 +12,8 @@
 # grouped pass keeps half as much for the backward, GateThenWeight and GatheredLowRank: callG again when time
 # allows); next callI, GRPO: `bench --workloads grpo-0.6b --warmup 2 --steps 8
 # --slots hypersloth-1,trl-grpo-64x1,trl-grpo-32x2,trl-grpo-16x4 --tag grpo` (docs/grpo.md).
+# Fourth session: callI ran (records-grpo-grpo-0.6b.json: HyperSloth 12.1 s/step, 11-12 s of it generation, against
+# TRL 7.1 s: Unsloth's backend decoded on its training forward); after rollout.sampling_mode, callK.
 source scripts/device_calls_lib.sh  # the GPU environment, $W / $L, el, left, bench, show, pack, ...
 
 callA() {  # MoE speed (item 7): a Qwen3-30B-A3B-shaped model (12 layers, 128 experts, 8 active, bf16) on the short
@@ -92,6 +94,16 @@ callI() {  # GRPO's speed (issue 34, item 8), its first run on a GPU: HyperSloth
     --budget-s $(left 570) > $L/bench.log 2>&1
   el "bench done"; show $L/bench.log
   grep -h "generation\|reward\|median step\|Error\|error" $W/grpo-0.6b/out_hypersloth-1/logs/rank0.log | tail -15 | cut -c1-400
+  pack
+}
+
+callK() {  # GRPO again after rollout.sampling_mode (Unsloth's fused decode + CUDA-graph decode, as Unsloth's own GRPO
+  # samples): HyperSloth at its defaults against TRL + Unsloth at callI's best split (64 x 1), same run (~6 minutes)
+  bench --workloads grpo-0.6b --slots hypersloth-1,trl-grpo-64x1 --warmup 2 --steps 8 --tag grpo-decode \
+    --budget-s $(left 560) > $L/bench.log 2>&1
+  el "bench done"; show $L/bench.log
+  grep -h "generation\|reward\|median step\|Error\|error\|Traceback" $W/grpo-0.6b/out_hypersloth-1/logs/rank0.log \
+    | tail -15 | cut -c1-400
   pack
 }
 

@@ -1,16 +1,17 @@
 """GRPO's rollouts on one rank: sample each prompt's completions, score them, turn rewards into advantages.
 
-Sampling: one HF `generate` call (KV cache) per rank and step over all its prompts, each repeated
-`num_generations` times and left-padded (`sample_groups`; TRL's layout), split into calls over consecutive whole
-prompts when their KV cache would not fit the GPU's free memory (`sample_chunks`, generation_memory.py), or with
-`GrpoArgs.generation_batch="prompt"` one call per prompt (no padding). Tokens are drawn by `SeededSampler`, a
-logits processor that does the sampling itself (temperature, top-k, top-p, then Gumbel-max: exactly a draw from
-the filtered softmax) with noise from a generator per prompt seeded by (seed, step, prompt row)
-(`prompt_seed`), so a prompt's completions do not depend on which rank holds it or what else is in the batch:
-1 and N GPUs sample the same completions (per prompt: bit for bit; batched: up to the rounding that a
-different padding and batch shape can bring to the logits, which can flip a token on a GPU in bf16, rarely),
-and the ranks' own streams (dropout) are untouched. A completion ends after its first end-of-sequence token
-(kept, as TRL keeps it) or at max_completion_length ("clipped").
+Sampling: the model switched to sampling for the call (`sampling_mode`: eval mode on transformers; on Unsloth what
+Unsloth's own GRPO does, its fused one-token decode replayed as CUDA graphs), then one HF `generate` call (KV
+cache) per rank and step over all its prompts, each repeated `num_generations` times and left-padded
+(`sample_groups`; TRL's layout), split into calls over consecutive whole prompts when their KV cache would not fit
+the GPU's free memory (`sample_chunks`, generation_memory.py), or with `GrpoArgs.generation_batch="prompt"` one
+call per prompt (no padding). Tokens are drawn by `SeededSampler`, a logits processor that does the sampling itself
+(temperature, top-k, top-p, then Gumbel-max: exactly a draw from the filtered softmax) with noise from a generator
+per prompt seeded by (seed, step, prompt row) (`prompt_seed`), so a prompt's completions do not depend on which
+rank holds it or what else is in the batch: 1 and N GPUs sample the same completions (per prompt: bit for bit;
+batched: up to the rounding that a different padding and batch shape can bring to the logits, which can flip a
+token on a GPU in bf16, rarely), and the ranks' own streams (dropout) are untouched. A completion ends after its
+first end-of-sequence token (kept, as TRL keeps it) or at max_completion_length ("clipped").
 
 Scoring: every reward function gets TRL's arguments, `f(prompts=..., completions=..., completion_ids=...,
 trainer_state=..., **columns)` with one entry per completion (prompts and the dataset's other columns
@@ -24,7 +25,8 @@ divided by the group's (or the global batch's) std + 1e-4, NaN -> 0.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,6 +127,49 @@ def sample_chunks(model, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
     return [group for chunk in chunks
             for group in sample_groups(model, prompts[chunk.start:chunk.stop], seeds[chunk.start:chunk.stop], grpo,
                                        config)]
+
+
+@contextmanager
+def sampling_mode(model, backend: str) -> Iterator[None]:
+    """The model set up to sample inside the block, and back to how it trained after it.
+
+    transformers: eval mode (no dropout; `generate` keeps the KV cache). Unsloth: what Unsloth's own GRPO does
+    around every rollout (`unsloth/models/rl.py`, `unsloth_unwrap_model_for_generation`, 2026.10.9):
+    `FastLanguageModel.for_inference` (eval mode and `_flag_for_generation`, which sends a step with a KV cache
+    through Unsloth's fused one-token decode instead of the training forward), its CUDA-graph decode
+    (`_decode_graphs.rl_generation`; skipped where this Unsloth lacks it), then the decode buffers freed for the
+    backward (`release_for_training`) and `FastLanguageModel.for_training`. Measured on one H200 (docs/grpo.md):
+    eval mode alone left the Unsloth backend decoding on the training forward, ~45 ms per token for 64 rows of
+    Qwen3-0.6B. `for_training` decides gradient checkpointing by its own rule, so every module's flag is put back
+    as it was before sampling (the automatic budget chose it)."""
+    was_training = model.training
+    if backend != "unsloth":
+        model.eval()
+        try:
+            yield
+        finally:
+            model.train(was_training)
+        return
+    from unsloth import FastLanguageModel
+    try:
+        from unsloth.models import _decode_graphs
+    except ImportError:  # an Unsloth without CUDA-graph decode: its fused decode path alone
+        _decode_graphs = None
+    flags = {m: m.__dict__["gradient_checkpointing"] for m in model.modules() if "gradient_checkpointing" in m.__dict__}
+    FastLanguageModel.for_inference(model)
+    try:
+        with _decode_graphs.rl_generation() if _decode_graphs is not None else nullcontext():
+            yield
+    finally:
+        if _decode_graphs is not None:
+            _decode_graphs.release_for_training(model)
+        FastLanguageModel.for_training(model, use_gradient_checkpointing=next((v for v in flags.values() if v), False))
+        for module in model.modules():
+            if module in flags:
+                module.gradient_checkpointing = flags[module]
+            elif "gradient_checkpointing" in module.__dict__:
+                del module.gradient_checkpointing  # the class's own default, as before
+        model.train(was_training)
 
 
 def completion_texts(tokenizer, completions: Sequence[np.ndarray], conversational: bool) -> list[Any]:

@@ -54,6 +54,7 @@ from HyperSloth.train.grpo.rollout import (
     generation_config,
     prompt_seed,
     sample_chunks,
+    sampling_mode,
     score,
 )
 from HyperSloth.train.plan_loader import PlanSteps
@@ -121,8 +122,9 @@ class HyperSlothGRPOTrainer(HyperSlothTrainer):
     step_sums_width = 1 + len(grpo_loss.LOSS_SUM_KEYS)
 
     def __init__(self, *args, grpo: GrpoArgs, reward_funcs: Sequence[Callable[..., Any]], reference: ReferenceSwitch,
-                 world_size: int, seed: int, **kwargs):
+                 world_size: int, seed: int, backend: str, **kwargs):
         self.grpo = grpo
+        self.backend = backend  # "unsloth" or "transformers": how sampling switches the model (rollout.sampling_mode)
         self.reward_funcs = tuple(reward_funcs)
         self.reference = reference
         self.world_size = world_size
@@ -182,18 +184,14 @@ class HyperSlothGRPOTrainer(HyperSlothTrainer):
     def sample(self, model, inputs: dict[str, Any]) -> list[list[np.ndarray]]:
         """Each prompt's completions, from its own generator (rollout.prompt_seed); "rank" batches in as few generate
         calls of whole prompts as the GPU's free memory allows (generation_memory.py), one when they fit."""
-        was_training = model.training
-        model.eval()  # generate with the KV cache, no dropout
         seeds = [prompt_seed(self.sampling_seed, int(inputs["plan_step"]), row) for row in inputs["prompt_rows"]]
         prompts = list(inputs["prompt_ids"])
-        try:
-            if self.grpo.generation_batch == "prompt":  # one call per prompt: no padding, bit for bit on N GPUs
-                chunks = [range(k, k + 1) for k in range(len(prompts))]
-            else:
-                chunks = self.generation_memory.chunks(model, [len(ids) for ids in prompts])
+        if self.grpo.generation_batch == "prompt":  # one call per prompt: no padding, bit for bit on N GPUs
+            chunks = [range(k, k + 1) for k in range(len(prompts))]
+        else:
+            chunks = self.generation_memory.chunks(model, [len(ids) for ids in prompts])
+        with sampling_mode(model, self.backend):
             return sample_chunks(model, prompts, seeds, self.grpo, self.generation, chunks)
-        finally:
-            model.train(was_training)
 
     def score(self, inputs: dict[str, Any], groups: list[list[np.ndarray]], step: int):
         """The reward functions on this rank's completions (RewardFailure when one fails)."""
@@ -395,5 +393,6 @@ def build_grpo_trainer(description: RunDescription, loaded_model, dataset, info:
         **trainer_arguments(description, loaded_model, dataset, info, steps, evaluator, eval_dataset),
         graphs_off="GRPO generates between its training passes (no CUDA graphs)",
         grpo=grpo, reward_funcs=funcs, reference=reference, world_size=info.world_size, seed=description.seed,
+        backend=loaded_model.backend,
     )
     return trainer, run_setup(loaded_model.backend, spec, per_epoch, steps.plan(0).stats)
