@@ -118,6 +118,12 @@ def test_chunked_sampling_gives_one_calls_completions_and_logs_each_new_split_on
         groups = HyperSlothGRPOTrainer.sample(trainer, model, inputs)
         assert [[c.tolist() for c in group] for group in groups] == one_call
         assert calls == chunk_sizes and model.training  # sample() puts the mode back
+    calls.clear()  # generation_batch="prompt": one call per prompt, whatever memory allows, the same completions
+    limit["bytes"] = 4 * per_prompt
+    trainer.grpo = grpo.model_copy(update={"generation_batch": "prompt"})
+    groups = HyperSlothGRPOTrainer.sample(trainer, model, inputs)
+    assert [[c.tolist() for c in group] for group in groups] == one_call and calls == [1] * 4
+    trainer.grpo = grpo
     for limit["bytes"] in (2 * per_prompt, per_prompt, 2 * per_prompt, per_prompt // 2):  # the log, without sampling
         memory.chunks(model, [5] * 4)
     split_lines = [line for line in logs if line.startswith("generation split into")]

@@ -179,3 +179,82 @@ def test_a_prompts_completions_do_not_depend_on_the_other_prompts_in_the_batch(t
     assert [c.tolist() for c in both[1]] == [c.tolist() for c in alone[0]]  # padded beside `long` or not
     assert len({tuple(c.tolist()) for c in both[0]}) > 1  # a group's completions differ from each other
     assert [c.tolist() for c in sample_groups(model, [short], [23], grpo, config)[0]] != [c.tolist() for c in alone[0]]
+
+
+class _Layer(torch.nn.Module):
+    pass
+
+
+def _fake_unsloth(monkeypatch, with_graphs: bool = True) -> list[tuple]:
+    """`unsloth.FastLanguageModel` and `unsloth.models._decode_graphs` as sampling_mode uses them, recording calls;
+    for_training turns checkpointing on or off for every module, whatever the run chose (its own rule)."""
+    import sys
+    import types
+    from contextlib import contextmanager
+
+    calls: list[tuple] = []
+
+    def for_inference(model):
+        calls.append(("for_inference",))
+        for m in model.modules():
+            m.gradient_checkpointing = False
+        model.eval()
+
+    def for_training(model, use_gradient_checkpointing=None):
+        calls.append(("for_training", use_gradient_checkpointing))
+        for m in model.modules():
+            m.gradient_checkpointing = use_gradient_checkpointing
+        model.train()
+
+    @contextmanager
+    def rl_generation():
+        calls.append(("graphs on",))
+        yield
+        calls.append(("graphs off",))
+
+    unsloth = types.ModuleType("unsloth")
+    unsloth.FastLanguageModel = types.SimpleNamespace(for_inference=for_inference, for_training=for_training)
+    models = types.ModuleType("unsloth.models")
+    if with_graphs:
+        models._decode_graphs = types.SimpleNamespace(
+            rl_generation=rl_generation, release_for_training=lambda model: calls.append(("release",)))
+    monkeypatch.setitem(sys.modules, "unsloth", unsloth)
+    monkeypatch.setitem(sys.modules, "unsloth.models", models)
+    return calls
+
+
+@pytest.mark.parametrize("with_graphs", [True, False])
+def test_sampling_on_unsloth_switches_as_its_grpo_does_and_puts_checkpointing_back(monkeypatch, with_graphs):
+    from HyperSloth.train.grpo.rollout import sampling_mode
+
+    calls = _fake_unsloth(monkeypatch, with_graphs)
+    model = torch.nn.Sequential(_Layer(), _Layer(), _Layer())
+    model[0].gradient_checkpointing = True  # what the budget chose, per module
+    model[1].gradient_checkpointing = False
+    model.train()
+    with sampling_mode(model, "unsloth"):
+        assert not model.training and not model[0].gradient_checkpointing
+        calls.append(("generate",))
+    graphs = [("graphs on",), ("generate",), ("graphs off",), ("release",)] if with_graphs else [("generate",)]
+    assert calls == [("for_inference",), *graphs, ("for_training", True)]
+    assert model.training and model[0].gradient_checkpointing is True and model[1].gradient_checkpointing is False
+    assert "gradient_checkpointing" not in vars(model[2]) and "gradient_checkpointing" not in vars(model)
+
+    calls.clear()  # a failure inside (a CUDA error while sampling) still leaves the model as it trained
+    with pytest.raises(RuntimeError), sampling_mode(model, "unsloth"):
+        raise RuntimeError("out of memory")
+    assert calls[-1] == ("for_training", True) and model.training and model[0].gradient_checkpointing is True
+
+
+def test_sampling_on_transformers_is_eval_mode_and_back(monkeypatch):
+    from HyperSloth.train.grpo.rollout import sampling_mode
+
+    calls = _fake_unsloth(monkeypatch)  # present, and not to be used
+    model = torch.nn.Linear(2, 2)
+    with sampling_mode(model, "transformers"):
+        assert not model.training
+    assert model.training and calls == []
+    model.eval()
+    with sampling_mode(model, "transformers"):
+        pass
+    assert not model.training  # evaluation samples from an eval-mode model and leaves it so

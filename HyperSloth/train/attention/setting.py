@@ -139,7 +139,7 @@ def resolve_attention(requested: str, facts: AttentionFacts) -> AttentionChoice:
     if problem is not None:
         return AttentionChoice(requested, "flash", f"FA4 cannot run here: {problem}")
     if facts.graphed:
-        return AttentionChoice(requested, "fa4", "CUDA-graphed decoder (graphs remove FA4's extra host time per launch)")
+        return AttentionChoice(requested, "fa4", "CUDA graphs on (their replays remove FA4's extra host time per launch)")
     if facts.longest_sample >= LONG_ROW_TOKENS:
         return AttentionChoice(requested, "fa4", f"long rows (a {facts.longest_sample:,}-token sample: attention "
                                                  "is most of the step)")
