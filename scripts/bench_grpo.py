@@ -14,8 +14,8 @@ itself; the HyperSloth dataset is built with data/prompts.py's `prompt_ids`, TRL
 Stock system `trl-grpo-PxA`: `FastLanguageModel` + `get_peft_model` (LoRA r=16 on all projections,
 checkpointing off) + TRL's `GRPOTrainer` with HF generate (no vLLM: it cannot be installed on the device),
 P completions per device x A accumulation steps (= 64 per step; TRL generates the step's 64 in one call
-whatever the split), fused AdamW, bf16. Its generation time is TRL's own `profiling/Time taken:
-...transformers.generate` metric when logged; HyperSloth's is `timing/generation_s` (rank 0).
+whatever the split), fused AdamW, bf16. Its generation time is the seconds in its model's `generate` per step
+(`GenerateTimer`); HyperSloth's is `timing/generation_s` (rank 0).
 
 FLOPs (for MFU) count the training pass over every prompt + completion sequence, as for SFT; generation is
 not counted (it is memory-bound decoding), so MFU understates both systems alike.
@@ -24,6 +24,7 @@ not counted (it is memory-bound decoding), so MFU understates both systems alike
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -97,14 +98,47 @@ def hypersloth_grpo_lines() -> tuple[str, str]:
     return REWARD_SOURCE + "\nreward_funcs = [length_reward]\n", training
 
 
-def generation_seconds(log_history: list[dict]) -> list[float | None]:
-    """TRL's per-step generate time from its log history (`profiling/Time taken: ...generate`), when logged."""
-    out = []
-    for h in log_history:
-        if "loss" in h:
-            keys = [k for k in h if k.startswith("profiling/") and k.endswith("generate")]
-            out.append(float(h[keys[0]]) if keys else None)
-    return out
+class GenerateTimer:
+    """Seconds a TRL trainer spends in its model's `generate` per optimizer step. TRL's own
+    `profiling/Time taken: ...generate` metric goes only to wandb / mlflow / trackio, never to the log history
+    (trl/extras/profiling.py, 1.15), so the 2026-12-02 records have no stock split. The model's `generate` is
+    wrapped (TRL calls it on the unwrapped model, the one handed to the trainer; Unsloth's GRPO wraps it again
+    for the call and puts this one back), the GPU synchronised before the clock stops, and the calls of one step
+    summed at its end (`callback`)."""
+
+    def __init__(self, model, synchronize=None):
+        self.per_step: list[float] = []
+        self._pending = 0.0
+        original = model.generate
+        if synchronize is None:
+            import torch
+            synchronize = torch.cuda.synchronize
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            out = original(*args, **kwargs)
+            synchronize()
+            self._pending += time.perf_counter() - started
+            return out
+
+        model.generate = timed
+
+    def step_done(self) -> None:
+        """End of an optimizer step: its generate seconds (0.0 when it reused an earlier rollout)."""
+        self.per_step.append(self._pending)
+        self._pending = 0.0
+
+    def callback(self):
+        """A TrainerCallback calling `step_done` at every step's end."""
+        from transformers import TrainerCallback
+
+        timer = self
+
+        class _StepEnd(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                timer.step_done()
+
+        return _StepEnd()
 
 
 def run_trl_grpo(a, *, max_len: int, lr: float, seed: int, projections: list[str], clock) -> dict:
@@ -123,13 +157,14 @@ def run_trl_grpo(a, *, max_len: int, lr: float, seed: int, projections: list[str
                       report_to="none", save_strategy="no", bf16=True, num_generations=NUM_GENERATIONS,
                       max_completion_length=MAX_COMPLETION, temperature=1.0, beta=0.0, use_vllm=False,
                       shuffle_dataset=False, gradient_checkpointing=bool(a.gc), seed=seed)
+    timer = GenerateTimer(model)
     trainer = GRPOTrainer(model=model, reward_funcs=[length_reward], args=args, processing_class=tok,
-                          train_dataset=load_from_disk(a.work + "/stock_data"), callbacks=[clock])
+                          train_dataset=load_from_disk(a.work + "/stock_data"), callbacks=[clock, timer.callback()])
     trainer.train()
     logged = [h for h in trainer.state.log_history if "loss" in h]
     return {"step_seconds": clock.step_seconds(), "losses": [h["loss"] for h in logged],
             "rewards": [h.get("reward") for h in logged],
             "completion_lengths": [h.get("completions/mean_length") for h in logged],
-            "generation_s": generation_seconds(trainer.state.log_history),
+            "generation_s": timer.per_step,
             "peak_gb": [torch.cuda.max_memory_allocated() / 2**30],
             "first_step_end_unix": clock.first_step_end_unix}

@@ -62,8 +62,8 @@ GRPO workload (`grpo-0.6b`, issue 34 item 8; scripts/bench_grpo.py): Qwen3-0.6B 
 temperature 1, beta 0, TRL's default loss, one length reward. `hypersloth-N` trains it with
 training.method="grpo"; the stock rows are `trl-grpo-PxA`: FastLanguageModel + get_peft_model + TRL's
 GRPOTrainer with HF generate (no vLLM), P completions per device x A accumulation steps (64x1, 32x2, 16x4, 8x8).
-Records add `generation_s` per step (HyperSloth: rank 0's sampling seconds; TRL: its generate profiling metric)
-beside the step's total, and `rewards`; MFU counts the training pass only. E.g. on one GPU:
+Records add `generation_s` per step (HyperSloth: rank 0's sampling seconds; TRL: its model's generate calls,
+bench_grpo.GenerateTimer) beside the step's total, and `rewards`; MFU counts the training pass only. E.g. on one GPU:
 
     python scripts/benchmark.py --workloads grpo-0.6b --num-gpus 1 --warmup 2 --steps 8 \
         --slots hypersloth-1,trl-grpo-64x1,trl-grpo-32x2,trl-grpo-16x4 --tag grpo
@@ -192,8 +192,8 @@ def record_for(name: str, workload: str, raw: dict, data: dict, a, launched: flo
         "startup_s": raw["first_step_end_unix"] - launched if raw.get("first_step_end_unix") else None,
         "probe_s": (budget or {}).get("probe_seconds") if isinstance(budget, dict) else None,
         "rewards_margins": raw.get("rewards_margins"), "tiled_mlp": raw.get("tiled_mlp"),
-        # GRPO: generation seconds per step (HyperSloth: rank 0's timing/generation_s; TRL: its generate
-        # profiling metric when logged), apart from the step's total; the mean reward per step
+        # GRPO: generation seconds per step (HyperSloth: rank 0's timing/generation_s; TRL: the seconds in its
+        # model's generate, bench_grpo.GenerateTimer), apart from the step's total; the mean reward per step
         "generation_s": raw.get("generation_s"), "rewards": raw.get("rewards"),
         "attention": raw.get("attention"),  # {requested, kernel, reason}: HyperSloth's setting or Unsloth's own rule
         "salvaged_after_timeout": raw.get("salvaged_after_timeout", False),

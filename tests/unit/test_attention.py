@@ -25,7 +25,7 @@ def kernel(requested: str, **facts) -> att.AttentionChoice:
 
 
 def test_auto_picks_fa4_where_graphs_remove_its_host_time_or_rows_are_long():
-    assert kernel("auto").kernel == "fa4" and "CUDA-graphed" in kernel("auto").reason
+    assert kernel("auto").kernel == "fa4" and "CUDA graphs on" in kernel("auto").reason
     long_eager = kernel("auto", graphed=False, longest_sample=att.LONG_ROW_TOKENS)
     assert long_eager.kernel == "fa4" and "16,384-token sample" in long_eager.reason
     short_eager = kernel("auto", graphed=False, longest_sample=att.LONG_ROW_TOKENS - 1)

@@ -69,8 +69,23 @@ def test_grpo_systems_and_workloads_are_paired():
     assert splits == {bench_grpo.GLOBAL_COMPLETIONS}
 
 
-def test_trl_generation_seconds_are_read_from_its_profiling_metric():
-    history = [{"loss": 0.1, "profiling/Time taken: GRPOTrainer.transformers.generate": 2.5}, {"eval_loss": 1.0},
-               {"loss": 0.2}]
-    assert bench_grpo.generation_seconds(history) == [2.5, None]
+def test_trl_generation_seconds_are_the_generate_calls_of_each_step():
+    from types import SimpleNamespace
+
+    clock = {"now": 0.0}
+    synced = []
+    model = SimpleNamespace(generate=lambda n: clock.__setitem__("now", clock["now"] + n) or f"{n} s")
+    monkey_time = SimpleNamespace(perf_counter=lambda: clock["now"])
+    real_time, bench_grpo.time = bench_grpo.time, monkey_time
+    try:
+        timer = bench_grpo.GenerateTimer(model, synchronize=lambda: synced.append(True))
+        assert model.generate(2.5) == "2.5 s"  # step 1: two calls (TRL's 16 x 4 generates once; a chunked call twice)
+        model.generate(0.5)
+        timer.callback().on_step_end(None, None, None)
+        timer.step_done()  # step 2 reused its rollout (num_iterations > 1): no generate
+        model.generate(1.0)
+        timer.step_done()
+    finally:
+        bench_grpo.time = real_time
+    assert timer.per_step == [3.0, 0.0, 1.0] and len(synced) == 3
     assert np.isfinite(bench_workloads.flops_per_step("0.6b", [300] * 64))
