@@ -107,4 +107,16 @@ callK() {  # GRPO again after rollout.sampling_mode (Unsloth's fused decode + CU
   pack
 }
 
+callL() {  # next: callK again with what this session added, TRL's generate seconds per step (bench_grpo.GenerateTimer)
+  # and our log line on Unsloth's CUDA-graph decode (replayed token steps, or why it was off): is the 22 ms per
+  # token step of callK the decode or HF generate's loop around it (~6 minutes)
+  bench --workloads grpo-0.6b --slots hypersloth-1,trl-grpo-64x1 --warmup 2 --steps 8 --tag grpo-split \
+    --budget-s $(left 560) > $L/bench.log 2>&1
+  el "bench done"; show $L/bench.log
+  grep -h "CUDA-graph decode\|Error\|Traceback" $W/grpo-0.6b/out_hypersloth-1/logs/rank0.log | head -5 | cut -c1-400
+  python3 -c "import json; [print(r['system'], 'generation_s', [round(g, 2) if g else g for g in r['generation_s']]) \
+    for r in json.load(open('$OUT/records-grpo-split-grpo-0.6b.json'))]"
+  pack
+}
+
 "$@"

@@ -217,18 +217,20 @@ def _fake_unsloth(monkeypatch, with_graphs: bool = True) -> list[tuple]:
     models = types.ModuleType("unsloth.models")
     if with_graphs:
         models._decode_graphs = types.SimpleNamespace(
-            rl_generation=rl_generation, release_for_training=lambda model: calls.append(("release",)))
+            rl_generation=rl_generation, release_for_training=lambda model: calls.append(("release",)),
+            stats=lambda m: dict(m.__dict__["_unsloth_decode_graphs"]))
     monkeypatch.setitem(sys.modules, "unsloth", unsloth)
     monkeypatch.setitem(sys.modules, "unsloth.models", models)
     return calls
 
 
 @pytest.mark.parametrize("with_graphs", [True, False])
-def test_sampling_on_unsloth_switches_as_its_grpo_does_and_puts_checkpointing_back(monkeypatch, with_graphs):
+def test_sampling_on_unsloth_switches_as_its_grpo_does_and_puts_checkpointing_back(monkeypatch, logs, with_graphs):
     from HyperSloth.train.grpo.rollout import sampling_mode
 
     calls = _fake_unsloth(monkeypatch, with_graphs)
     model = torch.nn.Sequential(_Layer(), _Layer(), _Layer())
+    model[2].__dict__["_unsloth_decode_graphs"] = {"captures": 1, "replays": 254, "eager_steps": 1, "disabled": None}
     model[0].gradient_checkpointing = True  # what the budget chose, per module
     model[1].gradient_checkpointing = False
     model.train()
@@ -244,6 +246,18 @@ def test_sampling_on_unsloth_switches_as_its_grpo_does_and_puts_checkpointing_ba
     with pytest.raises(RuntimeError), sampling_mode(model, "unsloth"):
         raise RuntimeError("out of memory")
     assert calls[-1] == ("for_training", True) and model.training and model[0].gradient_checkpointing is True
+    graph_lines = [line.strip() for line in logs if "CUDA-graph decode" in line]  # the run's first sampling only
+    line = "sampling: 254 of 255 token steps replayed from Unsloth's CUDA-graph decode (graph captures: 1)"
+    assert graph_lines == ([line] if with_graphs else [])
+
+
+def test_the_decode_graph_line_says_why_graphs_were_off():
+    from HyperSloth.train.grpo.rollout import decode_graph_line
+
+    assert decode_graph_line([{"captures": 0, "replays": 0, "eager_steps": 256, "disabled": "model type"}]) == (
+        "sampling: 0 of 256 token steps replayed from Unsloth's CUDA-graph decode (graph captures: 0); graph decode "
+        "off: model type")
+    assert "did not run" in decode_graph_line([])
 
 
 def test_sampling_on_transformers_is_eval_mode_and_back(monkeypatch):

@@ -30,8 +30,11 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
+import weakref
+
 import numpy as np
 import torch
+from loguru import logger
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from trl.trainer.utils import nanstd
 
@@ -129,6 +132,23 @@ def sample_chunks(model, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
                                        config)]
 
 
+_REPORTED: weakref.WeakSet = weakref.WeakSet()  # models whose first sampling has logged decode_graph_line
+
+
+def decode_graph_line(stats: list[dict[str, Any]]) -> str:
+    """One line on Unsloth's CUDA-graph decode in a sampling (its `_decode_graphs.stats` of each model that ran
+    it): how many token steps replayed graphs and how many ran eagerly (the first after each prefill does), or
+    the reason it turned itself off."""
+    replays = sum(st.get("replays", 0) for st in stats)
+    eager = sum(st.get("eager_steps", 0) for st in stats)
+    off = sorted({str(st["disabled"]) for st in stats if st.get("disabled")})
+    if not stats:
+        return "sampling: Unsloth's CUDA-graph decode did not run (its decode path was not taken)"
+    line = (f"sampling: {replays:,} of {replays + eager:,} token steps replayed from Unsloth's CUDA-graph decode "
+            f"(graph captures: {sum(st.get('captures', 0) for st in stats):,})")
+    return line + (f"; graph decode off: {', '.join(off)}" if off else "")
+
+
 @contextmanager
 def sampling_mode(model, backend: str) -> Iterator[None]:
     """The model set up to sample inside the block, and back to how it trained after it.
@@ -141,7 +161,8 @@ def sampling_mode(model, backend: str) -> Iterator[None]:
     backward (`release_for_training`) and `FastLanguageModel.for_training`. Measured on one H200 (docs/grpo.md):
     eval mode alone left the Unsloth backend decoding on the training forward, ~45 ms per token for 64 rows of
     Qwen3-0.6B. `for_training` decides gradient checkpointing by its own rule, so every module's flag is put back
-    as it was before sampling (the automatic budget chose it)."""
+    as it was before sampling (the automatic budget chose it). The first sampling of a run logs how many token
+    steps replayed Unsloth's decode graphs, or why they were off (`decode_graph_line`)."""
     was_training = model.training
     if backend != "unsloth":
         model.eval()
@@ -162,6 +183,10 @@ def sampling_mode(model, backend: str) -> Iterator[None]:
             yield
     finally:
         if _decode_graphs is not None:
+            if model not in _REPORTED:
+                _REPORTED.add(model)
+                logger.info(decode_graph_line([_decode_graphs.stats(m) for m in model.modules()
+                                               if "_unsloth_decode_graphs" in m.__dict__]))
             _decode_graphs.release_for_training(model)
         FastLanguageModel.for_training(model, use_gradient_checkpointing=next((v for v in flags.values() if v), False))
         for module in model.modules():
