@@ -10,6 +10,8 @@
 # Next: callA, then callHJ (callH: long-0.6b at defaults with the check that now times graph replays, stock in the
 # same run; callJ: FA4 against bundled flash, loss and gradients, 8k and 32k rows), then callE (short-8b), each right
 # after the one before; then 2026-12-02-device-calls.sh callI (GRPO) as the time allows.
+# Fourth session: callA, callHJ (long-0.6b at defaults 1.39x, auto picked FA4; FA4's gradients), callE (short-8b
+# 1.05x); then GRPO. Next: callA, then callM (profiles of long-0.6b, FA4 against stock), then callF's 8B half.
 # Before the calls, on this machine, from the repository root:
 #   bash ../shared/device/wheelhouse.sh   # .whl/ (unsloth, trl, ...: 25 MB), if not there yet
 #   bash scripts/fa4_wheels.sh            # .fa4/part1 (the DSL's 193 MB compiler library as xz), .fa4/part2 (the rest)
@@ -124,6 +126,16 @@ fa4_gradients() {  # issue 33 item 3: FA4's loss and gradients against bundled f
   timeout $(left $1) python3 scripts/graph_check.py --model 0.6b --rows 8192,32768 --attention fa4 \
     --out $OUT/graph-check-fa4-0.6b.json > $L/graph-check.log 2>&1
   el "graph check done"; grep -v "^Unsloth\|^==\|^ *$" $L/graph-check.log | tail -60 | cut -c1-300
+}
+
+callM() {  # after callA, carry [".whl", ".fa4/part2"]: why long-0.6b stops at 1.39x (0.349 s against stock's 0.485;
+  # 1.45x asks 0.334): steps 4-6 under torch.profiler on FA4 at defaults and on stock, kernel tables side by side
+  # (~4 minutes)
+  fa4_ready
+  bench --workloads long-0.6b --slots "hypersloth-1-profile,unsloth-best-profile" --warmup 3 --steps 8 \
+    --tag 2026-12-02-fa4-prof --budget-s $(left 480) > $L/bench-prof.log 2>&1
+  el "profiles done"; show $L/bench-prof.log; keep_profiles long-0.6b
+  pack
 }
 
 callH() { fa4_ready; long_defaults 400; pack; }
