@@ -69,23 +69,19 @@ def test_grpo_systems_and_workloads_are_paired():
     assert splits == {bench_grpo.GLOBAL_COMPLETIONS}
 
 
-def test_trl_generation_seconds_are_the_generate_calls_of_each_step():
+def test_trl_generation_seconds_are_the_generate_calls_of_each_step(monkeypatch):
     from types import SimpleNamespace
 
     clock = {"now": 0.0}
     synced = []
     model = SimpleNamespace(generate=lambda n: clock.__setitem__("now", clock["now"] + n) or f"{n} s")
-    monkey_time = SimpleNamespace(perf_counter=lambda: clock["now"])
-    real_time, bench_grpo.time = bench_grpo.time, monkey_time
-    try:
-        timer = bench_grpo.GenerateTimer(model, synchronize=lambda: synced.append(True))
-        assert model.generate(2.5) == "2.5 s"  # step 1: two calls (TRL's 16 x 4 generates once; a chunked call twice)
-        model.generate(0.5)
-        timer.callback().on_step_end(None, None, None)
-        timer.step_done()  # step 2 reused its rollout (num_iterations > 1): no generate
-        model.generate(1.0)
-        timer.step_done()
-    finally:
-        bench_grpo.time = real_time
+    monkeypatch.setattr(bench_grpo, "time", SimpleNamespace(perf_counter=lambda: clock["now"]))
+    timer = bench_grpo.GenerateTimer(model, synchronize=lambda: synced.append(True))
+    assert model.generate(2.5) == "2.5 s"  # step 1: two calls (TRL's 16 x 4 generates once; a chunked call twice)
+    model.generate(0.5)
+    timer.callback().on_step_end(None, None, None)
+    timer.step_done()  # step 2 reused its rollout (num_iterations > 1): no generate
+    model.generate(1.0)
+    timer.step_done()
     assert timer.per_step == [3.0, 0.0, 1.0] and len(synced) == 3
     assert np.isfinite(bench_workloads.flops_per_step("0.6b", [300] * 64))

@@ -25,12 +25,11 @@ divided by the group's (or the global batch's) std + 1e-4, NaN -> 0.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
-
-import weakref
 
 import numpy as np
 import torch
@@ -139,11 +138,11 @@ def decode_graph_line(stats: list[dict[str, Any]]) -> str:
     """One line on Unsloth's CUDA-graph decode in a sampling (its `_decode_graphs.stats` of each model that ran
     it): how many token steps replayed graphs and how many ran eagerly (the first after each prefill does), or
     the reason it turned itself off."""
+    if not stats:
+        return "sampling: Unsloth's CUDA-graph decode did not run (its decode path was not taken)"
     replays = sum(st.get("replays", 0) for st in stats)
     eager = sum(st.get("eager_steps", 0) for st in stats)
     off = sorted({str(st["disabled"]) for st in stats if st.get("disabled")})
-    if not stats:
-        return "sampling: Unsloth's CUDA-graph decode did not run (its decode path was not taken)"
     line = (f"sampling: {replays:,} of {replays + eager:,} token steps replayed from Unsloth's CUDA-graph decode "
             f"(graph captures: {sum(st.get('captures', 0) for st in stats):,})")
     return line + (f"; graph decode off: {', '.join(off)}" if off else "")
