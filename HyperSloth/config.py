@@ -54,7 +54,8 @@ class FastModelArgs(BaseModel):
         "auto", description="'auto' = unsloth when CUDA is present and unsloth imports, else transformers+PEFT."
     )
     attn_implementation: str | None = Field(
-        None, description="Attention kernel for the transformers backend only; None = 'sdpa'."
+        None, description="Attention kernel for the transformers backend only; None = transformers' choice: 'sdpa' "
+        "where the model supports it, else 'eager' (gpt-oss)."
     )
     trust_remote_code: bool = Field(
         False, description="Run Python code that comes with the model on the Hub (custom architectures). Only "

@@ -34,6 +34,8 @@ class LoadedModel:
     stamps: dict[str, float] = field(default_factory=dict)
     # What got adapters and the trainable share (HyperSloth.train.lora.targets.describe; run_resolved.json).
     lora_targets: dict[str, Any] | None = None
+    # Packed rows measured on this model (HyperSloth.train.packing_check; packed runs only; run_resolved.json).
+    packing: dict[str, Any] | None = None
 
 
 def resolve_backend(args: FastModelArgs) -> str:
@@ -175,7 +177,8 @@ def _load_transformers(fast: FastModelArgs, lora: LoraArgs | None, dtype: torch.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # Remote model code runs only when the config asks for it (trust_remote_code, default False).
-    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": fast.attn_implementation or "sdpa",
+    # Unset: transformers' own choice, SDPA where the model supports it, else eager (gpt-oss: its attention sinks).
+    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": fast.attn_implementation,
                               "trust_remote_code": fast.trust_remote_code}
     extension = rope_extension(native, fast.max_seq_length) if native is not None else None
     if extension is not None:  # the same scaling Unsloth applies, so both backends train the same model

@@ -156,7 +156,8 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path, time
         run_files.atomic_write_json(run_files.resolved_file(out_dir), {
             "token_budget": budget_decision.as_record(),
             "gradient_checkpointing": description.gradient_checkpointing, "tiled_mlp": description.tiled_mlp,
-            "attention": attention.as_record(), "lora_targets": loaded_model.lora_targets})
+            "attention": attention.as_record(), "lora_targets": loaded_model.lora_targets,
+            "packing": loaded_model.packing})
     # A hold-out leaves the training rows; the eval rows are checked against the resolved fingerprint.
     dataset, eval_dataset = split_for_run(full_dataset, description.eval_set)
     trainer, setup = _builder(description.method)(description, loaded_model, dataset, info, eval_dataset=eval_dataset)
@@ -185,6 +186,7 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path, time
     summary["gradient_checkpointing"] = description.gradient_checkpointing
     summary["tiled_mlp"] = description.tiled_mlp
     summary["lora_targets"] = loaded_model.lora_targets
+    summary["packing"] = loaded_model.packing  # packed rows measured to keep samples apart (packing_check)
     summary["attention"] = attention.as_record()  # the kernel packed rows ran on, what was asked and why
     summary["startup"] = timeline.record()  # launch to the end of step 1, phase by phase (outputs/startup.py)
     summary.update(eval_summary(trainer.state.log_history, description.eval_set, out_dir))
@@ -230,8 +232,10 @@ def _builder(method: str):
 def _loader(description: RunDescription, timeline: StartupTimeline):
     """`load(gradient_checkpointing, tiled_mlp=False)` for budget.settle: the run's model, with the run's
     checkpointing (None) or the one given, and Unsloth's tiled MLP when `tiled_mlp` (settle decides "auto");
-    each load's stamps go on `timeline` (a second load follows a first budget probe)."""
+    each load's stamps go on `timeline` (a second load follows a first budget probe). A packed run's model is
+    checked to keep the samples of a packed row apart (`packing_check`), or refused."""
     from HyperSloth.train import model as model_lib
+    from HyperSloth.train.packing_check import ensure_exact_packing
 
     def load(checkpointing, tiled_mlp: bool = False):
         if any(phase == "model_load" for phase, _ in timeline.marks):
@@ -242,6 +246,8 @@ def _loader(description: RunDescription, timeline: StartupTimeline):
         loaded = model_lib.load_model(fast, description.hyper_config.lora_args, lora_passes=description.lora_passes,
                                       expert_lora=description.expert_lora)
         timeline.marks_from(loaded.stamps)
+        if description.batching == "packed":  # before the budget probe measures packed rows on it
+            loaded.packing = ensure_exact_packing(loaded.model, loaded.backend, description.method).as_record()
         return loaded
 
     return load

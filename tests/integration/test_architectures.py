@@ -1,6 +1,9 @@
 """Architectures beyond Qwen3 train at defaults through the real CLI (CPU, gloo): a tiny Qwen3-MoE with
 transformers 5's fused experts gets adapters on its experts and 1 and 2 workers give the same adapter; a tiny
-Phi-3 gets its fused qkv_proj / gate_up_proj. lora_args.target_modules is left unset in every run."""
+gpt-oss (eager attention, biased transposed experts; its decoder builds masks without the position ids, so
+packed rows leak until HyperSloth hands it the masks) logs its step-1 loss as every sample alone gives it and
+1 and 2 workers agree; a tiny Phi-3 gets its fused qkv_proj / gate_up_proj. lora_args.target_modules is left
+unset in every run."""
 
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ import numpy as np
 import pytest
 from training_fixtures import (
     DATASET,
+    expected_step_loss,
+    first_step_indices,
     MAX_SEQ_LENGTH,
     MAX_STEPS,
     SAMPLE_CHAT,
@@ -31,6 +36,8 @@ SPECS = [
     RunSpec("moe-2w", model_subdir="qwen3_moe", default_targets=True),
     RunSpec("moe-1w", gpus=1, per_device=8, model_subdir="qwen3_moe", default_targets=True),
     RunSpec("phi3-2w", model_subdir="phi3", default_targets=True),
+    RunSpec("gptoss-2w", model_subdir="gpt_oss", default_targets=True),
+    RunSpec("gptoss-1w", gpus=1, per_device=8, model_subdir="gpt_oss", default_targets=True),
 ]
 
 
@@ -40,7 +47,7 @@ def build_models(workdir: Path, tiny_model_dir: Path) -> Path:
     from HyperSloth.train.tiny_model import build_tiny_model
 
     models = workdir / "models"
-    for architecture in ("qwen3_moe", "phi3"):
+    for architecture in ("qwen3_moe", "phi3", "gpt_oss"):
         build_tiny_model(models / architecture, architecture=architecture)
     source = workdir / "chat.jsonl"
     with SAMPLE_CHAT.open() as lines:
@@ -97,3 +104,22 @@ def test_phi3_trains_its_fused_projections_at_defaults(runs):
     losses = run.summary["step_losses"]
     assert len(losses) == MAX_STEPS and losses[-1] < losses[0]
     assert any("qkv_proj" in name for name in run.adapter())
+
+
+@needs("gptoss-2w", "gptoss-1w")
+def test_gpt_oss_packed_rows_train_each_sample_as_alone_and_two_workers_match_one(runs, dataset, workdir, model_dir):
+    multi, single = runs.get("gptoss-2w").check_ok(), runs.get("gptoss-1w").check_ok()
+    packing = json.loads((multi.out / "run_resolved.json").read_text())["packing"]
+    assert packing["exact"] and packing["fix"] == "the decoder gets the masks built from the position ids", packing
+    assert packing["leaked"] > 0.5 and packing["packed"] < 1e-5
+    log = (multi.out / "logs" / "rank0.log").read_text()
+    assert "gpt_oss's decoder builds its attention mask without the position ids" in log
+    # Step 1 (LoRA B = 0): the logged loss is every sample of the step alone, unpacked: no sample saw another.
+    indices = first_step_indices(multi.spec, workdir, model_dir, dataset)
+    expected = expected_step_loss(model_dir / "gpt_oss", dataset, indices, multi.spec.loss_type)
+    assert abs(multi.summary["step_losses"][0] - expected) <= RTOL * expected, (multi.summary["step_losses"], expected)
+    losses_multi, losses_single = multi.summary["step_losses"], single.summary["step_losses"]
+    assert np.max(np.abs(np.subtract(losses_multi, losses_single)) / np.abs(losses_single)) <= RTOL
+    error = relative_error(flat_adapter(multi.adapter()), flat_adapter(single.adapter()))
+    assert error <= RTOL, f"final adapters differ: relative error {error:.3g}"
+    assert any("experts" in name for name in multi.adapter())

@@ -18,6 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from training_fixtures import (
+    describe_run,
+    expected_step_loss,
+    first_step_indices,
     needs,
     pool_fixtures,
     FAILURE_MARK,
@@ -137,20 +140,6 @@ def _direct_count(dataset, indices, loss_type: str) -> int:
     return int(sum((np.asarray(dataset[int(i)]["labels"][1:]) != -100).sum() for i in indices))
 
 
-def _describe(spec: RunSpec, workdir, model_dir, loss_type: str):
-    """The run description the launcher resolves for `spec` with `loss_type` (2 CPU workers)."""
-    from dataclasses import replace
-
-    from HyperSloth.config import load_config
-    from HyperSloth.plan.run import MachineFacts, resolve_run
-    from training_fixtures import write_config
-
-    variant = replace(spec, name=f"{spec.name}-{spec.batching}-{loss_type}", loss_type=loss_type)
-    with contextlib.chdir(workdir):  # the config's data_dir is relative, as the runs see it
-        loaded = load_config(write_config(variant, workdir, model_dir))
-        return resolve_run(loaded, world_size=2, machine=MachineFacts(0, False, 2))
-
-
 def test_response_only_labels_cover_exactly_the_assistant_turns(dataset, model_dir):
     from transformers import AutoTokenizer
 
@@ -179,7 +168,7 @@ def test_loss_denominator_counts_the_trained_tokens_of_each_step(dataset, workdi
 
     counts = {}
     for loss_type in ("response_only", "all"):
-        run = _describe(RunSpec("plan", batching=mode), workdir, model_dir, loss_type)
+        run = describe_run(RunSpec("plan", batching=mode), workdir, model_dir, loss_type)
         lengths, trainable = dataset_lengths(dataset, loss_type, run.max_seq_length)
         spec = plan_spec_for(run)
         plan = adaptive_partition_batches(lengths, trainable, spec)
@@ -198,39 +187,14 @@ def test_loss_denominator_counts_the_trained_tokens_of_each_step(dataset, workdi
     assert all(r < a for r, a in zip(counts["response_only"], counts["all"])), counts
 
 
-def _expected_step_loss(model_dir, dataset, indices, loss_type: str) -> float:
-    """Mean token cross-entropy of the untrained model (LoRA B = 0) over the step's targets."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="sdpa")
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for i in indices:
-            row = dataset[int(i)]
-            ids = torch.tensor(row["input_ids"])
-            targets = ids[1:] if loss_type == "all" else torch.tensor(row["labels"][1:])
-            logits = model(ids[None], use_cache=False).logits[0, :-1].double()
-            keep = targets != -100
-            total += float(torch.nn.functional.cross_entropy(logits[keep], targets[keep], reduction="sum"))
-            count += int(keep.sum())
-    return total / count
-
-
 @needs("packed-2w", "sorted-2w")
 def test_response_only_loss_is_the_mean_over_assistant_tokens(runs, dataset, workdir, model_dir):
-    from HyperSloth.plan.batching import adaptive_partition_batches
-    from HyperSloth.plan.inputs import dataset_lengths, plan_spec_for
-
     response_only, everything = runs.get("packed-2w").check_ok(), runs.get("sorted-2w").check_ok()
     first_losses = {}
     for run in (response_only, everything):
-        described = _describe(run.spec, workdir, model_dir, run.spec.loss_type)
-        lengths, trainable = dataset_lengths(dataset, run.spec.loss_type, described.max_seq_length)
-        first = adaptive_partition_batches(lengths, trainable, plan_spec_for(described)).steps[0]
-        indices = sorted(i for rank in first.ranks for mb in rank for i in mb)
+        indices = first_step_indices(run.spec, workdir, model_dir, dataset)
         first_losses[run.spec.loss_type] = (run.summary["step_losses"][0],
-                                            _expected_step_loss(model_dir, dataset, indices, run.spec.loss_type))
+                                            expected_step_loss(model_dir, dataset, indices, run.spec.loss_type))
     for loss_type, (actual, expected) in first_losses.items():
         assert abs(actual - expected) <= RTOL * expected, f"{loss_type}: step 1 loss {actual} != {expected}"
     assert abs(first_losses["response_only"][0] - first_losses["all"][0]) > 0.05, first_losses

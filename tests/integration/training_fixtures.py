@@ -314,6 +314,53 @@ def processes_mentioning(text: str) -> list[tuple[int, str]]:
     return found
 
 
+def describe_run(spec: RunSpec, workdir: Path, model_dir: Path, loss_type: str | None = None):
+    """The run description the launcher resolves for `spec` (with `loss_type`, default the spec's) on 2 CPU
+    workers."""
+    import contextlib
+    from dataclasses import replace
+
+    from HyperSloth.config import load_config
+    from HyperSloth.plan.run import MachineFacts, resolve_run
+
+    loss_type = loss_type or spec.loss_type
+    variant = replace(spec, name=f"{spec.name}-{spec.batching}-{loss_type}", loss_type=loss_type)
+    with contextlib.chdir(workdir):  # the config's data_dir is relative, as the runs see it
+        loaded = load_config(write_config(variant, workdir, model_dir))
+        return resolve_run(loaded, world_size=spec.gpus, machine=MachineFacts(0, False, 2))
+
+
+def first_step_indices(spec: RunSpec, workdir: Path, model_dir: Path, dataset) -> list[int]:
+    """The dataset rows of `spec`'s first optimizer step, every rank's, sorted (the planner's own plan)."""
+    from HyperSloth.plan.batching import adaptive_partition_batches
+    from HyperSloth.plan.inputs import dataset_lengths, plan_spec_for
+
+    described = describe_run(spec, workdir, model_dir)
+    lengths, trainable = dataset_lengths(dataset, spec.loss_type, described.max_seq_length)
+    first = adaptive_partition_batches(lengths, trainable, plan_spec_for(described)).steps[0]
+    return sorted(int(i) for rank in first.ranks for mb in rank for i in mb)
+
+
+def expected_step_loss(model_dir: Path, dataset, indices, loss_type: str) -> float:
+    """Mean token cross-entropy of the untrained model (LoRA B = 0) over the step's targets, every sample fed
+    alone and unpacked (attention as transformers chooses it: SDPA, or eager where the model has no SDPA)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in indices:
+            row = dataset[int(i)]
+            ids = torch.tensor(row["input_ids"])
+            targets = ids[1:] if loss_type == "all" else torch.tensor(row["labels"][1:])
+            logits = model(ids[None], use_cache=False).logits[0, :-1].double()
+            keep = targets != -100
+            total += float(torch.nn.functional.cross_entropy(logits[keep], targets[keep], reduction="sum"))
+            count += int(keep.sum())
+    return total / count
+
+
 def relative_error(a: np.ndarray, b: np.ndarray) -> float:
     """||a - b|| / ||a||."""
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)

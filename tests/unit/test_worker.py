@@ -87,27 +87,36 @@ def test_the_digest_is_written_before_it_is_compared(tmp_path):
 
 
 def test_a_reload_for_checkpointing_puts_the_first_probe_between_the_two_loads(monkeypatch):
-    """budget.settle loads, probes, and may load again with checkpointing: the timeline keeps them apart."""
+    """budget.settle loads, probes, and may load again with checkpointing: the timeline keeps them apart. Each
+    load of a packed run is checked to keep packed samples apart (packing_check), before the probe uses it."""
     import time
 
     from HyperSloth.config import FastModelArgs
     from HyperSloth.train import model as model_lib
+    from HyperSloth.train import packing_check
 
-    loads = []
+    loads, checks = [], []
 
     def fake_load(fast, lora, **kwargs):
         loads.append(fast.use_gradient_checkpointing)
-        return types.SimpleNamespace(stamps={"model_load": time.time(), "adapter": time.time()})
+        return types.SimpleNamespace(model=f"model {len(loads)}", backend="transformers", packing=None,
+                                     stamps={"model_load": time.time(), "adapter": time.time()})
+
+    def fake_check(model, backend, method):
+        checks.append((model, backend, method))
+        return packing_check.PackingCheck(packed=0.0, leaked=1.0, layers=2)
 
     monkeypatch.setattr(model_lib, "load_model", fake_load)
+    monkeypatch.setattr(packing_check, "ensure_exact_packing", fake_check)
     hyper = types.SimpleNamespace(fast_model_args=FastModelArgs(model_name="m"), lora_args=None)
     description = types.SimpleNamespace(gradient_checkpointing=False, hyper_config=hyper, lora_passes=False,
-                                        expert_lora="auto")
+                                        expert_lora="auto", batching="packed", method="dpo")
     timeline = StartupTimeline(time.time())
     load = worker._loader(description, timeline)
-    load(None)
+    assert load(None).packing == {"packed": 0.0, "leaked": 1.0, "layers": 2, "fix": None, "exact": True}
     load(True)
     assert loads == [False, True]
+    assert checks == [("model 1", "transformers", "dpo"), ("model 2", "transformers", "dpo")]
     assert [phase for phase, _ in timeline.marks] == ["model_load", "adapter", "budget_probe", "model_load", "adapter"]
     stamps = [at for _, at in timeline.marks]
     assert stamps == sorted(stamps)

@@ -1,0 +1,93 @@
+"""packing_check.py: the loaded model is measured to keep the samples of a packed row apart, gpt-oss's decoder
+(whose mask ignores the position ids in transformers 5.17) gets the masks built from them, and a model that still
+leaks is refused with what to change (CPU, fp32, tiny models of every architecture)."""
+
+import numpy as np
+import pytest
+import torch
+
+from HyperSloth.config import ConfigError
+from HyperSloth.train import packing_check
+from HyperSloth.train.exactness import packed_vs_alone
+from HyperSloth.train.packing_check import LEAK_SHARE, ensure_exact_packing, masks_from_positions, measure
+from HyperSloth.train.tiny_architectures import ARCHITECTURES, tiny_config, tiny_causal_lm
+
+VOCAB = 128
+
+
+def _tiny(architecture: str, lora: bool = False):
+    """A tiny fp32 model of `architecture`; gpt-oss with a sliding layer (window 8) and a full one, as the real
+    model alternates them. `lora`: PEFT adapters with random A and B on the attention, so gradients reach them."""
+    config = tiny_config(architecture, vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512,
+                         initializer_range=0.02, pad_token_id=0, eos_token_id=1)
+    if architecture == "gpt_oss":
+        config.layer_types, config.sliding_window = ["sliding_attention", "full_attention"], 8
+        config._attn_implementation = "eager"  # transformers' only kernel for its attention sinks
+    torch.manual_seed(0)
+    model = tiny_causal_lm(config)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    return model
+
+
+@pytest.mark.parametrize("architecture", [a for a in ARCHITECTURES if a != "gpt_oss"])
+def test_architectures_that_pass_the_position_ids_keep_samples_apart(architecture):
+    check = ensure_exact_packing(_tiny(architecture), "transformers")
+    assert check.exact and check.fix is None
+    assert check.packed < 1e-5 and check.leaked > 0.5, check  # the deliberate leak is seen: the check can fail
+    assert check.layers == 2
+
+
+def test_gpt_oss_leaks_until_its_decoder_gets_the_masks_built_from_the_positions():
+    model = _tiny("gpt_oss", lora=True)
+    sample, others = np.arange(2, 42) % VOCAB, [np.arange(50, 80) % VOCAB, np.arange(90, 99)]
+    raw = measure(model)
+    assert not raw.exact and raw.packed > LEAK_SHARE * raw.leaked, raw  # as leaky as the deliberate leak
+    before = packed_vs_alone(model, sample, others)
+    assert before.loss_diff > 1e-3, before.as_record()  # the loss of a sample inside a packed row is wrong
+    check = ensure_exact_packing(model, "transformers")
+    assert check.exact and check.packed < 1e-5 and check.fix, check
+    after = packed_vs_alone(model, sample, others)  # and now its loss and gradients are the sample's alone
+    assert after.grad_max_abs > 1e-4 and after.exact(loss_tol=1e-5, grad_tol=1e-4), after.as_record()
+
+
+def test_the_masks_hook_leaves_generation_and_unpacked_calls_alone():
+    model = _tiny("gpt_oss").eval()
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        padded, plain = model(input_ids=ids, attention_mask=mask).logits, model(input_ids=ids, use_cache=False).logits
+        remove = masks_from_positions(model)
+        assert remove is not None
+        try:
+            assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, padded)
+            assert torch.equal(model(input_ids=ids, use_cache=False).logits, plain)
+        finally:
+            remove()
+
+
+@pytest.mark.parametrize("method, says", [("sft", "set training.batching='sorted-pad'"),
+                                          ("dpo", "cannot be trained with DPO here")])
+def test_a_model_that_still_leaks_is_refused_with_what_to_change(monkeypatch, method, says):
+    model = _tiny("gpt_oss")
+    removed = []
+    monkeypatch.setattr(packing_check, "masks_from_positions", lambda m: lambda: removed.append(True))
+    with pytest.raises(ConfigError, match="lets the samples of a packed row attend to each other") as err:
+        ensure_exact_packing(model, "transformers", method)
+    assert says in str(err.value) and "gpt_oss on the transformers backend" in str(err.value)
+    assert removed == [True]  # the fix that did not help is taken off again
+
+
+def test_the_check_leaves_dropout_and_the_mode_as_they_were():
+    model = _tiny("qwen3")
+    model.model.layers[0].self_attn.attention_dropout = 0.3
+    model.eval()
+    model.model.embed_dropout = torch.nn.Dropout(0.2)  # a registered dropout module (no effect on the forward)
+    check = measure(model)
+    assert check.exact
+    assert not model.training
+    assert model.model.embed_dropout.p == 0.2 and model.model.layers[0].self_attn.attention_dropout == 0.3
