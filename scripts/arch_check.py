@@ -1,7 +1,8 @@
 """The fast path per architecture (issue 32 item 4): for each tiny architecture (HyperSloth.train.tiny_architectures),
 `hypersloth-train` at defaults on the GPU (Unsloth backend, lora_args.target_modules unset), once with CUDA graphs
 (the default) and once eager (training.cuda_graphs=False), 6 steps each; what the logs say about HyperSloth's LoRA
-passes and the graphs, and how far the graphed losses are from eager's. One JSON record per architecture.
+passes and the graphs, what the packed-row check measured (train/packing_check.py), and how far the graphed losses
+are from eager's. One JSON record per architecture.
 
     python scripts/arch_check.py --out $OUT/arch [--architectures qwen3,phi3,...] [--parallel 4]
 
@@ -25,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 from HyperSloth.train.tiny_architectures import ARCHITECTURES  # noqa: E402
 
 SHAPE = dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=512)
-LINES = ("LoRA projections:", "LoRA targets", "eager decoder", "CUDA graphs for", "budget:", "Unsloth")
+LINES = ("LoRA projections:", "LoRA targets", "packed rows", "eager decoder", "CUDA graphs for", "budget:", "Unsloth")
 
 
 def config_text(work: Path, arch: str, graphs: bool, out: Path) -> str:
@@ -70,12 +71,12 @@ def run_one(work: Path, out_dir: Path, arch: str, graphs: bool) -> dict:
     log = out / "logs" / "rank0.log"
     if log.is_file():
         record["lines"] = [re.sub(r"^.*? \| ", "", ln)[:300] for ln in log.read_text().splitlines()
-                           if any(key in ln for key in LINES)][:12]
+                           if any(key in ln for key in LINES)][:14]
     summary = out / "train_summary.json"
     if summary.is_file():
         s = json.loads(summary.read_text())
         record.update(losses=s.get("step_losses"), cuda_graphs=s.get("cuda_graphs"), step_seconds=s.get("step_seconds"),
-                      lora_targets=s.get("lora_targets"))
+                      lora_targets=s.get("lora_targets"), packing=s.get("packing"))
     return record
 
 

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# 2026-12-03: the device plan for the next session with device time (this session had 176 s of device time left
+# and could not start a machine). One H200 (kind nvidia-h200), carry .whl (`bash ../shared/device/wheelhouse.sh`).
+# Run from the repository root as `bash docs/benchmarks/2026-12-03-device-calls.sh callN`. Records land in $OUT.
+# Order (30 minutes): callN (GRPO, ~9.5 min), callO (gpt-oss and Qwen3-MoE through Unsloth, ~4 min), then callG of
+# 2026-12-02-device-calls.sh (the leaner grouped MoE pass, ~4 min), then callA + callM of
+# 2026-12-02-fa4-device-calls.sh (long-0.6b profiled, FA4 at defaults against stock).
+source scripts/device_calls_lib.sh  # the GPU environment, $W / $L, el, left, bench, show, pack, ...
+
+callN() {  # GRPO (issue 34 item 8) with the brief's 20 timed steps (callI / callK timed 8): HyperSloth at defaults
+  # against TRL GRPOTrainer + Unsloth at 64x1 (its fastest split in callI), TRL's generate seconds per step
+  # (bench_grpo.GenerateTimer) and our line on Unsloth's CUDA-graph decode (replayed token steps, or why it was
+  # off): is the ~22 ms per token step of callK the decode or HF generate's loop around it (~9.5 minutes)
+  bench --workloads grpo-0.6b --slots hypersloth-1,trl-grpo-64x1 --warmup 2 --steps 20 --tag grpo-split20 \
+    --budget-s $(left 570) > $L/bench.log 2>&1
+  el "bench done"; show $L/bench.log
+  grep -h "CUDA-graph decode\|packed rows\|Error\|Traceback" $W/grpo-0.6b/out_hypersloth-1/logs/rank0.log | head -5 \
+    | cut -c1-400
+  python3 -c "import json; [print(r['system'], r['s_median'], r['s_p90'], 'generation_s', \
+    [round(g, 2) if g else g for g in r['generation_s']]) \
+    for r in json.load(open('$OUT/records-grpo-split20-grpo-0.6b.json'))]"
+  pack
+}
+
+callO() {  # gpt-oss and Qwen3-MoE at defaults through Unsloth, graphed and eager (scripts/arch_check.py): the
+  # packed-row check's first GPU measurement (train/packing_check.py; gpt-oss's transformers decoder builds its mask
+  # without the position ids), and gpt-oss's row of docs/models.md's fast-path table (~4 minutes)
+  timeout $(left 290) python3 scripts/arch_check.py --out $OUT/arch --architectures gpt_oss,qwen3_moe,qwen3 \
+    --parallel 6 > $L/arch.log 2>&1
+  el "arch check done"; cut -c1-1500 $L/arch.log | tail -12
+  python3 -c "import json; [print(r['architecture'], k, (r[k].get('packing') or {}), r[k].get('exit')) \
+    for r in json.load(open('$OUT/arch/arch_check.json')) for k in ('graphed', 'eager')]"
+  tar czf $OUT/arch-logs.tgz -C $OUT arch && rm -rf $OUT/arch/*.log
+  pack
+}
+
+"$@"
