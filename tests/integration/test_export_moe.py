@@ -1,11 +1,13 @@
 """An MoE adapter (experts adapted through PEFT's target_parameters) exports, loads with stock PEFT and merges
-into plain weights with the adapter's logits (fp32)."""
+into plain weights with the adapter's logits (fp32): Qwen3-MoE, and gpt-oss (experts stored (in, out), with
+biases)."""
 
 from __future__ import annotations
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from test_export import logits, write_resolved_config
+import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from HyperSloth.outputs.export import export_run
@@ -13,8 +15,9 @@ from HyperSloth.train.lora.targets import resolve_targets
 from HyperSloth.train.tiny_model import build_tiny_model
 
 
-def test_moe_adapter_exports_loads_and_merges(tmp_path):
-    tiny = build_tiny_model(tmp_path / "tiny-moe", architecture="qwen3_moe")
+@pytest.mark.parametrize("architecture", ["qwen3_moe", "gpt_oss"])
+def test_moe_adapter_exports_loads_and_merges(tmp_path, architecture):
+    tiny = build_tiny_model(tmp_path / "tiny-moe", architecture=architecture)
     base = AutoModelForCausalLM.from_pretrained(str(tiny), dtype=torch.float32)
     targets = resolve_targets(base, None)
     torch.manual_seed(0)

@@ -1,7 +1,8 @@
 """`hypersloth-export RUN --gguf TYPE` on a finished tiny-model run (a tiny Qwen3 with a LoRA whose B weights are
 random, so the merge changes the model): OUT/adapter, OUT/merged, OUT/gguf/<run>-<TYPE>.gguf and its Modelfile;
 the GGUF holds the *merged* weights; a wrong type or an architecture llama.cpp cannot run writes nothing. The same
-for a tiny Qwen3-MoE whose experts carry adapters (merged into every expert, stacked in the GGUF per layer).
+for a tiny Qwen3-MoE and a tiny gpt-oss whose experts carry adapters (merged into every expert, stacked in the GGUF
+per layer; gpt-oss's tied embeddings written as its output too).
 With llama-cpp-python importable, llama.cpp also runs the exported files against the merged models."""
 
 from __future__ import annotations
@@ -72,6 +73,47 @@ def exported_moe(tmp_path_factory) -> tuple[Path, Path]:
     run = make_run(root / "moe-run", base, experts=True)
     export_main([str(run), "--out", str(root / "out"), "--gguf", "f32", "--dtype", "float32"])
     return base, root / "out"
+
+
+@pytest.fixture(scope="module")
+def exported_gpt_oss(tmp_path_factory) -> tuple[Path, Path]:
+    """(base, OUT): the same for a tiny gpt-oss (tied embeddings, biased experts stored (in, out))."""
+    root = tmp_path_factory.mktemp("gpt-oss")
+    base = build_tiny_model(root / "tiny-gpt-oss", architecture="gpt_oss")
+    run = make_run(root / "gpt-oss-run", base, experts=True)
+    export_main([str(run), "--out", str(root / "out"), "--gguf", "f32", "--dtype", "float32"])
+    return base, root / "out"
+
+
+def test_the_gpt_oss_gguf_holds_every_experts_merged_weights(exported_gpt_oss):
+    base, out = exported_gpt_oss
+    reader = gguf.GGUFReader(str(out / "gguf" / "gpt-oss-run-f32.gguf"))
+    assert reader.fields["general.architecture"].contents() == "gpt-oss"
+    tensors = {t.name: np.asarray(t.data) for t in reader.tensors}
+    merged = load_file(str(out / "merged" / "model.safetensors"))
+    before = load_file(str(base / "model.safetensors"))
+    for layer in (0, 1):
+        stem = f"model.layers.{layer}.mlp.experts"
+        gate_up, down = merged[f"{stem}.gate_up_proj"], merged[f"{stem}.down_proj"]  # (E, H, 2I), (E, I, H)
+        assert np.abs(gate_up - before[f"{stem}.gate_up_proj"]).max() > 1e-3  # the adapters were folded in
+        for proj, want in (("gate", gate_up[..., 0::2]), ("up", gate_up[..., 1::2]), ("down", down)):
+            np.testing.assert_array_equal(tensors[f"blk.{layer}.ffn_{proj}_exps.weight"], want.transpose(0, 2, 1))
+        sinks = merged[f"model.layers.{layer}.self_attn.sinks"]
+        np.testing.assert_array_equal(tensors[f"blk.{layer}.attn_sinks.weight"], sinks)
+    np.testing.assert_array_equal(tensors["output.weight"], merged["model.embed_tokens.weight"])  # tied
+
+
+def test_llama_cpp_agrees_with_the_merged_gpt_oss(exported_gpt_oss):
+    pytest.importorskip("llama_cpp")
+    _, out = exported_gpt_oss
+    ids, ours = llama_logits(out / "gguf" / "gpt-oss-run-f32.gguf", out / "merged")
+    with torch.no_grad():
+        reference = AutoModelForCausalLM.from_pretrained(str(out / "merged")).eval()(torch.tensor([ids])).logits[0]
+    reference = reference.numpy()
+    print(f"gpt-oss LoRA run f32: max |diff| / range {np.abs(ours - reference).max() / np.ptp(reference):.2e}, "
+          f"argmax {(ours.argmax(-1) == reference.argmax(-1)).mean():.3f}")
+    assert np.abs(ours - reference).max() <= 2e-2 * np.ptp(reference)
+    assert (ours.argmax(-1) == reference.argmax(-1)).mean() >= 0.99
 
 
 def test_the_moe_gguf_holds_every_experts_merged_weights(exported_moe):

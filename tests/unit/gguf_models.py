@@ -20,8 +20,9 @@ CHAT = [{"role": "system", "content": "You are a helpful assistant."},
 
 def tiny_config(architecture: str):
     """A transformers config of `architecture` at the tiny shape (Gemma 3 with one sliding-window layer; Qwen3-MoE
-    with the tiny MoE's 4 experts, 2 active, each 96 wide)."""
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    with the tiny MoE's 4 experts, 2 active, each 96 wide; gpt-oss likewise, its first layer sliding)."""
+    from transformers import (Gemma3TextConfig, GptOssConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config,
+                              Qwen3MoeConfig)
 
     from HyperSloth.train.tiny_architectures import TINY_ACTIVE_EXPERTS, TINY_EXPERTS
 
@@ -31,6 +32,13 @@ def tiny_config(architecture: str):
     if architecture == "Qwen3MoeForCausalLM":  # expert rows of 96: unlike the hidden 64, and whole 32-blocks
         return Qwen3MoeConfig(**SHAPE, num_experts=TINY_EXPERTS, num_experts_per_tok=TINY_ACTIVE_EXPERTS,
                               moe_intermediate_size=96, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    if architecture == "GptOssForCausalLM":  # intermediate_size is its expert width (96); a sliding layer first
+        return GptOssConfig(**{**SHAPE, "intermediate_size": 96}, num_local_experts=TINY_EXPERTS,
+                            num_experts_per_tok=TINY_ACTIVE_EXPERTS, sliding_window=8,
+                            layer_types=["sliding_attention", "full_attention"],
+                            rope_parameters={"rope_type": "yarn", "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                             "truncate": False, "original_max_position_embeddings": 256,
+                                             "rope_theta": 150000.0})
     classes = {"Qwen3ForCausalLM": Qwen3Config, "Qwen2ForCausalLM": Qwen2Config, "LlamaForCausalLM": LlamaConfig,
                "MistralForCausalLM": MistralConfig}
     return classes[architecture](**SHAPE)

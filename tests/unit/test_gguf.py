@@ -28,8 +28,9 @@ from HyperSloth.outputs.gguf.vocab import QWEN2_REGEX, pre_tokenizer_name  # noq
 from HyperSloth.outputs.gguf.writer import tensor_type  # noqa: E402
 
 ARCHS = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Gemma3ForCausalLM",
-         "Qwen3MoeForCausalLM")
+         "Qwen3MoeForCausalLM", "GptOssForCausalLM")
 MOE = "Qwen3MoeForCausalLM"
+GPT_OSS = "GptOssForCausalLM"
 # Largest |written - HF| per type for weights of std 0.1 (f16/bf16 rounding; q8_0: half a step of max/127).
 TOLERANCE = {"f32": 0.0, "f16": 1e-3, "bf16": 4e-3, "q8_0": 3e-3}
 
@@ -68,6 +69,20 @@ def expected_tensors(model_dir: Path, arch: str) -> dict[str, np.ndarray]:
         if match := re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", hf_name):
             layer, expert, proj = match.groups()
             experts.setdefault(f"blk.{layer}.ffn_{proj}_exps.weight", {})[int(expert)] = data
+            continue
+        gpt_oss_experts = r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj(_bias)?"
+        if arch == GPT_OSS and (match := re.fullmatch(gpt_oss_experts, hf_name)):
+            layer, proj, bias = match.groups()  # weights (experts, in, out), gate and up interleaved in the columns
+            kind = "bias" if bias else "weight"
+            flip = (lambda a: a) if bias else (lambda a: a.transpose(0, 2, 1))
+            if proj == "down":
+                out[f"blk.{layer}.ffn_down_exps.{kind}"] = flip(data)
+            else:
+                out[f"blk.{layer}.ffn_gate_exps.{kind}"] = flip(data[..., 0::2])
+                out[f"blk.{layer}.ffn_up_exps.{kind}"] = flip(data[..., 1::2])
+            continue
+        if arch == GPT_OSS and hf_name.endswith("self_attn.sinks"):  # llama.cpp's converter adds ".weight"
+            out[names.get_name(hf_name) + ".weight"] = data
             continue
         if match := re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj", hf_name):
             layer, proj = match.groups()
@@ -162,6 +177,57 @@ def test_qwen3_moe_keys_and_tensor_types(arch_dirs, tmp_path):
         for proj, shape in (("gate", [64, 96, 4]), ("up", [64, 96, 4]), ("down", [96, 64, 4])):
             tensor = tensors[f"blk.{layer}.ffn_{proj}_exps.weight"]
             assert (tensor.tensor_type, [int(n) for n in tensor.shape]) == (q8, shape), proj
+
+
+def test_the_gguf_gpt_oss_experts_compute_what_transformers_experts_compute(arch_dirs, tmp_path):
+    """llama.cpp's gpt-oss MoE FFN per expert (build_moe_ffn, LLM_FFN_SWIGLU_OAI_MOE; ggml's swiglu_oai with alpha
+    1.702, limit 7): g = min(gate @ x + b_g, 7), u = clamp(up @ x + b_u, -7, 7), down @ (g sigmoid(1.702 g) (u + 1))
+    + b_d. From the GGUF's six tensors it equals transformers' GptOssExperts routing every token to that expert, so
+    swapped gate / up columns or a missing transpose fail."""
+    model = AutoModelForCausalLM.from_pretrained(str(arch_dirs[GPT_OSS]), dtype=torch.float32)
+    experts = model.model.layers[1].mlp.experts
+    _, tensors = read(write_gguf(arch_dirs[GPT_OSS], tmp_path / "m.gguf", "f32"))
+    (gate, up, down), (b_gate, b_up, b_down) = (
+        [torch.tensor(values(tensors[f"blk.1.ffn_{proj}_exps.{kind}"])) for proj in ("gate", "up", "down")]
+        for kind in ("weight", "bias"))
+    x = 3 * torch.randn(5, 64, generator=torch.Generator().manual_seed(0))  # some gates and ups past the clamp
+    for expert in range(4):
+        with torch.no_grad():
+            want = experts(x, torch.full((5, 1), expert), torch.ones(5, 1))
+        g = (x @ gate[expert].T + b_gate[expert]).clamp(max=7.0)
+        u = (x @ up[expert].T + b_up[expert]).clamp(-7.0, 7.0)
+        ours = (g * torch.sigmoid(1.702 * g) * (u + 1)) @ down[expert].T + b_down[expert]
+        torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-5)
+
+
+def test_gpt_oss_keys_sinks_and_an_output_even_when_tied(arch_dirs, tmp_path):
+    fields, tensors = read(write_gguf(arch_dirs[GPT_OSS], tmp_path / "m.gguf", "q8_0"))
+    assert fields["general.architecture"] == "gpt-oss"
+    assert {key: fields[f"gpt-oss.{key}"] for key in ("expert_count", "expert_used_count", "expert_feed_forward_length",
+                                                      "attention.sliding_window", "attention.sliding_window_pattern",
+                                                      "rope.scaling.type", "rope.scaling.factor")} == {
+        "expert_count": 4, "expert_used_count": 2, "expert_feed_forward_length": 96, "attention.sliding_window": 8,
+        "attention.sliding_window_pattern": [True, False], "rope.scaling.type": "yarn", "rope.scaling.factor": 1.0}
+    f32, q8 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0
+    for layer in (0, 1):  # ggml order (llama.cpp's create_tensor): gate/up {H, I, experts}, down {I, H, experts}
+        for proj, shape in (("gate", [64, 96, 4]), ("up", [64, 96, 4]), ("down", [96, 64, 4])):
+            tensor = tensors[f"blk.{layer}.ffn_{proj}_exps.weight"]
+            assert (tensor.tensor_type, [int(n) for n in tensor.shape]) == (q8, shape), proj
+            bias = tensors[f"blk.{layer}.ffn_{proj}_exps.bias"]
+            assert (bias.tensor_type, [int(n) for n in bias.shape]) == (f32, [shape[1], 4]), proj
+        assert [int(n) for n in tensors[f"blk.{layer}.attn_sinks.weight"].shape] == [4]
+    tied = tmp_path / "tied"
+    shutil.copytree(arch_dirs[GPT_OSS], tied)
+    config = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    _, tied_tensors = read(write_gguf(tied, tmp_path / "tied.gguf", "f32"))  # llama.cpp's gpt-oss requires output
+    np.testing.assert_array_equal(values(tied_tensors["output.weight"]), values(tied_tensors["token_embd.weight"]))
+
+
+def test_a_gpt_oss_with_other_layer_types_is_refused(arch_dirs):
+    config = json.loads((arch_dirs[GPT_OSS] / "config.json").read_text())
+    with pytest.raises(ExportError, match=r"full and sliding-window attention layers only.*chunked_attention"):
+        architectures.architecture_of({**config, "layer_types": ["chunked_attention", "full_attention"]})
 
 
 @pytest.mark.parametrize("change, message", [
@@ -322,6 +388,14 @@ def test_pre_tokenizer_named_from_the_regex():
         {"type": "Split", "pattern": {"Regex": QWEN2_REGEX}, "behavior": "Isolated", "invert": False},
         {"type": "ByteLevel", "add_prefix_space": False, "use_regex": False}]}
     assert pre_tokenizer_name({**byte_level, "pre_tokenizer": qwen}) == "qwen2"
+    # gpt-oss's o200k regex as its tokenizer.json spells it (the "original regex" of llama-vocab.cpp's GPT4O)
+    o200k = json.loads(r'"[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]+'
+                       r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]+"
+                       r"[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+"
+                       r'[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"')
+    gpt_oss = json.loads(json.dumps(qwen))
+    gpt_oss["pretokenizers"][0]["pattern"]["Regex"] = o200k
+    assert pre_tokenizer_name({**byte_level, "pre_tokenizer": gpt_oss}) == "gpt-4o"
     other = json.loads(json.dumps(qwen))
     other["pretokenizers"][0]["pattern"]["Regex"] = r"\p{N}{1,2}|\s+"
     with pytest.raises(ExportError, match=r"regex '\\\\p\{N\}\{1,2\}\|\\\\s\+' is none of those llama.cpp knows"):

@@ -10,7 +10,11 @@ the table below, checked against llama.cpp's conversion/{qwen,llama,gemma}.py (l
   window and its per-layer pattern, the local RoPE base;
 - Qwen3-MoE (conversion/qwen.py, Qwen3MoeModel): the expert keys; the experts become llama.cpp's three stacked
   tensors per layer (experts.py); every layer must be an MoE layer with its top-k weights renormalised
-  (llama.cpp's qwen3moe graph has no dense layer and always renormalises).
+  (llama.cpp's qwen3moe graph has no dense layer and always renormalises);
+- gpt-oss (conversion/gpt_oss.py, GptOssModel): its interleaved, transposed experts and their biases split and
+  stacked (experts.py, layout "gpt_oss"), the attention sinks, the expert width from `intermediate_size`, the
+  sliding window and its per-layer pattern; output.weight written even when the embeddings are tied (llama.cpp's
+  gpt-oss graph reads no other); the experts' clamped SwiGLU is hard-coded on both sides (alpha 1.702, limit 7).
 Anything else is refused by name, with the supported list.
 """
 
@@ -34,6 +38,8 @@ class Architecture:
     permute_qk: bool = False  # Llama-style: rotate pairs instead of halves
     norm_shift: float = 0.0  # added to every norm weight (Gemma: 1 + weight)
     moe: bool = False  # experts (per-expert or fused on disk) become three stacked tensors (experts.py)
+    experts_layout: str = "qwen"  # how the experts lie on disk (experts.LAYOUTS)
+    output_required: bool = False  # llama.cpp reads output.weight only: written from the embeddings when tied
 
     @property
     def model_arch(self):
@@ -57,6 +63,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("MistralForCausalLM", "LLAMA", permute_qk=True),
         Architecture("Gemma3ForCausalLM", "GEMMA3", norm_shift=1.0),
         Architecture("Qwen3MoeForCausalLM", "QWEN3MOE", moe=True),
+        Architecture("GptOssForCausalLM", "GPT_OSS", moe=True, experts_layout="gpt_oss", output_required=True),
     )
 }
 SUPPORTED = ", ".join(ARCHITECTURES)
@@ -80,8 +87,10 @@ def _check_config(arch: Architecture, config: dict[str, Any], where: str) -> Non
                           "the merged 16/32-bit weights (--merge writes them)")
     if arch.gguf_arch == "GEMMA3":
         _check_gemma3(config, where)
-    if arch.moe:
+    if arch.gguf_arch == "QWEN3MOE":
         _check_moe(config, where)
+    if arch.gguf_arch == "GPT_OSS":
+        _check_gpt_oss(config, where)
     rope_kind(config)  # refuses a RoPE scaling llama.cpp would not reproduce
 
 
@@ -109,6 +118,18 @@ def _check_moe(config: dict[str, Any], where: str) -> None:
     if not config.get("norm_topk_prob", False):  # transformers' Qwen3MoeConfig default is False
         raise ExportError(f"--gguf cannot write {where}: llama.cpp's qwen3moe renormalises the top-k routing "
                           "weights, and its config has norm_topk_prob false, so its experts would be mixed differently")
+
+
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _check_gpt_oss(config: dict[str, Any], where: str) -> None:
+    """Full and sliding layers only. The experts' clamped SwiGLU (alpha 1.702, limit 7.0) is hard-coded in
+    transformers 5.17's GptOssExperts (config.swiglu_limit is not read) and in llama.cpp alike."""
+    kinds = sorted(set(config.get("layer_types") or []) - set(_LAYER_TYPES))
+    if kinds:
+        raise ExportError(f"--gguf cannot write {where}: llama.cpp's gpt-oss has full and sliding-window attention "
+                          f"layers only, and its config has {kinds}")
 
 
 def expert_count(config: dict[str, Any]) -> int:
@@ -162,8 +183,14 @@ def add_hyperparameters(writer, config: dict[str, Any], arch: Architecture) -> N
         _add_gemma3(writer, config)
     if arch.moe:
         writer.add_expert_count(expert_count(config))
-        writer.add_expert_used_count(config["num_experts_per_tok"])
-        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        writer.add_expert_used_count(config.get("num_experts_per_tok") or config["experts_per_token"])
+        # gpt-oss's intermediate_size is its expert width (it has no dense MLP); Qwen's is moe_intermediate_size
+        writer.add_expert_feed_forward_length(config["intermediate_size"] if arch.experts_layout == "gpt_oss"
+                                              else config["moe_intermediate_size"])
+    if arch.gguf_arch == "GPT_OSS":  # without layer_types: the window alone, llama.cpp's every-other-layer default
+        _add_sliding_window(writer, config)
+        if config.get("sliding_window") and not config.get("layer_types"):
+            writer.add_sliding_window(int(config["sliding_window"]))
 
 
 def _add_rope(writer, config: dict[str, Any]) -> None:
@@ -192,6 +219,11 @@ def _add_rope(writer, config: dict[str, Any]) -> None:
 def _add_gemma3(writer, config: dict[str, Any]) -> None:
     if config.get("final_logit_softcapping"):
         writer.add_final_logit_softcapping(float(config["final_logit_softcapping"]))
+    _add_sliding_window(writer, config)
+
+
+def _add_sliding_window(writer, config: dict[str, Any]) -> None:
+    """The window and which layers use it (layer_types): llama.cpp's default pattern guesses the second."""
     window, layer_types = config.get("sliding_window"), config.get("layer_types")
     if window and layer_types:
         writer.add_sliding_window(int(window))

@@ -6,7 +6,7 @@ The token list follows convert_hf_to_gguf.py's `get_vocab_base` (added special t
 tokens USER_DEFINED, ids the tokenizer lacks up to config.vocab_size `[PAD{i}]` UNUSED); merges, special ids
 and the chat template come from the `gguf` package's SpecialVocab. llama.cpp's converter names the pre-tokenizer
 by hashing the tokens of a probe text against known models, which fails for a tokenizer trained locally (our
-tiny model's); here it is named from the loaded tokenizer's own regex, one of the three below, else refused.
+tiny model's); here it is named from the loaded tokenizer's own regex, one of the four below, else refused.
 A SentencePiece-style tokenizer (BPE with byte_fallback: Mistral v0.3, Gemma 3) is written by spm_vocab.py.
 """
 
@@ -25,7 +25,14 @@ QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[
                r"\s+(?!\S)|\s+")
 LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
-PRE_TOKENIZERS: dict[str, str] = {GPT2_REGEX: "gpt-2", QWEN2_REGEX: "qwen2", LLAMA3_REGEX: "llama-bpe"}
+# o200k (GPT-4o's, gpt-oss's o200k_harmony): llama.cpp's LLAMA_VOCAB_PRE_TYPE_GPT4O
+GPT4O_REGEX = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+               r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+               r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+               r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+               r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZERS: dict[str, str] = {GPT2_REGEX: "gpt-2", QWEN2_REGEX: "qwen2", LLAMA3_REGEX: "llama-bpe",
+                                  GPT4O_REGEX: "gpt-4o"}
 
 
 def add_tokenizer(writer, model_dir: Path, vocab_size: int) -> None:

@@ -32,6 +32,8 @@ from HyperSloth.outputs.gguf.architectures import (
     transform,
 )
 from HyperSloth.outputs.gguf.experts import TensorPart, tensor_parts
+
+EMBEDDINGS = "model.embed_tokens.weight"  # also the output projection of a model with tied embeddings
 from HyperSloth.outputs.gguf.vocab import add_tokenizer
 
 # --gguf TYPE -> (GGMLQuantizationType name, LlamaFileType name). Only types the gguf package quantises itself
@@ -97,8 +99,13 @@ def plan_tensors(model_dir: Path, config: dict[str, Any], arch: Architecture, qt
     if (factors := llama3_rope_factors(config)) is not None:
         yield PlannedTensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", factors.shape,
                             gguf.GGMLQuantizationType.F32, lambda: factors)
-    files, shapes = _tensor_index(model_dir, tied=bool(config.get("tie_word_embeddings")))
-    for part in tensor_parts(shapes, expert_count(config) if arch.moe else None):
+    tied = bool(config.get("tie_word_embeddings"))
+    files, shapes = _tensor_index(model_dir, tied=tied)
+    parts = tensor_parts(shapes, expert_count(config) if arch.moe else None, arch.experts_layout)
+    if tied and arch.output_required:  # llama.cpp's graph for it reads output.weight, never token_embd
+        files["lm_head.weight"] = files[EMBEDDINGS]
+        parts.append(TensorPart("lm_head.weight", shapes[EMBEDDINGS], (EMBEDDINGS,)))
+    for part in parts:
         gguf_name = names.get_name(part.name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise ExportError(f"tensor {part.sources[0]} of {model_dir} has no name in llama.cpp's {arch.arch_name} "
@@ -151,7 +158,11 @@ def _loader(files: dict[str, Path], part: TensorPart, config: dict[str, Any],
             for name in part.sources:
                 handle = handles[files[name]]
                 data = handle.get_tensor(name) if part.rows is None else handle.get_slice(name)[:, part.rows, :]
-                arrays.append(data.to(torch.float32).numpy())
+                if part.columns is not None:
+                    data = data[..., part.columns]
+                if part.transposed:
+                    data = data.transpose(-1, -2)
+                arrays.append(np.ascontiguousarray(data.to(torch.float32).numpy()))
         data = np.stack(arrays) if part.stacked else arrays[0]
         return transform(part.sources[0], data, config, arch)
 
