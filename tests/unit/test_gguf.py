@@ -222,6 +222,14 @@ def test_gpt_oss_keys_sinks_and_an_output_even_when_tied(arch_dirs, tmp_path):
     (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
     _, tied_tensors = read(write_gguf(tied, tmp_path / "tied.gguf", "f32"))  # llama.cpp's gpt-oss requires output
     np.testing.assert_array_equal(values(tied_tensors["output.weight"]), values(tied_tensors["token_embd.weight"]))
+    # llama.cpp's gpt-oss asserts a sliding layer: all full gets a window of the whole context (no pattern, so its
+    # default slides every other layer, over everything); no layer_types is transformers' alternation
+    (tied / "config.json").write_text(json.dumps({**config, "layer_types": ["full_attention"] * 2}))
+    full, _ = read(write_gguf(tied, tmp_path / "full.gguf", "f32"))
+    assert full["gpt-oss.attention.sliding_window"] == 256 and "gpt-oss.attention.sliding_window_pattern" not in full
+    (tied / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "layer_types"}))
+    default, _ = read(write_gguf(tied, tmp_path / "default.gguf", "f32"))
+    assert default["gpt-oss.attention.sliding_window_pattern"] == [True, False]
 
 
 def test_a_gpt_oss_with_other_layer_types_is_refused(arch_dirs):

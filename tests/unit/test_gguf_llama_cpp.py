@@ -124,37 +124,72 @@ def test_llama_cpp_runs_qwen3_moe(tiny_model_dir, tmp_path, gguf_type):
     check(measured, gguf_type)
 
 
+def gpt_oss_routing_gap_and_f16_shift(model_dir: Path, ids: list[int]) -> tuple[float, float]:
+    """gpt-oss's `routing_gap_and_f16_shift`: it picks its k experts by router logit (then softmaxes the k), so the
+    gap is between the k-th and (k+1)-th logits, and the shift the largest change f16 weights make to a logit."""
+    def router_logits(weights: torch.dtype) -> torch.Tensor:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        model.to(weights).to(torch.float32)
+        logits = []
+        for layer in model.model.layers:
+            layer.mlp.router.register_forward_hook(
+                lambda module, inputs, out: logits.append(torch.nn.functional.linear(inputs[0], module.weight,
+                                                                                     module.bias)))
+        with torch.no_grad():
+            model(torch.tensor([ids]))
+        return torch.stack(logits)
+
+    exact, k = router_logits(torch.float32), AutoConfig.from_pretrained(str(model_dir)).num_experts_per_tok
+    ranked = exact.sort(dim=-1, descending=True).values
+    return float((ranked[..., k - 1] - ranked[..., k]).min()), float((router_logits(torch.float16) - exact).abs().max())
+
+
+@pytest.mark.parametrize("gguf_type", ["f32", "f16"])
+def test_llama_cpp_runs_gpt_oss(tiny_model_dir, tmp_path, gguf_type):
+    """The tiny gpt-oss (4 biased experts, 2 active, a sliding layer of window 8 before a full one, attention sinks,
+    YaRN at factor 1): llama.cpp's gpt-oss graph gives HF's logits on the 79-token chat, past the window."""
+    model = build_arch_model("GptOssForCausalLM", tmp_path / "gpt-oss", tiny_model_dir)
+    ids = AutoTokenizer.from_pretrained(str(model))(chat_text(model))["input_ids"]
+    gap, shift = gpt_oss_routing_gap_and_f16_shift(model, ids)
+    assert gap > shift, f"the router nearly ties on this text (gap {gap:.2e}, f16 shift {shift:.2e})"
+    measured = compare(model, write_gguf(model, tmp_path / "m.gguf", gguf_type))
+    print(f"GptOssForCausalLM {gguf_type}: {measured}, router gap {gap:.2e}, f16 shift {shift:.2e}")
+    check(measured, gguf_type)
+
+
 UNICODE = ("<|im_start|>user\nCafé naïve — “quotes” 😀🦙 日本語テキスト 123456 3.14 it's I'M they'll\n\n\n  \t x   y\r\n"
            "Über 10 000 Ärzte… ¿qué?<|im_end|>\n<|im_start|>assistant\n😀😀 ok<|im_end|>\n")
 
 
-def with_llama3_split(model_dir: Path, out: Path) -> Path:
+def with_split(model_dir: Path, out: Path, pre: str) -> Path:
     """The model with its tokenizer's pre-tokenizer swapped for Llama 3's regex split (and, as Llama 3's,
-    ignore_merges), so llama.cpp's `llama-bpe` is checked too."""
+    ignore_merges: `pre` "llama-bpe") or GPT-4o's / gpt-oss's o200k split ("gpt-4o"), so llama.cpp's name for it is
+    checked too."""
     import json
     import shutil
 
-    from HyperSloth.outputs.gguf.vocab import LLAMA3_REGEX
+    from HyperSloth.outputs.gguf.vocab import GPT4O_REGEX, LLAMA3_REGEX
 
     shutil.copytree(model_dir, out)
     spec = json.loads((out / "tokenizer.json").read_text())
     spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
-        {"type": "Split", "pattern": {"Regex": LLAMA3_REGEX}, "behavior": "Isolated", "invert": False},
+        {"type": "Split", "pattern": {"Regex": LLAMA3_REGEX if pre == "llama-bpe" else GPT4O_REGEX},
+         "behavior": "Isolated", "invert": False},
         {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
-    spec["model"]["ignore_merges"] = True
+    spec["model"]["ignore_merges"] = pre == "llama-bpe"
     (out / "tokenizer.json").write_text(json.dumps(spec))
     return out
 
 
 @pytest.mark.parametrize("arch, pre", [("Qwen3ForCausalLM", "gpt-2"), ("Qwen2ForCausalLM", "qwen2"),
-                                       ("Qwen3ForCausalLM", "llama-bpe")])
+                                       ("Qwen3ForCausalLM", "llama-bpe"), ("GptOssForCausalLM", "gpt-4o")])
 def test_llama_cpp_splits_unicode_as_hf_does(tiny_model_dir, tmp_path, arch, pre):
     """Each pre-tokenizer name llama.cpp gets: accents, emoji, CJK, digit runs, contractions, \\r\\n, tabs."""
     import gguf
 
     model = build_arch_model(arch, tmp_path / arch, tiny_model_dir)
-    if pre == "llama-bpe":
-        model = with_llama3_split(model, tmp_path / "llama3-split")
+    if pre in ("llama-bpe", "gpt-4o"):
+        model = with_split(model, tmp_path / f"{pre}-split", pre)
     gguf_file = write_gguf(model, tmp_path / "m.gguf", "f16")
     assert gguf.GGUFReader(str(gguf_file)).fields["tokenizer.ggml.pre"].contents() == pre
     hf_ids = AutoTokenizer.from_pretrained(str(model))(UNICODE)["input_ids"]

@@ -187,10 +187,8 @@ def add_hyperparameters(writer, config: dict[str, Any], arch: Architecture) -> N
         # gpt-oss's intermediate_size is its expert width (it has no dense MLP); Qwen's is moe_intermediate_size
         writer.add_expert_feed_forward_length(config["intermediate_size"] if arch.experts_layout == "gpt_oss"
                                               else config["moe_intermediate_size"])
-    if arch.gguf_arch == "GPT_OSS":  # without layer_types: the window alone, llama.cpp's every-other-layer default
-        _add_sliding_window(writer, config)
-        if config.get("sliding_window") and not config.get("layer_types"):
-            writer.add_sliding_window(int(config["sliding_window"]))
+    if arch.gguf_arch == "GPT_OSS":
+        _add_gpt_oss_window(writer, config)
 
 
 def _add_rope(writer, config: dict[str, Any]) -> None:
@@ -220,6 +218,19 @@ def _add_gemma3(writer, config: dict[str, Any]) -> None:
     if config.get("final_logit_softcapping"):
         writer.add_final_logit_softcapping(float(config["final_logit_softcapping"]))
     _add_sliding_window(writer, config)
+
+
+def _add_gpt_oss_window(writer, config: dict[str, Any]) -> None:
+    """llama.cpp's gpt-oss asserts that some layer slides (its KV cache is built for both kinds). With a sliding
+    layer: the window and the pattern (no layer_types: transformers' default, every even layer sliding). All full:
+    a window of the whole context at least, so the layers llama.cpp's every-other-layer default makes sliding
+    attend to everything, as full layers do."""
+    layer_types = config.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(config["num_hidden_layers"])]
+    if "sliding_attention" in layer_types:
+        _add_sliding_window(writer, {**config, "layer_types": layer_types})
+    else:
+        writer.add_sliding_window(max(int(config.get("sliding_window") or 0), int(config["max_position_embeddings"])))
 
 
 def _add_sliding_window(writer, config: dict[str, Any]) -> None:
