@@ -1,16 +1,19 @@
-"""The tiny model's architectures: the same tiny shape as a Qwen3, Qwen3-MoE, gpt-oss, Phi-3, Llama, Mistral, Qwen2
-or Gemma 3 config, so every architecture HyperSloth claims to train is trained in the tests (and by anyone, with
+"""The tiny model's architectures: the same tiny shape as a Qwen3, Qwen3-MoE, gpt-oss, Qwen3.5-MoE, Phi-3, Llama,
+Mistral, Qwen2 or Gemma 3 config, so every architecture HyperSloth claims to train is trained in the tests (and by anyone, with
 `hypersloth-tiny-model --architecture NAME`) without the Hub.
 
 The MoE shape keeps transformers 5's fused experts (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) with
-few experts and two active per token, so a short step routes tokens to every expert.
+few experts and two active per token, so a short step routes tokens to every expert. Qwen3.5-MoE is the hybrid of
+Qwen3.5-35B-A3B: linear-attention (gated delta rule) layers, the last layer full attention, MoE with a shared
+expert everywhere; on the transformers backend its packed rows leak (train/packing_check.py), so it trains with
+training.batching="sorted-pad".
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-ARCHITECTURES = ("qwen3", "qwen3_moe", "gpt_oss", "phi3", "llama", "mistral", "qwen2", "gemma3")
+ARCHITECTURES = ("qwen3", "qwen3_moe", "gpt_oss", "qwen3_5_moe", "phi3", "llama", "mistral", "qwen2", "gemma3")
 # Experts of the tiny MoE and how many are active per token.
 TINY_EXPERTS, TINY_ACTIVE_EXPERTS = 4, 2
 
@@ -44,11 +47,17 @@ def tiny_config(architecture: str, *, vocab_size: int, hidden_size: int, interme
                                       "rope_theta": 150000.0},
                      output_router_logits=False)
         common["intermediate_size"] = intermediate_size // 2  # gpt-oss's intermediate_size is the expert width
+    elif architecture == "qwen3_5_moe":  # the text model of Qwen3.5-MoE: linear-attention layers, the last one full
+        extra = dict(num_experts=TINY_EXPERTS, num_experts_per_tok=TINY_ACTIVE_EXPERTS,
+                     moe_intermediate_size=intermediate_size // 2, shared_expert_intermediate_size=intermediate_size // 2,
+                     layer_types=["linear_attention"] * (num_layers - 1) + ["full_attention"],
+                     linear_num_key_heads=num_kv_heads, linear_num_value_heads=num_heads, linear_key_head_dim=head_dim,
+                     linear_value_head_dim=head_dim, linear_conv_kernel_dim=4, output_router_logits=False)
     elif architecture == "gemma3":
         extra = dict(query_pre_attn_scalar=head_dim, sliding_window=max_position_embeddings,
                      hidden_activation="gelu_pytorch_tanh")
     classes = {"qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig", "phi3": "Phi3Config",
-               "gpt_oss": "GptOssConfig", "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
+               "gpt_oss": "GptOssConfig", "qwen3_5_moe": "Qwen3_5MoeTextConfig", "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
                "gemma3": "Gemma3TextConfig"}
     return getattr(transformers, classes[architecture])(**common, **extra)
 

@@ -2,8 +2,9 @@
 transformers 5's fused experts gets adapters on its experts and 1 and 2 workers give the same adapter; a tiny
 gpt-oss (eager attention, biased transposed experts; its decoder builds masks without the position ids, so
 packed rows leak until HyperSloth hands it the masks) logs its step-1 loss as every sample alone gives it and
-1 and 2 workers agree; a tiny Phi-3 gets its fused qkv_proj / gate_up_proj. lora_args.target_modules is left
-unset in every run."""
+1 and 2 workers agree; a tiny Qwen3.5-MoE (linear attention, whose packed rows leak on the CPU) is refused packed,
+with what to change, and trains sorted-pad with 1 and 2 workers agreeing; a tiny Phi-3 gets its fused qkv_proj /
+gate_up_proj. lora_args.target_modules is left unset in every run."""
 
 from __future__ import annotations
 
@@ -38,6 +39,9 @@ SPECS = [
     RunSpec("phi3-2w", model_subdir="phi3", default_targets=True),
     RunSpec("gptoss-2w", model_subdir="gpt_oss", default_targets=True),
     RunSpec("gptoss-1w", gpus=1, per_device=8, model_subdir="gpt_oss", default_targets=True),
+    RunSpec("qwen35-packed", model_subdir="qwen3_5_moe", default_targets=True),
+    RunSpec("qwen35-2w", batching="sorted-pad", model_subdir="qwen3_5_moe", default_targets=True),
+    RunSpec("qwen35-1w", gpus=1, per_device=8, batching="sorted-pad", model_subdir="qwen3_5_moe", default_targets=True),
 ]
 
 
@@ -47,7 +51,7 @@ def build_models(workdir: Path, tiny_model_dir: Path) -> Path:
     from HyperSloth.train.tiny_model import build_tiny_model
 
     models = workdir / "models"
-    for architecture in ("qwen3_moe", "phi3", "gpt_oss"):
+    for architecture in ("qwen3_moe", "phi3", "gpt_oss", "qwen3_5_moe"):
         build_tiny_model(models / architecture, architecture=architecture)
     source = workdir / "chat.jsonl"
     with SAMPLE_CHAT.open() as lines:
@@ -122,4 +126,22 @@ def test_gpt_oss_packed_rows_train_each_sample_as_alone_and_two_workers_match_on
     assert np.max(np.abs(np.subtract(losses_multi, losses_single)) / np.abs(losses_single)) <= RTOL
     error = relative_error(flat_adapter(multi.adapter()), flat_adapter(single.adapter()))
     assert error <= RTOL, f"final adapters differ: relative error {error:.3g}"
+    assert any("experts" in name for name in multi.adapter())
+
+
+@needs("qwen35-packed", "qwen35-2w", "qwen35-1w")
+def test_qwen3_5_moe_is_refused_packed_and_trains_sorted_pad_on_one_or_two_workers(runs):
+    refused = runs.get("qwen35-packed")
+    assert refused.returncode != 0, refused.output[-2000:]
+    assert "qwen3_5_moe_text on the transformers backend lets the samples of a packed row attend to each other" \
+        in refused.output and "set training.batching='sorted-pad'" in refused.output
+    assert not (refused.out / "train_summary.json").exists()
+    multi, single = runs.get("qwen35-2w").check_ok(), runs.get("qwen35-1w").check_ok()
+    assert json.loads((multi.out / "run_resolved.json").read_text())["packing"] is None  # nothing packed to check
+    losses_multi, losses_single = multi.summary["step_losses"], single.summary["step_losses"]
+    assert len(losses_multi) == MAX_STEPS
+    assert np.max(np.abs(np.subtract(losses_multi, losses_single)) / np.abs(losses_single)) <= RTOL
+    error = relative_error(flat_adapter(multi.adapter()), flat_adapter(single.adapter()))
+    assert error <= RTOL, f"final adapters differ: relative error {error:.3g}"
+    assert any("linear_attn.in_proj_qkv" in name for name in multi.adapter())
     assert any("experts" in name for name in multi.adapter())

@@ -50,6 +50,16 @@ def test_moe_gets_attention_and_the_fused_experts_never_the_router_or_head():
     assert "8 modules, 4 expert tensors" in line and 0 < record["trainable_share"] < 0.5
 
 
+def test_qwen3_5_moe_linear_attention_and_shared_expert_get_adapters_never_the_gates():
+    """Qwen3.5-MoE: the linear-attention projections (in_proj_a / in_proj_b have one output per value head, as many
+    as the tiny model's experts: not mistaken for a router), the full attention, the shared expert's MLP and the
+    fused experts; the router `gate` and the one-output `shared_expert_gate` stay frozen."""
+    targets = resolve_targets(tiny("qwen3_5_moe"), None)
+    assert set(targets.modules) == {"in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj", "q_proj",
+                                    "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert targets.parameters == ("mlp.experts.down_proj", "mlp.experts.gate_up_proj")
+
+
 def test_gpt_oss_experts_stored_transposed_with_biases_get_adapters_and_train():
     """gpt-oss keeps its experts as (experts, in, out) with 2-D biases and a router with a bias: the 3-D tensors get
     adapters (PEFT reads the layout from the experts module), the biases and the router stay frozen."""

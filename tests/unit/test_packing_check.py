@@ -1,6 +1,7 @@
 """packing_check.py: the loaded model is measured to keep the samples of a packed row apart, gpt-oss's decoder
 (whose mask ignores the position ids in transformers 5.17) gets the masks built from them, and a model that still
-leaks is refused with what to change (CPU, fp32, tiny models of every architecture)."""
+leaks (Qwen3.5-MoE's linear attention on the CPU, a partial leak) is refused with what to change (CPU, fp32, tiny
+models of every architecture)."""
 
 import numpy as np
 import pytest
@@ -9,7 +10,7 @@ import torch
 from HyperSloth.config import ConfigError
 from HyperSloth.train import packing_check
 from HyperSloth.train.exactness import packed_vs_alone
-from HyperSloth.train.packing_check import LEAK_SHARE, ensure_exact_packing, masks_from_positions, measure
+from HyperSloth.train.packing_check import ensure_exact_packing, masks_from_positions, measure
 from HyperSloth.train.tiny_architectures import ARCHITECTURES, tiny_config, tiny_causal_lm
 
 VOCAB = 128
@@ -34,11 +35,11 @@ def _tiny(architecture: str, lora: bool = False):
     return model
 
 
-@pytest.mark.parametrize("architecture", [a for a in ARCHITECTURES if a != "gpt_oss"])
+@pytest.mark.parametrize("architecture", [a for a in ARCHITECTURES if a not in ("gpt_oss", "qwen3_5_moe")])
 def test_architectures_that_pass_the_position_ids_keep_samples_apart(architecture):
     check = ensure_exact_packing(_tiny(architecture), "transformers")
     assert check.exact and check.fix is None
-    assert check.packed < 1e-5 and check.leaked > 0.5, check  # the deliberate leak is seen: the check can fail
+    assert check.packed < 1e-5 and check.rounding < 1e-5 and check.leaked > 0.5, check  # a leak is seen: it can fail
     assert check.layers == 2
 
 
@@ -46,7 +47,7 @@ def test_gpt_oss_leaks_until_its_decoder_gets_the_masks_built_from_the_positions
     model = _tiny("gpt_oss", lora=True)
     sample, others = np.arange(2, 42) % VOCAB, [np.arange(50, 80) % VOCAB, np.arange(90, 99)]
     raw = measure(model)
-    assert not raw.exact and raw.packed > LEAK_SHARE * raw.leaked, raw  # as leaky as the deliberate leak
+    assert not raw.exact and raw.packed > 0.5 * raw.leaked, raw  # as leaky as the deliberate leak
     before = packed_vs_alone(model, sample, others)
     assert before.loss_diff > 1e-3, before.as_record()  # the loss of a sample inside a packed row is wrong
     check = ensure_exact_packing(model, "transformers")
@@ -91,3 +92,19 @@ def test_the_check_leaves_dropout_and_the_mode_as_they_were():
     assert check.exact
     assert not model.training
     assert model.model.embed_dropout.p == 0.2 and model.model.layers[0].self_attn.attention_dropout == 0.3
+
+
+def test_a_partial_leak_is_seen_too_qwen3_5_linear_attention():
+    """Qwen3.5-MoE (3 linear-attention layers, then a full one): transformers' PyTorch fallback of its gated delta
+    rule carries the state of the first sample into the second (a tenth of a deliberate leak's difference), and no
+    mask can stop it: refused, with what to change."""
+    config = tiny_config("qwen3_5_moe", vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_layers=4,
+                         num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.02,
+                         pad_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    model = tiny_causal_lm(config)
+    check = measure(model)
+    assert check.layers == 4 and check.rounding < 1e-5  # the three linear-attention mixers are compared too
+    assert 0.02 < check.packed < 0.5 * check.leaked, check
+    with pytest.raises(ConfigError, match="qwen3_5_moe_text on the transformers backend lets the samples.*sorted-pad"):
+        ensure_exact_packing(model, "transformers")

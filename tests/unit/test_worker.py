@@ -104,7 +104,7 @@ def test_a_reload_for_checkpointing_puts_the_first_probe_between_the_two_loads(m
 
     def fake_check(model, backend, method):
         checks.append((model, backend, method))
-        return packing_check.PackingCheck(packed=0.0, leaked=1.0, layers=2)
+        return packing_check.PackingCheck(packed=0.0, rounding=0.0, leaked=1.0, layers=2)
 
     monkeypatch.setattr(model_lib, "load_model", fake_load)
     monkeypatch.setattr(packing_check, "ensure_exact_packing", fake_check)
@@ -113,7 +113,8 @@ def test_a_reload_for_checkpointing_puts_the_first_probe_between_the_two_loads(m
                                         expert_lora="auto", batching="packed", method="dpo")
     timeline = StartupTimeline(time.time())
     load = worker._loader(description, timeline)
-    assert load(None).packing == {"packed": 0.0, "leaked": 1.0, "layers": 2, "fix": None, "exact": True}
+    assert load(None).packing == {"packed": 0.0, "rounding": 0.0, "leaked": 1.0, "layers": 2, "fix": None,
+                                  "exact": True}
     load(True)
     assert loads == [False, True]
     assert checks == [("model 1", "transformers", "dpo"), ("model 2", "transformers", "dpo")]

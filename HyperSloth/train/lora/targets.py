@@ -84,8 +84,7 @@ def decoder_linears(model: nn.Module) -> list[str]:
             continue
         if "lora_" in name or name.endswith(".base_layer"):
             continue  # an adapter's own layers (an already wrapped model)
-        leaf = name.rsplit(".", 1)[-1]
-        if _is_router(leaf, module, experts):
+        if _is_router(name, module, experts):
             continue
         names.append(name)
     return names
@@ -109,12 +108,16 @@ def expert_tensors(model: nn.Module) -> dict[str, str]:
     return found
 
 
-def _is_router(leaf: str, module: nn.Linear, experts: int) -> bool:
+def _is_router(name: str, module: nn.Linear, experts: int) -> bool:
     """A router or gate (not a gated projection such as gate_proj): Mixtral-style `gate`, `router`,
-    Qwen2-MoE's `shared_expert_gate`, or any linear layer with one output per expert."""
+    Qwen2-MoE's `shared_expert_gate`, or any linear layer of the MLP block with one output per expert (not one in
+    the attention: Qwen3.5's linear attention has `in_proj_a` / `in_proj_b` with one output per head, and a tiny
+    model may have as many heads as experts)."""
+    leaf = name.rsplit(".", 1)[-1]
     if leaf in ("gate", "router") or leaf.endswith("_gate") or leaf.endswith("router"):
         return True
-    return bool(experts) and module.out_features == experts
+    in_attention = any(f".{mixer}." in f".{name}." for mixer in ("self_attn", "linear_attn", "attention"))
+    return bool(experts) and module.out_features == experts and not in_attention
 
 
 def _outside_text(name: str) -> bool:
