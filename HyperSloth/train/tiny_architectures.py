@@ -1,19 +1,21 @@
-"""The tiny model's architectures: the same tiny shape as a Qwen3, Qwen3-MoE, gpt-oss, Qwen3.5-MoE, Phi-3, Llama,
-Mistral, Qwen2 or Gemma 3 config, so every architecture HyperSloth claims to train is trained in the tests (and by anyone, with
-`hypersloth-tiny-model --architecture NAME`) without the Hub.
+"""The tiny model's architectures: the same tiny shape as a Qwen3, Qwen3-MoE, gpt-oss, Qwen3.5-MoE, GLM-4.7-Flash,
+Phi-3, Llama, Mistral, Qwen2 or Gemma 3 config, so every architecture HyperSloth claims to train is trained in the
+tests (and by anyone, with `hypersloth-tiny-model --architecture NAME`) without the Hub.
 
 The MoE shape keeps transformers 5's fused experts (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) with
 few experts and two active per token, so a short step routes tokens to every expert. Qwen3.5-MoE is the hybrid of
 Qwen3.5-35B-A3B: linear-attention (gated delta rule) layers, the last layer full attention, MoE with a shared
 expert everywhere; on the transformers backend its packed rows leak (train/packing_check.py), so it trains with
-training.batching="sorted-pad".
+training.batching="sorted-pad". GLM-4.7-Flash (`glm4_moe_lite`) has DeepSeek's multi-head latent attention
+(low-rank q and kv projections, a separate RoPE part) and a dense first layer before MoE ones with a shared expert.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-ARCHITECTURES = ("qwen3", "qwen3_moe", "gpt_oss", "qwen3_5_moe", "phi3", "llama", "mistral", "qwen2", "gemma3")
+ARCHITECTURES = ("qwen3", "qwen3_moe", "gpt_oss", "qwen3_5_moe", "glm4_moe_lite", "phi3", "llama", "mistral", "qwen2",
+                 "gemma3")
 # Experts of the tiny MoE and how many are active per token.
 TINY_EXPERTS, TINY_ACTIVE_EXPERTS = 4, 2
 
@@ -48,17 +50,25 @@ def tiny_config(architecture: str, *, vocab_size: int, hidden_size: int, interme
                      output_router_logits=False)
         common["intermediate_size"] = intermediate_size // 2  # gpt-oss's intermediate_size is the expert width
     elif architecture == "qwen3_5_moe":  # the text model of Qwen3.5-MoE: linear-attention layers, the last one full
-        extra = dict(num_experts=TINY_EXPERTS, num_experts_per_tok=TINY_ACTIVE_EXPERTS,
-                     moe_intermediate_size=intermediate_size // 2, shared_expert_intermediate_size=intermediate_size // 2,
+        width = intermediate_size // 2  # the experts' and the shared expert's
+        extra = dict(num_experts=TINY_EXPERTS, num_experts_per_tok=TINY_ACTIVE_EXPERTS, moe_intermediate_size=width,
+                     shared_expert_intermediate_size=width,
                      layer_types=["linear_attention"] * (num_layers - 1) + ["full_attention"],
                      linear_num_key_heads=num_kv_heads, linear_num_value_heads=num_heads, linear_key_head_dim=head_dim,
                      linear_value_head_dim=head_dim, linear_conv_kernel_dim=4, output_router_logits=False)
+    elif architecture == "glm4_moe_lite":  # MLA: heads of nope + rope dims for q/k, v of head_dim; layer 0 dense
+        extra = dict(n_routed_experts=TINY_EXPERTS, num_experts_per_tok=TINY_ACTIVE_EXPERTS, n_shared_experts=1,
+                     moe_intermediate_size=intermediate_size // 2, kv_lora_rank=2 * head_dim, q_lora_rank=2 * head_dim,
+                     qk_rope_head_dim=head_dim // 2, qk_nope_head_dim=head_dim // 2, v_head_dim=head_dim,
+                     n_group=1, topk_group=1, mlp_layer_types=["dense"] + ["sparse"] * (num_layers - 1))
+        common.pop("head_dim", None)
+        common["num_key_value_heads"] = num_heads  # MLA: one latent kv, every head its own
     elif architecture == "gemma3":
         extra = dict(query_pre_attn_scalar=head_dim, sliding_window=max_position_embeddings,
                      hidden_activation="gelu_pytorch_tanh")
     classes = {"qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig", "phi3": "Phi3Config",
-               "gpt_oss": "GptOssConfig", "qwen3_5_moe": "Qwen3_5MoeTextConfig", "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
-               "gemma3": "Gemma3TextConfig"}
+               "gpt_oss": "GptOssConfig", "qwen3_5_moe": "Qwen3_5MoeTextConfig", "glm4_moe_lite": "Glm4MoeLiteConfig",
+               "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "gemma3": "Gemma3TextConfig"}
     return getattr(transformers, classes[architecture])(**common, **extra)
 
 

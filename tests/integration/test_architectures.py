@@ -3,7 +3,8 @@ transformers 5's fused experts gets adapters on its experts and 1 and 2 workers 
 gpt-oss (eager attention, biased transposed experts; its decoder builds masks without the position ids, so
 packed rows leak until HyperSloth hands it the masks) logs its step-1 loss as every sample alone gives it and
 1 and 2 workers agree; a tiny Qwen3.5-MoE (linear attention, whose packed rows leak on the CPU) is refused packed,
-with what to change, and trains sorted-pad with 1 and 2 workers agreeing; a tiny Phi-3 gets its fused qkv_proj /
+with what to change, and trains sorted-pad with 1 and 2 workers agreeing; a tiny GLM-4.7-Flash (latent attention,
+a dense first layer) trains at defaults with 1 and 2 workers agreeing; a tiny Phi-3 gets its fused qkv_proj /
 gate_up_proj. lora_args.target_modules is left unset in every run."""
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ SPECS = [
     RunSpec("qwen35-packed", model_subdir="qwen3_5_moe", default_targets=True),
     RunSpec("qwen35-2w", batching="sorted-pad", model_subdir="qwen3_5_moe", default_targets=True),
     RunSpec("qwen35-1w", gpus=1, per_device=8, batching="sorted-pad", model_subdir="qwen3_5_moe", default_targets=True),
+    RunSpec("glm-2w", model_subdir="glm4_moe_lite", default_targets=True),
+    RunSpec("glm-1w", gpus=1, per_device=8, model_subdir="glm4_moe_lite", default_targets=True),
 ]
 
 
@@ -51,7 +54,7 @@ def build_models(workdir: Path, tiny_model_dir: Path) -> Path:
     from HyperSloth.train.tiny_model import build_tiny_model
 
     models = workdir / "models"
-    for architecture in ("qwen3_moe", "phi3", "gpt_oss", "qwen3_5_moe"):
+    for architecture in ("qwen3_moe", "phi3", "gpt_oss", "qwen3_5_moe", "glm4_moe_lite"):
         build_tiny_model(models / architecture, architecture=architecture)
     source = workdir / "chat.jsonl"
     with SAMPLE_CHAT.open() as lines:
@@ -145,3 +148,17 @@ def test_qwen3_5_moe_is_refused_packed_and_trains_sorted_pad_on_one_or_two_worke
     assert error <= RTOL, f"final adapters differ: relative error {error:.3g}"
     assert any("linear_attn.in_proj_qkv" in name for name in multi.adapter())
     assert any("experts" in name for name in multi.adapter())
+
+
+@needs("glm-2w", "glm-1w")
+def test_glm_4_7_flash_trains_at_defaults_and_two_workers_match_one(runs, dataset, workdir, model_dir):
+    multi, single = runs.get("glm-2w").check_ok(), runs.get("glm-1w").check_ok()
+    assert json.loads((multi.out / "run_resolved.json").read_text())["packing"]["fix"] is None  # keeps samples apart
+    indices = first_step_indices(multi.spec, workdir, model_dir, dataset)
+    expected = expected_step_loss(model_dir / "glm4_moe_lite", dataset, indices, multi.spec.loss_type)
+    assert abs(multi.summary["step_losses"][0] - expected) <= RTOL * expected, (multi.summary["step_losses"], expected)
+    losses_multi, losses_single = multi.summary["step_losses"], single.summary["step_losses"]
+    assert np.max(np.abs(np.subtract(losses_multi, losses_single)) / np.abs(losses_single)) <= RTOL
+    error = relative_error(flat_adapter(multi.adapter()), flat_adapter(single.adapter()))
+    assert error <= RTOL, f"final adapters differ: relative error {error:.3g}"
+    assert any("kv_b_proj" in name for name in multi.adapter()) and any("experts" in name for name in multi.adapter())

@@ -60,6 +60,18 @@ def test_qwen3_5_moe_linear_attention_and_shared_expert_get_adapters_never_the_g
     assert targets.parameters == ("mlp.experts.down_proj", "mlp.experts.gate_up_proj")
 
 
+def test_glm_4_7_flash_latent_attention_dense_first_layer_and_experts_get_adapters():
+    """GLM-4.7-Flash (glm4_moe_lite): DeepSeek's latent attention projections, the dense first layer's MLP and the
+    shared expert (both gate/up/down_proj), the fused experts; the router stays frozen."""
+    model = tiny("glm4_moe_lite")
+    targets = resolve_targets(model, None)
+    assert set(targets.modules) == {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj",
+                                    "up_proj", "down_proj"}
+    assert targets.parameters == ("mlp.experts.down_proj", "mlp.experts.gate_up_proj")
+    assert any(name.endswith("mlp.gate") for name, _ in model.named_modules())  # a router named gate, not adapted
+    assert "gate" not in targets.modules
+
+
 def test_gpt_oss_experts_stored_transposed_with_biases_get_adapters_and_train():
     """gpt-oss keeps its experts as (experts, in, out) with 2-D biases and a router with a bias: the 3-D tensors get
     adapters (PEFT reads the layout from the experts module), the biases and the router stay frozen."""
