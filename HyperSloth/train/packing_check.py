@@ -100,12 +100,16 @@ def _quiet_dropout(model):
         model.train(was_training)
 
 
-def _outputs(model, modules: Sequence[torch.nn.Module], batch: dict[str, torch.Tensor], rows: slice) -> torch.Tensor:
-    """Positions `rows` of every module's output (its first tensor) in one forward: [modules, tokens, width], fp32."""
+def _outputs(model, modules: Sequence[torch.nn.Module], batch: dict[str, torch.Tensor],
+             rows: slice) -> torch.Tensor | None:
+    """Positions `rows` of every module's output (its first tensor, or a model output's last hidden state) in one
+    forward: [modules, tokens, width], fp32; None where no module's hook ran (a forward that bypasses them)."""
     kept: list[torch.Tensor] = []
 
     def keep(_module, _args, output):
-        tensor = output[0] if isinstance(output, (tuple, list)) else output
+        tensor = getattr(output, "last_hidden_state", None)
+        if tensor is None:
+            tensor = output[0] if isinstance(output, (tuple, list)) else output
         kept.append(tensor.detach().reshape(-1, tensor.shape[-1])[rows].float().cpu())
 
     device = next(model.parameters()).device
@@ -117,7 +121,7 @@ def _outputs(model, modules: Sequence[torch.nn.Module], batch: dict[str, torch.T
     finally:
         for hook in hooks:
             hook.remove()
-    return torch.stack(kept)
+    return torch.stack(kept) if kept else None
 
 
 def _difference(x: torch.Tensor, reference: torch.Tensor) -> float:
@@ -148,6 +152,9 @@ def measure(model, *, with_lengths: bool = False) -> PackingCheck:
     last, head = slice(-SECOND_TOKENS, None), slice(0, SECOND_TOKENS)
     with _quiet_dropout(model):
         reference = _outputs(model, modules, alone, last)
+        if reference is None:  # the layers' mixers are not called as modules: the decoder's output instead
+            modules = [_decoder(model)]
+            reference = _outputs(model, modules, alone, last)
         inside, rounding, leak = (_outputs(model, modules, batch, rows)
                                   for batch, rows in ((packed, last), (front, head), (leaked, last)))
     return PackingCheck(packed=_difference(inside, reference), rounding=_difference(rounding, reference),

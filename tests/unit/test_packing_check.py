@@ -108,3 +108,14 @@ def test_a_partial_leak_is_seen_too_qwen3_5_linear_attention():
     assert 0.02 < check.packed < 0.5 * check.leaked, check
     with pytest.raises(ConfigError, match="qwen3_5_moe_text on the transformers backend lets the samples.*sorted-pad"):
         ensure_exact_packing(model, "transformers")
+
+
+def test_a_forward_that_bypasses_the_mixer_modules_is_measured_on_the_decoder_output(monkeypatch):
+    """Where no layer's attention runs as a module (a backend that calls its functions directly), the decoder's
+    last hidden state is compared instead: gpt-oss's leak still shows."""
+    model = _tiny("gpt_oss")
+    monkeypatch.setattr(packing_check, "MIXERS", ("no_such_mixer",))
+    monkeypatch.setattr(packing_check, "decoder_layers", lambda m: [torch.nn.Identity()])  # never called
+    check = measure(model)
+    assert check.layers == 1 and not check.exact and check.packed > 0.5 * check.leaked, check
+    assert measure(_tiny("qwen3")).exact
