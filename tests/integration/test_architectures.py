@@ -71,16 +71,29 @@ def resolved_targets(run) -> dict:
     return json.loads((run.out / "run_resolved.json").read_text())["lora_targets"]
 
 
+def assert_workers_agree(multi, single) -> None:
+    """2 workers and 1 worker with the same global batch: the same losses at every step and the same adapter."""
+    losses_multi, losses_single = multi.summary["step_losses"], single.summary["step_losses"]
+    assert len(losses_multi) == MAX_STEPS
+    assert np.max(np.abs(np.subtract(losses_multi, losses_single)) / np.abs(losses_single)) <= RTOL
+    error = relative_error(flat_adapter(multi.adapter()), flat_adapter(single.adapter()))
+    assert error <= RTOL, f"final adapters differ: relative error {error:.3g}"
+
+
+def assert_step_one_is_every_sample_alone(run, workdir, model_dir, dataset) -> None:
+    """Step 1 (LoRA B = 0): the logged loss is every sample of the step alone, unpacked: no sample saw another."""
+    indices = first_step_indices(run.spec, workdir, model_dir, dataset)
+    expected = expected_step_loss(model_dir / run.spec.model_subdir, dataset, indices, run.spec.loss_type)
+    assert abs(run.summary["step_losses"][0] - expected) <= RTOL * expected, (run.summary["step_losses"], expected)
+
+
 @needs("moe-2w", "moe-1w")
 def test_moe_two_workers_match_one_and_every_expert_is_trained(runs):
     multi, single = runs.get("moe-2w").check_ok(), runs.get("moe-1w").check_ok()
     assert multi.summary["steps"] == single.summary["steps"] == MAX_STEPS
-    losses_multi, losses_single = multi.summary["step_losses"], single.summary["step_losses"]
-    assert np.max(np.abs(np.subtract(losses_multi, losses_single)) / np.abs(losses_single)) <= RTOL
     weights_multi, weights_single = multi.adapter(), single.adapter()
     assert sorted(weights_multi) == sorted(weights_single)
-    error = relative_error(flat_adapter(weights_multi), flat_adapter(weights_single))
-    assert error <= RTOL, f"final adapters differ: relative error {error:.3g}"
+    assert_workers_agree(multi, single)
     experts_b = {name: w for name, w in weights_multi.items() if "experts" in name and "lora_B" in name}
     assert len(experts_b) == 2 * 2  # gate_up_proj and down_proj, in each of the 2 layers
     for name, weight in experts_b.items():  # (out, r * experts): expert e owns columns e, e + E, ...
@@ -121,14 +134,8 @@ def test_gpt_oss_packed_rows_train_each_sample_as_alone_and_two_workers_match_on
     assert packing["leaked"] > 0.5 and packing["packed"] < 1e-5
     log = (multi.out / "logs" / "rank0.log").read_text()
     assert "gpt_oss's decoder builds its attention mask without the position ids" in log
-    # Step 1 (LoRA B = 0): the logged loss is every sample of the step alone, unpacked: no sample saw another.
-    indices = first_step_indices(multi.spec, workdir, model_dir, dataset)
-    expected = expected_step_loss(model_dir / "gpt_oss", dataset, indices, multi.spec.loss_type)
-    assert abs(multi.summary["step_losses"][0] - expected) <= RTOL * expected, (multi.summary["step_losses"], expected)
-    losses_multi, losses_single = multi.summary["step_losses"], single.summary["step_losses"]
-    assert np.max(np.abs(np.subtract(losses_multi, losses_single)) / np.abs(losses_single)) <= RTOL
-    error = relative_error(flat_adapter(multi.adapter()), flat_adapter(single.adapter()))
-    assert error <= RTOL, f"final adapters differ: relative error {error:.3g}"
+    assert_step_one_is_every_sample_alone(multi, workdir, model_dir, dataset)
+    assert_workers_agree(multi, single)
     assert any("experts" in name for name in multi.adapter())
 
 
@@ -141,11 +148,7 @@ def test_qwen3_5_moe_is_refused_packed_and_trains_sorted_pad_on_one_or_two_worke
     assert not (refused.out / "train_summary.json").exists()
     multi, single = runs.get("qwen35-2w").check_ok(), runs.get("qwen35-1w").check_ok()
     assert json.loads((multi.out / "run_resolved.json").read_text())["packing"] is None  # nothing packed to check
-    losses_multi, losses_single = multi.summary["step_losses"], single.summary["step_losses"]
-    assert len(losses_multi) == MAX_STEPS
-    assert np.max(np.abs(np.subtract(losses_multi, losses_single)) / np.abs(losses_single)) <= RTOL
-    error = relative_error(flat_adapter(multi.adapter()), flat_adapter(single.adapter()))
-    assert error <= RTOL, f"final adapters differ: relative error {error:.3g}"
+    assert_workers_agree(multi, single)
     assert any("linear_attn.in_proj_qkv" in name for name in multi.adapter())
     assert any("experts" in name for name in multi.adapter())
 
@@ -154,11 +157,6 @@ def test_qwen3_5_moe_is_refused_packed_and_trains_sorted_pad_on_one_or_two_worke
 def test_glm_4_7_flash_trains_at_defaults_and_two_workers_match_one(runs, dataset, workdir, model_dir):
     multi, single = runs.get("glm-2w").check_ok(), runs.get("glm-1w").check_ok()
     assert json.loads((multi.out / "run_resolved.json").read_text())["packing"]["fix"] is None  # keeps samples apart
-    indices = first_step_indices(multi.spec, workdir, model_dir, dataset)
-    expected = expected_step_loss(model_dir / "glm4_moe_lite", dataset, indices, multi.spec.loss_type)
-    assert abs(multi.summary["step_losses"][0] - expected) <= RTOL * expected, (multi.summary["step_losses"], expected)
-    losses_multi, losses_single = multi.summary["step_losses"], single.summary["step_losses"]
-    assert np.max(np.abs(np.subtract(losses_multi, losses_single)) / np.abs(losses_single)) <= RTOL
-    error = relative_error(flat_adapter(multi.adapter()), flat_adapter(single.adapter()))
-    assert error <= RTOL, f"final adapters differ: relative error {error:.3g}"
+    assert_step_one_is_every_sample_alone(multi, workdir, model_dir, dataset)
+    assert_workers_agree(multi, single)
     assert any("kv_b_proj" in name for name in multi.adapter()) and any("experts" in name for name in multi.adapter())

@@ -90,22 +90,27 @@ def test_llama_cpp_runs_each_architecture(tiny_model_dir, tmp_path, arch):
     check(measured, "f16")
 
 
-def routing_gap_and_f16_shift(model_dir: Path, ids: list[int]) -> tuple[float, float]:
+def routing_gap_and_f16_shift(model_dir: Path, ids: list[int], by_logits: bool = False) -> tuple[float, float]:
     """On `ids`: the smallest gap between the k-th and (k+1)-th router probability (k active experts) over every
-    token and layer, and the largest change that rounding the weights to f16 makes to any router probability."""
-    def router_probs(weights: torch.dtype) -> torch.Tensor:
+    token and layer, and the largest change that rounding the weights to f16 makes to any router probability.
+    `by_logits`: gpt-oss, which picks its k experts by router logit (then softmaxes the k): logits instead."""
+    def router_scores(weights: torch.dtype) -> torch.Tensor:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
         model.to(weights).to(torch.float32)
-        probs = []
+        scores = []
         for layer in model.model.layers:
-            layer.mlp.gate.register_forward_hook(lambda module, inputs, out: probs.append(out[0].softmax(-1)))
+            if by_logits:
+                layer.mlp.router.register_forward_hook(lambda module, inputs, out: scores.append(
+                    torch.nn.functional.linear(inputs[0], module.weight, module.bias)))
+            else:
+                layer.mlp.gate.register_forward_hook(lambda module, inputs, out: scores.append(out[0].softmax(-1)))
         with torch.no_grad():
             model(torch.tensor([ids]))
-        return torch.stack(probs)
+        return torch.stack(scores)
 
-    exact, k = router_probs(torch.float32), AutoConfig.from_pretrained(str(model_dir)).num_experts_per_tok
+    exact, k = router_scores(torch.float32), AutoConfig.from_pretrained(str(model_dir)).num_experts_per_tok
     ranked = exact.sort(dim=-1, descending=True).values
-    return float((ranked[..., k - 1] - ranked[..., k]).min()), float((router_probs(torch.float16) - exact).abs().max())
+    return float((ranked[..., k - 1] - ranked[..., k]).min()), float((router_scores(torch.float16) - exact).abs().max())
 
 
 @pytest.mark.parametrize("gguf_type", ["f32", "f16"])
@@ -124,33 +129,13 @@ def test_llama_cpp_runs_qwen3_moe(tiny_model_dir, tmp_path, gguf_type):
     check(measured, gguf_type)
 
 
-def gpt_oss_routing_gap_and_f16_shift(model_dir: Path, ids: list[int]) -> tuple[float, float]:
-    """gpt-oss's `routing_gap_and_f16_shift`: it picks its k experts by router logit (then softmaxes the k), so the
-    gap is between the k-th and (k+1)-th logits, and the shift the largest change f16 weights make to a logit."""
-    def router_logits(weights: torch.dtype) -> torch.Tensor:
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-        model.to(weights).to(torch.float32)
-        logits = []
-        for layer in model.model.layers:
-            layer.mlp.router.register_forward_hook(
-                lambda module, inputs, out: logits.append(torch.nn.functional.linear(inputs[0], module.weight,
-                                                                                     module.bias)))
-        with torch.no_grad():
-            model(torch.tensor([ids]))
-        return torch.stack(logits)
-
-    exact, k = router_logits(torch.float32), AutoConfig.from_pretrained(str(model_dir)).num_experts_per_tok
-    ranked = exact.sort(dim=-1, descending=True).values
-    return float((ranked[..., k - 1] - ranked[..., k]).min()), float((router_logits(torch.float16) - exact).abs().max())
-
-
 @pytest.mark.parametrize("gguf_type", ["f32", "f16"])
 def test_llama_cpp_runs_gpt_oss(tiny_model_dir, tmp_path, gguf_type):
     """The tiny gpt-oss (4 biased experts, 2 active, a sliding layer of window 8 before a full one, attention sinks,
     YaRN at factor 1): llama.cpp's gpt-oss graph gives HF's logits on the 79-token chat, past the window."""
     model = build_arch_model("GptOssForCausalLM", tmp_path / "gpt-oss", tiny_model_dir)
     ids = AutoTokenizer.from_pretrained(str(model))(chat_text(model))["input_ids"]
-    gap, shift = gpt_oss_routing_gap_and_f16_shift(model, ids)
+    gap, shift = routing_gap_and_f16_shift(model, ids, by_logits=True)
     assert gap > shift, f"the router nearly ties on this text (gap {gap:.2e}, f16 shift {shift:.2e})"
     measured = compare(model, write_gguf(model, tmp_path / "m.gguf", gguf_type))
     print(f"GptOssForCausalLM {gguf_type}: {measured}, router gap {gap:.2e}, f16 shift {shift:.2e}")
