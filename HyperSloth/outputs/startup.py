@@ -8,7 +8,7 @@ the worker adds its own, and rank 0 writes the timeline into train_summary.json 
 (the first-step stamp comes after the synchronise `StepClock` does anyway).
 
 Phases, in order (`PHASES`; a run marks those that apply: `unsloth_import` only with Unsloth,
-`rendezvous` and `worker_start` only when the launcher spawns the workers):
+`rendezvous` and `worker_start` only when the launcher spawns the workers, `packing_check` only for packed rows):
 
     launcher_start   interpreter start, CLI imports, command line parsed
     launcher_checks  config loaded, GPUs counted, dataset/model/output folder checked, plan resolved, run.json
@@ -21,6 +21,7 @@ Phases, in order (`PHASES`; a run marks those that apply: `unsloth_import` only 
     dataset          the dataset's sample lengths read
     model_load       base model and tokenizer loaded
     adapter          LoRA adapters attached
+    packing_check    a packed run's model measured to keep packed samples apart (train/packing_check.py)
     budget_probe     "auto" micro-batch budget measured on the GPU (0 when fixed or on CPU)
     trainer_built    dataset split, plan steps, trainer (and its CUDA graphs installed)
     graph_capture    CUDA graphs captured for the planned row lengths (0 without graphs)
@@ -44,7 +45,7 @@ from HyperSloth.outputs.run_files import ENV_LAUNCH_STAMPS
 
 PHASES = (
     "launcher_start", "launcher_checks", "rendezvous", "worker_start", "worker_imports", "unsloth_import",
-    "dist_init", "train_imports", "dataset", "model_load", "adapter", "budget_probe", "trainer_built",
+    "dist_init", "train_imports", "dataset", "model_load", "adapter", "packing_check", "budget_probe", "trainer_built",
     "graph_capture", "train_setup", "first_step",
 )  # fmt: skip
 

@@ -248,6 +248,7 @@ def _loader(description: RunDescription, timeline: StartupTimeline):
         timeline.marks_from(loaded.stamps)
         if description.batching == "packed":  # before the budget probe measures packed rows on it
             loaded.packing = ensure_exact_packing(loaded.model, loaded.backend, description.method).as_record()
+            timeline.mark("packing_check")
         return loaded
 
     return load

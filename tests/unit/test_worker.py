@@ -118,6 +118,7 @@ def test_a_reload_for_checkpointing_puts_the_first_probe_between_the_two_loads(m
     load(True)
     assert loads == [False, True]
     assert checks == [("model 1", "transformers", "dpo"), ("model 2", "transformers", "dpo")]
-    assert [phase for phase, _ in timeline.marks] == ["model_load", "adapter", "budget_probe", "model_load", "adapter"]
+    assert [phase for phase, _ in timeline.marks] == ["model_load", "adapter", "packing_check", "budget_probe",
+                                                      "model_load", "adapter", "packing_check"]
     stamps = [at for _, at in timeline.marks]
     assert stamps == sorted(stamps)
