@@ -48,6 +48,7 @@ NOISE_FACTOR, LEAK_SHARE = 4.0, 0.05
 FIRST_TOKENS, SECOND_TOKENS = 32, 16  # the two samples: the second is the one that could see the first
 SEED = 20261203
 _MASK_TYPES = ("full_attention", "sliding_attention")  # the layer types `masks_from_positions` builds masks for
+MIXERS = ("self_attn", "linear_attn")  # a decoder layer's token mixer: attention, or linear attention (Qwen3.5)
 
 
 @dataclass(frozen=True)
@@ -67,9 +68,6 @@ class PackingCheck:
 
     def as_record(self) -> dict[str, Any]:
         return {**asdict(self), "exact": self.exact}
-
-
-MIXERS = ("self_attn", "linear_attn")  # a decoder layer's token mixer: attention, or linear attention (Qwen3.5)
 
 
 def _attention_modules(model) -> list[torch.nn.Module]:
