@@ -20,7 +20,7 @@ hyper_config_model = HyperConfig(
     # eval_fraction: the share of conversations held out (in [0, 0.5]); or eval_dataset_name="..." for a
     # separately built eval dataset.
     data=DataConfig(dataset_name="finetome-1k", eval_fraction=0.05),
-    training=TrainingConfig(gpus=[0, 1], loss_type="response_only", batching="packed"),
+    training=TrainingConfig(gpus=[0, 1], loss_type="response_only"),  # batching: packed (checked at start)
     fast_model_args=FastModelArgs(model_name="unsloth/Qwen3-4B", max_seq_length=2048),
     lora_args=LoraArgs(r=16, lora_alpha=16),
 )

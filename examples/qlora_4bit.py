@@ -8,7 +8,7 @@ from HyperSloth.config import DataConfig, FastModelArgs, HyperConfig, LoraArgs, 
 
 hyper_config_model = HyperConfig(
     data=DataConfig(dataset_name="finetome-1k"),
-    training=TrainingConfig(gpus=[0, 1], batching="packed"),
+    training=TrainingConfig(gpus=[0, 1]),  # batching: packed, or sorted-pad where the model needs it (checked)
     fast_model_args=FastModelArgs(
         model_name="unsloth/Qwen3-8B-bnb-4bit",  # pre-quantised weights
         max_seq_length=2048,

@@ -14,7 +14,7 @@ from HyperSloth.config import DataConfig, FastModelArgs, HyperConfig, LoraArgs, 
 
 hyper_config_model = HyperConfig(
     data=DataConfig(dataset_name="finetome-1k"),
-    training=TrainingConfig(gpus=[0, 1], loss_type="response_only", batching="packed"),
+    training=TrainingConfig(gpus=[0, 1], loss_type="response_only"),  # batching: packed (checked at start)
     fast_model_args=FastModelArgs(model_name="unsloth/Qwen3-4B", max_seq_length=2048),
     lora_args=LoraArgs(r=16, lora_alpha=16),
 )

@@ -142,6 +142,9 @@ class RunDescription(BaseModel):
     backend: Literal["unsloth", "transformers"]
     dtype: Literal["bfloat16", "float16", "float32"]
     batching: Literal["packed", "sorted-pad"]
+    batching_from_config: bool = Field(
+        False, description="training.batching was set in the config (not the default): a packed SFT run whose model "
+        "lets packed samples see each other is then refused rather than switched to sorted-pad (worker.py).")
     loss_type: Literal["all", "response_only"]
     method: Literal["sft", "dpo", "grpo"] = Field("sft", description="training.method: the loss and the dataset kind.")
     dpo_beta: float | None = Field(None, description="training.dpo_beta of a DPO run; None for SFT.")
@@ -199,6 +202,12 @@ class RunDescription(BaseModel):
     @property
     def samples_per_step(self) -> int:
         return self.global_batch_size
+
+    def with_batching(self, batching: str) -> "RunDescription":
+        """The same run with `batching` ("packed" or "sorted-pad"): the same samples per step, cut otherwise."""
+        accumulation = self.samples_per_rank_per_step // self.micro_batch_size
+        return self.model_copy(update={"batching": batching, **batch_numbers(
+            self.micro_batch_size, accumulation, self.world_size, batching)})
 
     @property
     def token_budget_auto(self) -> bool:
@@ -391,6 +400,7 @@ def resolve_run(loaded: LoadedConfig, *, world_size: int, machine: MachineFacts,
         backend=fast.resolved_backend(cuda_available=cuda, unsloth_available=machine.unsloth_available),
         dtype=fast.resolved_dtype(cuda_available=cuda),
         batching=training.batching,
+        batching_from_config="batching" in training.model_fields_set,
         loss_type=training.loss_type,
         method=training.method,
         dpo_beta=training.dpo_beta if training.method == "dpo" else None,

@@ -18,7 +18,8 @@ hyper_config_model = HyperConfig(
     training=TrainingConfig(
         gpus=[0, 1],  # one process per GPU; any ids, e.g. [2, 3]
         loss_type="response_only",  # train on assistant tokens only ("all": every token)
-        batching="packed",  # concatenate samples into rows: no compute wasted on padding
+        # batching unset: "packed" (samples concatenated into rows, no compute wasted on padding), or "sorted-pad"
+        # where the model cannot keep packed samples apart (checked at start; say batching= to choose yourself)
     ),
     fast_model_args=FastModelArgs(
         model_name="unsloth/Qwen3-8B-bnb-4bit",  # pre-quantised checkpoint: smaller download

@@ -22,9 +22,9 @@ hyper_config_model = HyperConfig(
         gpus=[0, 1],
         # Loss on assistant tokens only; "all" also trains on the prompt.
         loss_type="response_only",
-        # "packed" concatenates samples into rows (no padding, per-sample position ids);
-        # "sorted-pad" pads length-sorted rows instead.
-        batching="packed",
+        # batching unset: "packed" concatenates samples into rows (no padding, per-sample position ids), or
+        # "sorted-pad" (length-sorted, padded rows) where the model cannot keep packed samples apart (checked at
+        # start). batching="packed" or "sorted-pad" chooses yourself.
     ),
     fast_model_args=FastModelArgs(
         model_name="build/tiny-qwen3",  # a local folder, made by `hypersloth-tiny-model`

@@ -18,10 +18,11 @@ difference is within `NOISE_FACTOR` times the rounding one plus `LEAK_SHARE` of 
 (its whole leak); Qwen3.5-MoE 0.10 (its linear attention, in transformers' PyTorch fallback, carries state across
 the boundary), refused.
 
-`ensure_exact_packing` runs it once per load (worker.py, packed runs only). Where packing leaks it hands the
-decoder the masks transformers builds from the position ids (`masks_from_positions`, a forward pre-hook:
-`create_causal_mask` / `create_sliding_window_causal_mask` with `position_ids`, the masks a decoder that passes
-them would build) and measures again. Still leaking: a ConfigError that says what to change.
+`settle_packing` runs it once per load (worker.py, packed runs only). Where packing leaks it hands the decoder the
+masks transformers builds from the position ids (`masks_from_positions`, a forward pre-hook: `create_causal_mask` /
+`create_sliding_window_causal_mask` with `position_ids`, the masks a decoder that passes them would build) and
+measures again. Still leaking: the worker refuses the run with what to change (`refusal`, a PackedRowsLeak), or, for
+an SFT run whose config left training.batching unset, trains it sorted-pad instead (one log line).
 """
 
 from __future__ import annotations
@@ -199,24 +200,37 @@ def masks_from_positions(model) -> Callable[[], None] | None:
     return decoder.register_forward_pre_hook(hook, with_kwargs=True).remove
 
 
-def _refusal(model, backend: str, method: str, check: PackingCheck) -> str:
+class PackedRowsLeak(ConfigError):
+    """Packed rows that still leak on this model: the message says what to change, `what` what the model does
+    (`leak_text`), `check` what was measured, `loaded` the loaded model where the worker may train it otherwise."""
+
+    def __init__(self, message: str, check: PackingCheck, what: str, loaded: Any = None):
+        super().__init__(message)
+        self.check, self.what, self.loaded = check, what, loaded
+
+
+def leak_text(model, backend: str, check: PackingCheck) -> str:
+    """What a leaking model does, in one clause."""
     arch = getattr(getattr(model, "config", None), "model_type", "this model")
-    seen = (f"in a packed row a sample's attention outputs differ from the sample alone by {check.packed:.0%} "
-            f"(a deliberate leak: {check.leaked:.0%})")
+    return (f"{arch} on the {backend} backend lets the samples of a packed row attend to each other (in a packed "
+            f"row a sample's attention outputs differ from the sample alone by {check.packed:.0%}; a deliberate "
+            f"leak: {check.leaked:.0%})")
+
+
+def refusal(model, backend: str, method: str, check: PackingCheck) -> str:
+    """What to change, for a run whose packed rows leak."""
     if method in ("dpo", "grpo"):
         other = " (fast_model_args.backend='transformers' may keep them apart)" if backend == "unsloth" else ""
-        return (f"{arch} on the {backend} backend lets the samples of a packed row attend to each other ({seen}), "
-                f"and method={method!r} trains packed rows only: this model cannot be trained with {method.upper()} "
-                f"here{other}")
-    return (f"{arch} on the {backend} backend lets the samples of a packed row attend to each other ({seen}): "
-            "set training.batching='sorted-pad' (padded rows, one sample each)")
+        return (f"{leak_text(model, backend, check)}, and method={method!r} trains packed rows only: this model "
+                f"cannot be trained with {method.upper()} here{other}")
+    return f"{leak_text(model, backend, check)}: set training.batching='sorted-pad' (padded rows, one sample each)"
 
 
-def ensure_exact_packing(model, backend: str, method: str = "sft") -> PackingCheck:
+def settle_packing(model, backend: str) -> PackingCheck:
     """Measure packing on the loaded model (`measure`); where it leaks, hand the decoder the masks built from the
     position ids (`masks_from_positions`; on Unsloth too, whose varlen routing for transformers' attention reads a
-    block-diagonal mask) and measure again. Logs one line; raises a
-    ConfigError saying what to change where packed rows still leak."""
+    block-diagonal mask) and measure again, keeping the fix only where it made packing exact. Logs one line where
+    packing is exact; returns the last measurement (`exact` False: packed rows still leak)."""
     with_lengths = backend == "unsloth"
     check = measure(model, with_lengths=with_lengths)
     if check.exact:
@@ -235,4 +249,12 @@ def ensure_exact_packing(model, backend: str, method: str = "sft") -> PackingChe
                         f"masks transformers builds from them (checked: within {fixed.packed:.1e})")
             return fixed
         remove()
-    raise ConfigError(_refusal(model, backend, method, check))
+    return check
+
+
+def ensure_exact_packing(model, backend: str, method: str = "sft") -> PackingCheck:
+    """`settle_packing`, and a PackedRowsLeak saying what to change where packed rows still leak."""
+    check = settle_packing(model, backend)
+    if not check.exact:
+        raise PackedRowsLeak(refusal(model, backend, method, check), check, leak_text(model, backend, check))
+    return check

@@ -146,8 +146,7 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path, time
                                    lora=lora.model_dump(mode="json") if lora else None,
                                    backend=description.backend,
                                    cache=probe_cache.ProbeCache(probe_cache.cache_dir()))
-    description, loaded_model, budget_decision = budget.settle(description, _loader(description, timeline),
-                                                               lengths, setup, local_ranks=info.local_world_size)
+    description, loaded_model, budget_decision = _settle(description, timeline, lengths, setup, info)
     timeline.mark("budget_probe")
     logger.info(f"model {description.hyper_config.fast_model_args.model_name} loaded with {loaded_model.backend} ({loaded_model.dtype})")
     # After the budget (checkpointing and tiling settled: whether the decoder is graphed), before any graph capture.
@@ -197,6 +196,40 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path, time
     return summary
 
 
+def _settle(description: RunDescription, timeline: StartupTimeline, lengths, setup, info: dist.DistInfo):
+    """budget.settle: the model loaded (its packed rows checked) and the micro-batch budget fixed. An SFT run whose
+    config left training.batching unset, on a model whose packed rows leak (`packing_check`), trains sorted-pad
+    instead (one warning; the model already loaded is kept); any other leaking run is refused."""
+    from HyperSloth.train.packing_check import PackedRowsLeak
+
+    try:
+        return budget.settle(description, _loader(description, timeline), lengths, setup,
+                             local_ranks=info.local_world_size)
+    except PackedRowsLeak as leak:
+        if description.method != "sft" or description.batching_from_config:
+            raise
+        sorted_pad = description.with_batching("sorted-pad")
+        logger.warning(f"packed rows: {leak.what}; training.batching is not set, so this run trains "
+                       "sorted-pad (padded rows, one sample each: the same samples per step, with padding)")
+        leak.loaded.packing = {**leak.check.as_record(), "switched_to": "sorted-pad"}
+        return budget.settle(sorted_pad, _reusing(leak.loaded, _loader(sorted_pad, timeline)), lengths, setup,
+                             local_ranks=info.local_world_size)
+
+
+def _reusing(loaded, load):
+    """`load`, except that its first call returns `loaded` (the model the packed attempt loaded) when it asks for
+    the same load (the run's checkpointing, no tiled MLP)."""
+    first = [loaded]
+
+    def reuse(checkpointing, tiled_mlp: bool = False):
+        if first and checkpointing is None and not tiled_mlp:
+            return first.pop()
+        first.clear()
+        return load(checkpointing, tiled_mlp=tiled_mlp)
+
+    return reuse
+
+
 def _check_large_files(description: RunDescription):
     """The launcher hashed the checkpoint's small files; its large ones are hashed here, in a thread,
     while the model loads (a Future of the problems found), None without a resume."""
@@ -233,9 +266,11 @@ def _loader(description: RunDescription, timeline: StartupTimeline):
     """`load(gradient_checkpointing, tiled_mlp=False)` for budget.settle: the run's model, with the run's
     checkpointing (None) or the one given, and Unsloth's tiled MLP when `tiled_mlp` (settle decides "auto");
     each load's stamps go on `timeline` (a second load follows a first budget probe). A packed run's model is
-    checked to keep the samples of a packed row apart (`packing_check`), or refused."""
+    checked to keep the samples of a packed row apart (`packing_check`; every rank's result agreed), else a
+    PackedRowsLeak carrying the loaded model (`_settle` decides)."""
     from HyperSloth.train import model as model_lib
-    from HyperSloth.train.packing_check import ensure_exact_packing
+    from HyperSloth.train import packing_check
+    loads = [0]
 
     def load(checkpointing, tiled_mlp: bool = False):
         if any(phase == "model_load" for phase, _ in timeline.marks):
@@ -247,8 +282,14 @@ def _loader(description: RunDescription, timeline: StartupTimeline):
                                       expert_lora=description.expert_lora)
         timeline.marks_from(loaded.stamps)
         if description.batching == "packed":  # before the budget probe measures packed rows on it
-            loaded.packing = ensure_exact_packing(loaded.model, loaded.backend, description.method).as_record()
+            check = packing_check.settle_packing(loaded.model, loaded.backend)
+            loaded.packing = check.as_record()
             timeline.mark("packing_check")
+            loads[0] += 1  # every rank must agree: the ranks would otherwise plan differently
+            if not all(flag == "1" for flag in dist.exchange(f"packing_exact/{loads[0]}", "1" if check.exact else "0")):
+                raise packing_check.PackedRowsLeak(
+                    packing_check.refusal(loaded.model, loaded.backend, description.method, check), check,
+                    packing_check.leak_text(loaded.model, loaded.backend, check), loaded)
         return loaded
 
     return load

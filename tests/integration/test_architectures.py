@@ -2,8 +2,8 @@
 transformers 5's fused experts gets adapters on its experts and 1 and 2 workers give the same adapter; a tiny
 gpt-oss (eager attention, biased transposed experts; its decoder builds masks without the position ids, so
 packed rows leak until HyperSloth hands it the masks) logs its step-1 loss as every sample alone gives it and
-1 and 2 workers agree; a tiny Qwen3.5-MoE (linear attention, whose packed rows leak on the CPU) is refused packed,
-with what to change, and trains sorted-pad with 1 and 2 workers agreeing; a tiny GLM-4.7-Flash (latent attention,
+1 and 2 workers agree; a tiny Qwen3.5-MoE (linear attention, whose packed rows leak on the CPU) is refused when its config asks for packed
+rows, with what to change, and with batching left unset trains sorted-pad, 1 and 2 workers agreeing; a tiny GLM-4.7-Flash (latent attention,
 a dense first layer) trains at defaults with 1 and 2 workers agreeing; a tiny Phi-3 gets its fused qkv_proj /
 gate_up_proj. lora_args.target_modules is left unset in every run."""
 
@@ -41,8 +41,8 @@ SPECS = [
     RunSpec("gptoss-2w", model_subdir="gpt_oss", default_targets=True),
     RunSpec("gptoss-1w", gpus=1, per_device=8, model_subdir="gpt_oss", default_targets=True),
     RunSpec("qwen35-packed", model_subdir="qwen3_5_moe", default_targets=True),
-    RunSpec("qwen35-2w", batching="sorted-pad", model_subdir="qwen3_5_moe", default_targets=True),
-    RunSpec("qwen35-1w", gpus=1, per_device=8, batching="sorted-pad", model_subdir="qwen3_5_moe", default_targets=True),
+    RunSpec("qwen35-2w", batching=None, model_subdir="qwen3_5_moe", default_targets=True),
+    RunSpec("qwen35-1w", gpus=1, per_device=8, batching=None, model_subdir="qwen3_5_moe", default_targets=True),
     RunSpec("glm-2w", model_subdir="glm4_moe_lite", default_targets=True),
     RunSpec("glm-1w", gpus=1, per_device=8, model_subdir="glm4_moe_lite", default_targets=True),
 ]
@@ -140,14 +140,17 @@ def test_gpt_oss_packed_rows_train_each_sample_as_alone_and_two_workers_match_on
 
 
 @needs("qwen35-packed", "qwen35-2w", "qwen35-1w")
-def test_qwen3_5_moe_is_refused_packed_and_trains_sorted_pad_on_one_or_two_workers(runs):
+def test_qwen3_5_moe_is_refused_packed_and_at_defaults_trains_sorted_pad_on_one_or_two_workers(runs):
     refused = runs.get("qwen35-packed")
     assert refused.returncode != 0, refused.output[-2000:]
     assert "qwen3_5_moe_text on the transformers backend lets the samples of a packed row attend to each other" \
         in refused.output and "set training.batching='sorted-pad'" in refused.output
     assert not (refused.out / "train_summary.json").exists()
     multi, single = runs.get("qwen35-2w").check_ok(), runs.get("qwen35-1w").check_ok()
-    assert json.loads((multi.out / "run_resolved.json").read_text())["packing"] is None  # nothing packed to check
+    packing = json.loads((multi.out / "run_resolved.json").read_text())["packing"]
+    assert packing["switched_to"] == "sorted-pad" and not packing["exact"], packing
+    assert multi.summary["batching"] == single.summary["batching"] == "sorted-pad"
+    assert "training.batching is not set, so this run trains sorted-pad" in (multi.out / "logs" / "rank0.log").read_text()
     assert_workers_agree(multi, single)
     assert any("linear_attn.in_proj_qkv" in name for name in multi.adapter())
     assert any("experts" in name for name in multi.adapter())

@@ -77,7 +77,7 @@ class RunSpec:
     name: str
     gpus: int = 2
     per_device: int = 4
-    batching: Literal["packed", "sorted-pad"] = "packed"
+    batching: Literal["packed", "sorted-pad"] | None = "packed"  # None: not in the config (the default, packed)
     loss_type: Literal["all", "response_only"] = "response_only"
     launcher: Literal["cli", "torchrun", "tmux"] = "cli"
     resume_from: str | None = None  # copy this run's output dir and resume from its checkpoint-3 in place
@@ -96,7 +96,7 @@ class RunSpec:
             "training": {
                 "gpus": list(range(self.gpus)),
                 "loss_type": self.loss_type,
-                "batching": self.batching,
+                **({} if self.batching is None else {"batching": self.batching}),
                 # Smaller than a step's tokens, so every rank accumulates several packed micro-batches.
                 "tokens_per_micro_batch": 512,
                 "profile": self.profile,

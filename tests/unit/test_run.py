@@ -53,7 +53,7 @@ def write_config(tmp_path: Path, *, gpus=(0, 1), batching="packed", per_device=4
         from HyperSloth.config import *
         hyper_config_model = HyperConfig(
             data=DataConfig(dataset_name="chat", data_dir={str(tmp_path / 'data')!r}),
-            training=TrainingConfig(gpus={list(gpus)!r}, batching={batching!r}{extra}),
+            training=TrainingConfig(gpus={list(gpus)!r}{"" if batching is None else f", batching={batching!r}"}{extra}),
             fast_model_args=FastModelArgs(model_name={model!r}, max_seq_length={max_seq_length}),
         )
         training_config_model = TrainingArgsConfig(
@@ -101,6 +101,17 @@ def test_sorted_pad_runs_accumulation_micro_batches_and_world_size_scales_the_st
     assert (run.global_batch_size, run.micro_batches_per_step) == (2 * 3 * 5, 3)
     assert batch_numbers(2, 3, 5, "sorted-pad") == {"micro_batch_size": 2, "samples_per_rank_per_step": 6,
                                                     "global_batch_size": 30, "micro_batches_per_step": 3}
+
+
+def test_batching_left_unset_is_recorded_and_sorted_pad_recuts_the_same_step(setup):
+    """A packed run whose model leaks may train sorted-pad only if its config left batching unset (worker.py)."""
+    unset = resolve(write_config(setup, batching=None, per_device=2, accumulation=3), world_size=2)
+    assert (unset.batching, unset.batching_from_config) == ("packed", False)
+    assert resolve(write_config(setup, batching="packed", name="set.py")).batching_from_config
+    padded = unset.with_batching("sorted-pad")
+    assert (padded.batching, padded.micro_batches_per_step, padded.global_batch_size) == ("sorted-pad", 3, 12)
+    assert padded.samples_per_rank_per_step == unset.samples_per_rank_per_step == 6
+    assert padded.model_copy(update={"batching": "packed", "micro_batches_per_step": None}) == unset
 
 
 def test_cuda_machine_resolves_backend_and_dtype(setup):

@@ -102,12 +102,12 @@ def test_a_reload_for_checkpointing_puts_the_first_probe_between_the_two_loads(m
         return types.SimpleNamespace(model=f"model {len(loads)}", backend="transformers", packing=None,
                                      stamps={"model_load": time.time(), "adapter": time.time()})
 
-    def fake_check(model, backend, method):
-        checks.append((model, backend, method))
+    def fake_check(model, backend):
+        checks.append((model, backend))
         return packing_check.PackingCheck(packed=0.0, rounding=0.0, leaked=1.0, layers=2)
 
     monkeypatch.setattr(model_lib, "load_model", fake_load)
-    monkeypatch.setattr(packing_check, "ensure_exact_packing", fake_check)
+    monkeypatch.setattr(packing_check, "settle_packing", fake_check)
     hyper = types.SimpleNamespace(fast_model_args=FastModelArgs(model_name="m"), lora_args=None)
     description = types.SimpleNamespace(gradient_checkpointing=False, hyper_config=hyper, lora_passes=False,
                                         expert_lora="auto", batching="packed", method="dpo")
@@ -117,8 +117,65 @@ def test_a_reload_for_checkpointing_puts_the_first_probe_between_the_two_loads(m
                                   "exact": True}
     load(True)
     assert loads == [False, True]
-    assert checks == [("model 1", "transformers", "dpo"), ("model 2", "transformers", "dpo")]
+    assert checks == [("model 1", "transformers"), ("model 2", "transformers")]
     assert [phase for phase, _ in timeline.marks] == ["model_load", "adapter", "packing_check", "budget_probe",
                                                       "model_load", "adapter", "packing_check"]
     stamps = [at for _, at in timeline.marks]
     assert stamps == sorted(stamps)
+
+
+def _leaking_run(monkeypatch, method: str, from_config: bool):
+    """A packed run (SimpleNamespace description) whose model's packed rows leak: load_model and the check faked,
+    budget.settle faked to load once and return what it was given."""
+    import time
+
+    from HyperSloth.config import FastModelArgs
+    from HyperSloth.train import model as model_lib
+    from HyperSloth.train import packing_check
+    from HyperSloth.train.budget import settle as budget_settle
+
+    loads, settled = [], []
+
+    def fake_load(fast, lora, **kwargs):
+        loads.append(fast.use_gradient_checkpointing)
+        return types.SimpleNamespace(model=types.SimpleNamespace(config=types.SimpleNamespace(model_type="gpt_oss")),
+                                     backend="unsloth", packing=None, stamps={"model_load": time.time()})
+
+    def fake_settle(description, load, lengths, setup, local_ranks=1):
+        settled.append(description.batching)
+        return description, load(None), "decision"
+
+    leaking = packing_check.PackingCheck(packed=0.9, rounding=0.0, leaked=1.0, layers=2)
+    monkeypatch.setattr(model_lib, "load_model", fake_load)
+    monkeypatch.setattr(packing_check, "settle_packing", lambda model, backend: leaking)
+    monkeypatch.setattr(budget_settle, "settle", fake_settle)
+    hyper = types.SimpleNamespace(fast_model_args=FastModelArgs(model_name="m"), lora_args=None)
+
+    def described(batching):
+        return types.SimpleNamespace(gradient_checkpointing=False, hyper_config=hyper, lora_passes=False,
+                                     expert_lora="auto", batching=batching, method=method,
+                                     batching_from_config=from_config, with_batching=described)
+
+    info = types.SimpleNamespace(local_world_size=1)
+    return lambda: worker._settle(described("packed"), StartupTimeline(time.time()), [10], None, info), loads, settled
+
+
+def test_an_sft_run_with_batching_unset_trains_sorted_pad_on_the_model_already_loaded(monkeypatch):
+    settle, loads, settled = _leaking_run(monkeypatch, "sft", from_config=False)
+    description, loaded, decision = settle()
+    assert description.batching == "sorted-pad" and decision == "decision"
+    assert settled == ["packed", "sorted-pad"] and loads == [False]  # loaded once, kept for the sorted-pad run
+    assert loaded.packing == {"packed": 0.9, "rounding": 0.0, "leaked": 1.0, "layers": 2, "fix": None,
+                              "exact": False, "switched_to": "sorted-pad"}
+
+
+@pytest.mark.parametrize("method, from_config, says", [
+    ("sft", True, "set training.batching='sorted-pad'"),
+    ("dpo", False, "cannot be trained with DPO here (fast_model_args.backend='transformers' may keep them apart)")])
+def test_a_leaking_run_that_asked_for_packed_rows_or_needs_them_is_refused(monkeypatch, method, from_config, says):
+    from HyperSloth.train.packing_check import PackedRowsLeak
+
+    settle, loads, settled = _leaking_run(monkeypatch, method, from_config=from_config)
+    with pytest.raises(PackedRowsLeak, match="gpt_oss on the unsloth backend lets the samples") as err:
+        settle()
+    assert says in str(err.value) and settled == ["packed"]
