@@ -276,9 +276,9 @@ class TrainingConfig(BaseModel):
         "response_only", description="'response_only' trains on assistant tokens only; 'all' on every token."
     )
     batching: Literal["packed", "sorted-pad"] = Field(
-        "packed", description="'packed' concatenates samples per row (no padding); 'sorted-pad' pads length-sorted rows. "
-        "Left unset, an SFT run whose model cannot keep packed samples apart (checked at start) trains sorted-pad; set, "
-        "such a run is refused."
+        "packed", description="'packed' concatenates samples per row (no padding); 'sorted-pad' pads length-sorted "
+        "rows. Left unset, an SFT run whose model cannot keep packed samples apart (checked at start) trains "
+        "sorted-pad; set, such a run is refused."
     )
     tokens_per_micro_batch: Annotated[int, Field(gt=0)] | Literal["auto"] = Field(
         "auto",

@@ -1,11 +1,14 @@
-"""Architectures beyond Qwen3 train at defaults through the real CLI (CPU, gloo): a tiny Qwen3-MoE with
-transformers 5's fused experts gets adapters on its experts and 1 and 2 workers give the same adapter; a tiny
-gpt-oss (eager attention, biased transposed experts; its decoder builds masks without the position ids, so
-packed rows leak until HyperSloth hands it the masks) logs its step-1 loss as every sample alone gives it and
-1 and 2 workers agree; a tiny Qwen3.5-MoE (linear attention, whose packed rows leak on the CPU) is refused when its config asks for packed
-rows, with what to change, and with batching left unset trains sorted-pad, 1 and 2 workers agreeing; a tiny GLM-4.7-Flash (latent attention,
-a dense first layer) trains at defaults with 1 and 2 workers agreeing; a tiny Phi-3 gets its fused qkv_proj /
-gate_up_proj. lora_args.target_modules is left unset in every run."""
+"""Architectures beyond Qwen3 train at defaults through the real CLI (CPU, gloo). lora_args.target_modules is left
+unset in every run.
+- A tiny Qwen3-MoE with transformers 5's fused experts gets adapters on its experts; 1 and 2 workers give the same
+  adapter.
+- A tiny gpt-oss (eager attention, biased transposed experts; its decoder builds masks without the position ids, so
+  packed rows leak until HyperSloth hands it the masks) logs its step-1 loss as every sample alone gives it; 1 and
+  2 workers agree.
+- A tiny Qwen3.5-MoE (linear attention, whose packed rows leak on the CPU) is refused when its config asks for
+  packed rows, with what to change; with batching left unset it trains sorted-pad, 1 and 2 workers agreeing.
+- A tiny GLM-4.7-Flash (latent attention, a dense first layer) trains at defaults, 1 and 2 workers agreeing.
+- A tiny Phi-3 gets its fused qkv_proj / gate_up_proj."""
 
 from __future__ import annotations
 
@@ -150,7 +153,8 @@ def test_qwen3_5_moe_is_refused_packed_and_at_defaults_trains_sorted_pad_on_one_
     packing = json.loads((multi.out / "run_resolved.json").read_text())["packing"]
     assert packing["switched_to"] == "sorted-pad" and not packing["exact"], packing
     assert multi.summary["batching"] == single.summary["batching"] == "sorted-pad"
-    assert "training.batching is not set, so this run trains sorted-pad" in (multi.out / "logs" / "rank0.log").read_text()
+    log = (multi.out / "logs" / "rank0.log").read_text()
+    assert "training.batching is not set, so this run trains sorted-pad" in log
     assert_workers_agree(multi, single)
     assert any("linear_attn.in_proj_qkv" in name for name in multi.adapter())
     assert any("experts" in name for name in multi.adapter())
