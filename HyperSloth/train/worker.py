@@ -208,23 +208,26 @@ def _settle(description: RunDescription, timeline: StartupTimeline, lengths, set
     except PackedRowsLeak as leak:
         if description.method != "sft" or description.batching_from_config:
             raise
-        sorted_pad = description.with_batching("sorted-pad")
-        logger.warning(f"packed rows: {leak.what}; training.batching is not set, so this run trains "
-                       "sorted-pad (padded rows, one sample each: the same samples per step, with padding)")
-        leak.loaded.packing = {**leak.check.as_record(), "switched_to": "sorted-pad"}
-        return budget.settle(sorted_pad, _reusing(leak.loaded, _loader(sorted_pad, timeline)), lengths, setup,
-                             local_ranks=info.local_world_size)
+        what, kept = leak.what, [leak.loaded]
+        kept[0].packing = {**leak.check.as_record(), "switched_to": "sorted-pad"}
+        leak.loaded = None
+    # Outside the except clause: its traceback (and the loader's frame holding the model) is gone, so a reload
+    # below would not keep two models in memory.
+    logger.warning(f"packed rows: {what}; training.batching is not set, so this run trains sorted-pad (padded rows, "
+                   "one sample each: the same samples per step, with padding)")
+    sorted_pad = description.with_batching("sorted-pad")
+    return budget.settle(sorted_pad, _reusing(kept, _loader(sorted_pad, timeline)), lengths, setup,
+                         local_ranks=info.local_world_size)
 
 
-def _reusing(loaded, load):
-    """`load`, except that its first call returns `loaded` (the model the packed attempt loaded) when it asks for
-    the same load (the run's checkpointing, no tiled MLP)."""
-    first = [loaded]
+def _reusing(kept: list, load):
+    """`load`, except that its first call returns the model in `kept` (the one the packed attempt loaded) when it
+    asks for the same load (the run's checkpointing, no tiled MLP); any other call drops it first."""
 
     def reuse(checkpointing, tiled_mlp: bool = False):
-        if first and checkpointing is None and not tiled_mlp:
-            return first.pop()
-        first.clear()
+        if kept and checkpointing is None and not tiled_mlp:
+            return kept.pop()
+        kept.clear()
         return load(checkpointing, tiled_mlp=tiled_mlp)
 
     return reuse
