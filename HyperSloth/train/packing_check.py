@@ -27,6 +27,7 @@ an SFT run whose config left training.batching unset, trains it sorted-pad inste
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -151,7 +152,9 @@ def measure(model, *, with_lengths: bool = False) -> PackingCheck:
         raise ConfigError("packed rows cannot be checked on this model: no decoder layers found "
                           "(model.model.layers); set training.batching='sorted-pad'")
     last, head = slice(-SECOND_TOKENS, None), slice(0, SECOND_TOKENS)
-    with _quiet_dropout(model):
+    with _quiet_dropout(model), warnings.catch_warnings():
+        # reentrant gradient checkpointing under no_grad says so once per layer; nothing here needs gradients
+        warnings.filterwarnings("ignore", message="None of the inputs have requires_grad")
         reference = _outputs(model, modules, alone, last)
         if reference is None:  # the layers' mixers are not called as modules: the decoder's output instead
             modules = [_decoder(model)]

@@ -119,3 +119,15 @@ def test_a_forward_that_bypasses_the_mixer_modules_is_measured_on_the_decoder_ou
     check = measure(model)
     assert check.layers == 1 and not check.exact and check.packed > 0.5 * check.leaked, check
     assert measure(_tiny("qwen3")).exact
+
+
+def test_reentrant_gradient_checkpointing_measures_quietly():
+    """Under no_grad, reentrant checkpointing warns once per layer that gradients will be None: not in the log."""
+    import warnings
+
+    model = _tiny("qwen3")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert measure(model).exact
+    assert not [w for w in caught if "requires_grad" in str(w.message)]
