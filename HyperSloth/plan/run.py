@@ -482,6 +482,10 @@ def check_resume(description: RunDescription) -> str | None:
         saved = read_run(saved_file)
     except ConfigError as err:
         return f"cannot check the checkpoint to resume: {err}"
+    if not (saved.batching_from_config or description.batching_from_config):
+        # Both left batching unset: the checkpoint's workers may have trained sorted-pad on a model whose packed rows
+        # leak (train/worker.py), and this run's workers, on the same model, will do the same.
+        saved = saved.with_batching(description.batching)
     ours, theirs = description.planning_key(), saved.planning_key()
     diffs = [f"{key} {theirs[key]} -> {ours[key]}" for key in ours if ours[key] != theirs[key]]
     if not diffs:

@@ -217,6 +217,18 @@ def test_resume_with_another_plan_is_refused(setup, change, expected):
     assert "samples would be repeated or skipped" in message
 
 
+def test_a_run_that_trained_sorted_pad_by_itself_resumes_with_batching_still_unset(setup):
+    """Its workers switched packed -> sorted-pad (a model whose packed rows leak) and wrote that into the checkpoint's
+    run.json; the resumed run, batching still unset, will switch again. A config that now sets batching is held
+    to the checkpoint's mode."""
+    switched = resolve(write_config(setup, name="first.py", batching=None)).with_batching("sorted-pad")
+    checkpoint = complete_checkpoint(setup / "out" / "checkpoint-3", switched)
+    resume = f", resume_from_checkpoint={str(checkpoint)!r}"
+    assert resolve(write_config(setup, batching=None, targs_extra=resume)).resume_from_checkpoint == str(checkpoint)
+    with pytest.raises(ConfigError, match="planning mode sorted-pad.* -> packed"):
+        resolve(write_config(setup, batching="packed", targs_extra=resume, name="set.py"))
+
+
 def test_resume_refuses_other_data_and_accepts_another_world_size_with_the_same_step(setup):
     checkpoint = _checkpoint_of(setup)
     resume = f", resume_from_checkpoint={str(checkpoint)!r}"
