@@ -6,7 +6,8 @@ unset in every run.
   packed rows leak until HyperSloth hands it the masks) logs its step-1 loss as every sample alone gives it; 1 and
   2 workers agree.
 - A tiny Qwen3.5-MoE (linear attention, whose packed rows leak on the CPU) is refused when its config asks for
-  packed rows, with what to change; with batching left unset it trains sorted-pad, 1 and 2 workers agreeing.
+  packed rows, with what to change; with batching left unset it trains sorted-pad, 1 and 2 workers agreeing, and
+  resumes from its checkpoint (whose run.json says sorted-pad) to the uninterrupted run's losses.
 - A tiny GLM-4.7-Flash (latent attention, a dense first layer) trains at defaults, 1 and 2 workers agreeing.
 - A tiny Phi-3 gets its fused qkv_proj / gate_up_proj."""
 
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 from training_fixtures import (
     DATASET,
+    SAVE_STEPS,
     expected_step_loss,
     first_step_indices,
     MAX_SEQ_LENGTH,
@@ -46,6 +48,7 @@ SPECS = [
     RunSpec("qwen35-packed", model_subdir="qwen3_5_moe", default_targets=True),
     RunSpec("qwen35-2w", batching=None, model_subdir="qwen3_5_moe", default_targets=True),
     RunSpec("qwen35-1w", gpus=1, per_device=8, batching=None, model_subdir="qwen3_5_moe", default_targets=True),
+    RunSpec("qwen35-resume", batching=None, model_subdir="qwen3_5_moe", default_targets=True, resume_from="qwen35-2w"),
     RunSpec("glm-2w", model_subdir="glm4_moe_lite", default_targets=True),
     RunSpec("glm-1w", gpus=1, per_device=8, model_subdir="glm4_moe_lite", default_targets=True),
 ]
@@ -167,3 +170,14 @@ def test_glm_4_7_flash_trains_at_defaults_and_two_workers_match_one(runs, datase
     assert_step_one_is_every_sample_alone(multi, workdir, model_dir, dataset)
     assert_workers_agree(multi, single)
     assert any("kv_b_proj" in name for name in multi.adapter()) and any("experts" in name for name in multi.adapter())
+
+
+@needs("qwen35-2w", "qwen35-resume")
+def test_qwen3_5_moe_trained_sorted_pad_by_itself_resumes_as_it_ran(runs):
+    full, resumed = runs.get("qwen35-2w").check_ok(), runs.get("qwen35-resume").check_ok()
+    a, b = full.summary, resumed.summary
+    assert b["batching"] == "sorted-pad" and b["steps"] == MAX_STEPS
+    assert b["step_losses"][:SAVE_STEPS] == a["step_losses"][:SAVE_STEPS]
+    assert np.max(np.abs(np.subtract(b["step_losses"], a["step_losses"])) / np.abs(a["step_losses"])) <= RTOL
+    error = relative_error(flat_adapter(full.adapter()), flat_adapter(resumed.adapter()))
+    assert error <= RTOL, f"final adapters differ: relative error {error:.3g}"
