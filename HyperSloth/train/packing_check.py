@@ -14,9 +14,9 @@ sequence (a deliberate leak, positions running on). It compares the second sampl
 layer's attention, and linear attention where a hybrid model has it) with the alone ones: per layer the median over
 its tokens of each token's relative difference, the largest over the layers. Packing is exact when the packed
 difference is within `NOISE_FACTOR` times the rounding one plus `LEAK_SHARE` of the leak's. Measured on the CPU
-(fp32 and bf16): 0 for every tiny architecture HyperSloth ships and for Mixtral; a leak 0.98-1.27; gpt-oss 1.27
-(its whole leak); Qwen3.5-MoE 0.10 (its linear attention, in transformers' PyTorch fallback, carries state across
-the boundary), refused.
+(fp32 and bf16): 0 for Mixtral and every tiny architecture HyperSloth ships but two; a leak 0.98-1.27; gpt-oss
+1.27 (its whole leak, fixed below); Qwen3.5-MoE 0.10-1.13 (its linear attention, in transformers' PyTorch fallback,
+carries state across the boundary).
 
 `settle_packing` runs it once per load (worker.py, packed runs only). Where packing leaks it hands the decoder the
 masks transformers builds from the position ids (`masks_from_positions`, a forward pre-hook: `create_causal_mask` /
