@@ -173,7 +173,7 @@ def packing_controls(model, sample: np.ndarray, others: Sequence[np.ndarray], *,
                            leaked_grad_rel_diff=_max_abs_diff(grads_leaked, grads_alone) / scale)
 
 
-def _decoder_and_head(model):
+def decoder_and_head(model):
     """The transformer body (hidden states after the final norm) and the output projection of a causal LM,
     under PEFT's wrapper or not."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -191,7 +191,7 @@ def sample_losses(model, samples: Sequence[np.ndarray], chunk_tokens: int = 8192
     config = model.config
     if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
         raise ValueError("sample_losses computes plain logits (hidden @ lm_head); this model scales or caps them")
-    decoder, head = _decoder_and_head(model)
+    decoder, head = decoder_and_head(model)
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()  # no dropout: the reference of a step's first loss, where LoRA B is still zero

@@ -39,6 +39,7 @@ from loguru import logger
 
 from HyperSloth.config import ConfigError
 from HyperSloth.train.collate import collate_packed
+from HyperSloth.train.exactness import decoder_and_head
 from HyperSloth.train.lora.install import decoder_layers
 
 # Packing is exact when the packed difference is within NOISE_FACTOR x the rounding difference of a row that cannot
@@ -157,17 +158,12 @@ def measure(model, *, with_lengths: bool = False) -> PackingCheck:
         warnings.filterwarnings("ignore", message="None of the inputs have requires_grad")
         reference = _outputs(model, modules, alone, last)
         if reference is None:  # the layers' mixers are not called as modules: the decoder's output instead
-            modules = [_decoder(model)]
+            modules = [decoder_and_head(model)[0]]
             reference = _outputs(model, modules, alone, last)
         inside, rounding, leak = (_outputs(model, modules, batch, rows)
                                   for batch, rows in ((packed, last), (front, head), (leaked, last)))
     return PackingCheck(packed=_difference(inside, reference), rounding=_difference(rounding, reference),
                         leaked=_difference(leak, reference), layers=len(modules))
-
-
-def _decoder(model) -> torch.nn.Module:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return base.get_decoder() if hasattr(base, "get_decoder") else base.model
 
 
 def masks_from_positions(model) -> Callable[[], None] | None:
@@ -178,7 +174,7 @@ def masks_from_positions(model) -> Callable[[], None] | None:
     for. Decoders that take a prepared mask mapping (as from `generate`) use it; others ignore it."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-    decoder = _decoder(model)
+    decoder = decoder_and_head(model)[0]
     config = decoder.config
     if any(kind not in _MASK_TYPES for kind in (getattr(config, "layer_types", None) or ["full_attention"])):
         return None
@@ -203,6 +199,10 @@ def masks_from_positions(model) -> Callable[[], None] | None:
     return decoder.register_forward_pre_hook(hook, with_kwargs=True).remove
 
 
+def _arch(model) -> str:
+    return getattr(getattr(model, "config", None), "model_type", "this model")
+
+
 class PackedRowsLeak(ConfigError):
     """Packed rows that still leak on this model: the message says what to change, `what` what the model does
     (`leak_text`), `check` what was measured, `loaded` the loaded model where the worker may train it otherwise."""
@@ -211,13 +211,17 @@ class PackedRowsLeak(ConfigError):
         super().__init__(message)
         self.check, self.what, self.loaded = check, what, loaded
 
+    @classmethod
+    def on(cls, model, backend: str, method: str, check: PackingCheck, loaded: Any = None) -> "PackedRowsLeak":
+        """The refusal of a `method` run on `model` whose last check is `check` (`refusal`, `leak_text`)."""
+        return cls(refusal(model, backend, method, check), check, leak_text(model, backend, check), loaded)
+
 
 def leak_text(model, backend: str, check: PackingCheck) -> str:
     """What a leaking model does, in one clause."""
-    arch = getattr(getattr(model, "config", None), "model_type", "this model")
-    return (f"{arch} on the {backend} backend lets the samples of a packed row attend to each other (in a packed "
-            f"row a sample's attention outputs differ from the sample alone by {check.packed:.0%}; a deliberate "
-            f"leak: {check.leaked:.0%})")
+    return (f"{_arch(model)} on the {backend} backend lets the samples of a packed row attend to each other (in a "
+            f"packed row a sample's attention outputs differ from the sample alone by {check.packed:.0%}; a "
+            f"deliberate leak: {check.leaked:.0%})")
 
 
 def refusal(model, backend: str, method: str, check: PackingCheck) -> str:
@@ -244,12 +248,11 @@ def settle_packing(model, backend: str) -> PackingCheck:
     if remove is not None:
         fixed = measure(model, with_lengths=with_lengths)
         if fixed.exact:
-            arch = getattr(model.config, "model_type", "this model")
             fixed = PackingCheck(fixed.packed, fixed.rounding, fixed.leaked, fixed.layers,
                                  fix="the decoder gets the masks built from the position ids")
-            logger.info(f"packed rows: {arch}'s decoder builds its attention mask without the position ids (samples "
-                        f"would see each other: {check.packed:.0%} off); HyperSloth passes it the block-diagonal "
-                        f"masks transformers builds from them (checked: within {fixed.packed:.1e})")
+            logger.info(f"packed rows: {_arch(model)}'s decoder builds its attention mask without the position ids "
+                        f"(samples would see each other: {check.packed:.0%} off); HyperSloth passes it the "
+                        f"block-diagonal masks transformers builds from them (checked: within {fixed.packed:.1e})")
             return fixed
         remove()
     return check
@@ -259,5 +262,5 @@ def ensure_exact_packing(model, backend: str, method: str = "sft") -> PackingChe
     """`settle_packing`, and a PackedRowsLeak saying what to change where packed rows still leak."""
     check = settle_packing(model, backend)
     if not check.exact:
-        raise PackedRowsLeak(refusal(model, backend, method, check), check, leak_text(model, backend, check))
+        raise PackedRowsLeak.on(model, backend, method, check)
     return check

@@ -290,9 +290,7 @@ def _loader(description: RunDescription, timeline: StartupTimeline):
             timeline.mark("packing_check")
             loads[0] += 1  # every rank must agree: the ranks would otherwise plan differently
             if not all(flag == "1" for flag in dist.exchange(f"packing_exact/{loads[0]}", "1" if check.exact else "0")):
-                raise packing_check.PackedRowsLeak(
-                    packing_check.refusal(loaded.model, loaded.backend, description.method, check), check,
-                    packing_check.leak_text(loaded.model, loaded.backend, check), loaded)
+                raise packing_check.PackedRowsLeak.on(loaded.model, loaded.backend, description.method, check, loaded)
         return loaded
 
     return load
