@@ -103,7 +103,6 @@ def plan_tensors(model_dir: Path, config: dict[str, Any], arch: Architecture, qt
     files, shapes = _tensor_index(model_dir, tied=tied)
     parts = tensor_parts(shapes, expert_count(config) if arch.moe else None, arch.experts_layout)
     if tied and arch.output_required:  # llama.cpp's graph for it reads output.weight, never token_embd
-        files["lm_head.weight"] = files[EMBEDDINGS]
         parts.append(TensorPart("lm_head.weight", shapes[EMBEDDINGS], (EMBEDDINGS,)))
     for part in parts:
         gguf_name = names.get_name(part.name, try_suffixes=(".weight", ".bias"))
