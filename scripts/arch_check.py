@@ -1,7 +1,7 @@
 """The fast path per architecture (issue 32 item 4): for each tiny architecture (HyperSloth.train.tiny_architectures),
 `hypersloth-train` at defaults on the GPU (Unsloth backend, lora_args.target_modules unset), once with CUDA graphs
 (the default) and once eager (training.cuda_graphs=False), 6 steps each; what the logs say about HyperSloth's LoRA
-passes and the graphs, what the packed-row check measured (train/packing_check.py), and how far the graphed losses
+passes and the graphs, what the packed-row check measured (train/packing/check.py), and how far the graphed losses
 are from eager's. One JSON record per architecture.
 
     python scripts/arch_check.py --out $OUT/arch [--architectures qwen3,phi3,...] [--parallel 4]

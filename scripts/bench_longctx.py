@@ -6,7 +6,7 @@ Two measurements decide whether a system trained it whole, made by the `referenc
 process on the same checkpoint loaded the same way (Unsloth, 4-bit for 8B):
 
 - the exact step-1 loss: every sample of step 1 alone, unpacked, no gradients, logits in chunks
-  (`HyperSloth.train.exactness.step_loss_reference`). LoRA's B starts at zero, so step 1's loss is the base
+  (`HyperSloth.train.packing.exactness.step_loss_reference`). LoRA's B starts at zero, so step 1's loss is the base
   model's on that batch whatever the adapter seed. A system that cuts the long sample logs another number.
 - the attention floor: torch's flash attention forward of one causal sequence of the long sample's length
   on the model's heads, timed for one layer and multiplied by the layer count. Every step that trains the
@@ -15,7 +15,7 @@ process on the same checkpoint loaded the same way (Unsloth, 4-bit for 8B):
   key/value heads expanded, against 199 s for HyperSloth's whole step with the forward run twice, whose
   loss equalled the reference's to 2.2e-5.)
 
-With `--exactness` the reference also runs `HyperSloth.train.exactness.packed_vs_alone` on the GPU: the long
+With `--exactness` the reference also runs `HyperSloth.train.packing.exactness.packed_vs_alone` on the GPU: the long
 sample's loss and LoRA gradient inside a packed row of step 1's short samples against the sample alone,
 through Unsloth's varlen path (with its gradient checkpointing, so 131k+ fits). In bf16 that difference is
 not zero; `--exactness controls` instead runs `packing_controls`, the two rows it is judged between: the
@@ -85,7 +85,7 @@ def run_reference(a, workload, shape: dict, head_dim: int, seed: int, projection
     from datasets import load_from_disk
 
     from HyperSloth.config import FastModelArgs, LoraArgs
-    from HyperSloth.train.exactness import packed_vs_alone, packing_controls, sample_losses, step_loss_reference
+    from HyperSloth.train.packing.exactness import packed_vs_alone, packing_controls, sample_losses, step_loss_reference
     from HyperSloth.train.model import load_model
     from HyperSloth.train.patches import enable_unsloth_torch_varlen
 

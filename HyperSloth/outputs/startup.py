@@ -21,7 +21,7 @@ Phases, in order (`PHASES`; a run marks those that apply: `unsloth_import` only 
     dataset          the dataset's sample lengths read
     model_load       base model and tokenizer loaded
     adapter          LoRA adapters attached
-    packing_check    a packed run's model measured to keep packed samples apart (train/packing_check.py)
+    packing_check    a packed run's model measured to keep packed samples apart (train/packing/check.py)
     budget_probe     "auto" micro-batch budget measured on the GPU (0 when fixed or on CPU)
     trainer_built    dataset split, plan steps, trainer (and its CUDA graphs installed)
     graph_capture    CUDA graphs captured for the planned row lengths (0 without graphs)

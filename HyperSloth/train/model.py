@@ -34,7 +34,7 @@ class LoadedModel:
     stamps: dict[str, float] = field(default_factory=dict)
     # What got adapters and the trainable share (HyperSloth.train.lora.targets.describe; run_resolved.json).
     lora_targets: dict[str, Any] | None = None
-    # Packed rows measured on this model (HyperSloth.train.packing_check; packed runs only; run_resolved.json).
+    # Packed rows measured on this model (HyperSloth.train.packing.check; packed runs only; run_resolved.json).
     packing: dict[str, Any] | None = None
 
 

@@ -5,7 +5,7 @@ tests (and by anyone, with `hypersloth-tiny-model --architecture NAME`) without 
 The MoE shape keeps transformers 5's fused experts (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) with
 few experts and two active per token, so a short step routes tokens to every expert. Qwen3.5-MoE is the hybrid of
 Qwen3.5-35B-A3B: linear-attention (gated delta rule) layers, the last layer full attention, MoE with a shared
-expert everywhere; on the transformers backend its packed rows leak (train/packing_check.py), so an SFT run with
+expert everywhere; on the transformers backend its packed rows leak (train/packing/check.py), so an SFT run with
 training.batching unset trains it sorted-pad. GLM-4.7-Flash (`glm4_moe_lite`) has DeepSeek's multi-head latent attention
 (low-rank q and kv projections, a separate RoPE part) and a dense first layer before MoE ones with a shared expert.
 """

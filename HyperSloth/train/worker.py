@@ -185,7 +185,7 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path, time
     summary["gradient_checkpointing"] = description.gradient_checkpointing
     summary["tiled_mlp"] = description.tiled_mlp
     summary["lora_targets"] = loaded_model.lora_targets
-    summary["packing"] = loaded_model.packing  # packed rows measured to keep samples apart (packing_check)
+    summary["packing"] = loaded_model.packing  # packed rows measured to keep samples apart (train/packing/check.py)
     summary["attention"] = attention.as_record()  # the kernel packed rows ran on, what was asked and why
     summary["startup"] = timeline.record()  # launch to the end of step 1, phase by phase (outputs/startup.py)
     summary.update(eval_summary(trainer.state.log_history, description.eval_set, out_dir))
@@ -198,9 +198,9 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path, time
 
 def _settle(description: RunDescription, timeline: StartupTimeline, lengths, setup, info: dist.DistInfo):
     """budget.settle: the model loaded (its packed rows checked) and the micro-batch budget fixed. An SFT run whose
-    config left training.batching unset, on a model whose packed rows leak (`packing_check`), trains sorted-pad
+    config left training.batching unset, on a model whose packed rows leak (`packing.check`), trains sorted-pad
     instead (one warning; the model already loaded is kept); any other leaking run is refused."""
-    from HyperSloth.train.packing_check import PackedRowsLeak
+    from HyperSloth.train.packing.check import PackedRowsLeak
 
     try:
         return budget.settle(description, _loader(description, timeline), lengths, setup,
@@ -269,10 +269,10 @@ def _loader(description: RunDescription, timeline: StartupTimeline):
     """`load(gradient_checkpointing, tiled_mlp=False)` for budget.settle: the run's model, with the run's
     checkpointing (None) or the one given, and Unsloth's tiled MLP when `tiled_mlp` (settle decides "auto");
     each load's stamps go on `timeline` (a second load follows a first budget probe). A packed run's model is
-    checked to keep the samples of a packed row apart (`packing_check`; every rank's result agreed), else a
+    checked to keep the samples of a packed row apart (`packing.check`; every rank's result agreed), else a
     PackedRowsLeak carrying the loaded model (`_settle` decides)."""
     from HyperSloth.train import model as model_lib
-    from HyperSloth.train import packing_check
+    from HyperSloth.train.packing import check as packing_check
     loads = [0]
 
     def load(checkpointing, tiled_mlp: bool = False):

@@ -23,7 +23,7 @@ callN() {  # GRPO (issue 34 item 8) with the brief's 20 timed steps (callI / cal
 }
 
 callO() {  # gpt-oss, Qwen3.5-MoE, GLM-4.7-Flash and Qwen3-MoE at defaults through Unsloth, graphed and eager (scripts/arch_check.py): the
-  # packed-row check's first GPU measurement (train/packing_check.py; gpt-oss's transformers decoder builds its mask
+  # packed-row check's first GPU measurement (train/packing/check.py; gpt-oss's transformers decoder builds its mask
   # without the position ids), and gpt-oss's row of docs/models.md's fast-path table (~4 minutes)
   timeout $(left 290) python3 scripts/arch_check.py --out $OUT/arch --architectures gpt_oss,qwen3_5_moe,glm4_moe_lite,qwen3_moe \
     --parallel 8 > $L/arch.log 2>&1

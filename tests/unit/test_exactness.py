@@ -1,11 +1,11 @@
-"""exactness.py: a long sample inside a packed row trains exactly as it does alone (CPU, fp32, tiny Qwen3)."""
+"""packing/exactness.py: a long sample inside a packed row trains exactly as it does alone (CPU, fp32, tiny Qwen3)."""
 
 import numpy as np
 import pytest
 import torch
 
 from HyperSloth.train.collate import IGNORE_INDEX, collate_packed
-from HyperSloth.train.exactness import packed_vs_alone, packing_controls, sample_losses, step_loss_reference
+from HyperSloth.train.packing.exactness import packed_vs_alone, packing_controls, sample_losses, step_loss_reference
 
 MAX_POSITIONS = 4096  # the tiny model's context (tiny_model.build_tiny_model's default): its longest sample
 VOCAB = 512

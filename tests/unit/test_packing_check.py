@@ -1,4 +1,4 @@
-"""packing_check.py: the loaded model is measured to keep the samples of a packed row apart, gpt-oss's decoder
+"""packing/check.py: the loaded model is measured to keep the samples of a packed row apart, gpt-oss's decoder
 (whose mask ignores the position ids in transformers 5.17) gets the masks built from them, and a model that still
 leaks (Qwen3.5-MoE's linear attention on the CPU, a partial leak) is refused with what to change (CPU, fp32, tiny
 models of every architecture)."""
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from HyperSloth.config import ConfigError
-from HyperSloth.train import packing_check
-from HyperSloth.train.exactness import packed_vs_alone
-from HyperSloth.train.packing_check import ensure_exact_packing, masks_from_positions, measure
+from HyperSloth.train.packing import check as packing_check
+from HyperSloth.train.packing.exactness import packed_vs_alone
+from HyperSloth.train.packing.check import ensure_exact_packing, masks_from_positions, measure
 from HyperSloth.train.tiny_architectures import ARCHITECTURES, tiny_config, tiny_causal_lm
 
 VOCAB = 128

@@ -93,7 +93,7 @@ def test_a_reload_for_checkpointing_puts_the_first_probe_between_the_two_loads(m
 
     from HyperSloth.config import FastModelArgs
     from HyperSloth.train import model as model_lib
-    from HyperSloth.train import packing_check
+    from HyperSloth.train.packing import check as packing_check
 
     loads, checks = [], []
 
@@ -131,7 +131,7 @@ def _leaking_run(monkeypatch, method: str, from_config: bool):
 
     from HyperSloth.config import FastModelArgs
     from HyperSloth.train import model as model_lib
-    from HyperSloth.train import packing_check
+    from HyperSloth.train.packing import check as packing_check
     from HyperSloth.train.budget import settle as budget_settle
 
     loads, settled = [], []
@@ -173,7 +173,7 @@ def test_an_sft_run_with_batching_unset_trains_sorted_pad_on_the_model_already_l
     ("sft", True, "set training.batching='sorted-pad'"),
     ("dpo", False, "cannot be trained with DPO here (fast_model_args.backend='transformers' may keep them apart)")])
 def test_a_leaking_run_that_asked_for_packed_rows_or_needs_them_is_refused(monkeypatch, method, from_config, says):
-    from HyperSloth.train.packing_check import PackedRowsLeak
+    from HyperSloth.train.packing.check import PackedRowsLeak
 
     settle, loads, settled = _leaking_run(monkeypatch, method, from_config=from_config)
     with pytest.raises(PackedRowsLeak, match="gpt_oss on the unsloth backend lets the samples") as err:

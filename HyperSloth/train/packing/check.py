@@ -39,7 +39,7 @@ from loguru import logger
 
 from HyperSloth.config import ConfigError
 from HyperSloth.train.collate import collate_packed
-from HyperSloth.train.exactness import decoder_and_head
+from HyperSloth.train.packing.exactness import decoder_and_head
 from HyperSloth.train.lora.install import decoder_layers
 
 # Packing is exact when the packed difference is within NOISE_FACTOR x the rounding difference of a row that cannot
