@@ -41,6 +41,9 @@ from HyperSloth.outputs.run_files import TORCHRUN_VARS
 
 MASTER_ADDR = "127.0.0.1"
 STDERR_TAIL_LINES = 20
+# A rank that recorded its failure (failure.json) but has not exited this long after is stopped and reported: on
+# an H200 a worker that raised under Unsloth took ~4 minutes to leave Python after its error (2026-12-03).
+FAILED_EXIT_GRACE_S = 30.0
 
 class LaunchError(Exception):
     """A problem found before any worker starts; the CLI prints it and exits 2."""
@@ -271,8 +274,10 @@ class _Supervisor:
         self.specs, self.logs_dir, self.grace_s = specs, logs_dir, grace_s
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[_StderrPump] = []
+        self.started = time.time()
 
     def start(self, signals: _SignalRecord) -> None:
+        self.started = time.time()
         die_with_launcher = die_with_parent_hook()
         for spec in self.specs:
             if signals.signum is not None:
@@ -289,7 +294,9 @@ class _Supervisor:
             self.pumps.append(pump)
 
     def wait_first_failure(self, signals: _SignalRecord, poll_s: float = 0.1) -> tuple[WorkerSpec, int] | None:
-        """Block until every rank exited 0 (None), one exited non-zero (it and its code) or a signal came."""
+        """Block until every rank exited 0 (None), one exited non-zero (it and its code), one recorded its failure
+        and is still running `FAILED_EXIT_GRACE_S` later (it and 1: `stop` ends it), or a signal came."""
+        exit_grace_s, polls = FAILED_EXIT_GRACE_S, 0
         while signals.signum is None:
             codes = [proc.poll() for proc in self.procs]
             for spec, code in zip(self.specs, codes):
@@ -297,7 +304,29 @@ class _Supervisor:
                     return spec, code
             if all(code == 0 for code in codes):
                 return None
+            polls += 1
+            if polls % 10 == 0:  # about once a second: a few small files
+                stuck = self._failed_but_running(codes, exit_grace_s)
+                if stuck is not None:
+                    _say(f"rank {stuck.rank} recorded its failure {exit_grace_s:.0f} s ago and has not exited; "
+                         "stopping it")
+                    return stuck, 1
             time.sleep(poll_s)
+        return None
+
+    def _failed_but_running(self, codes: Sequence[int | None], exit_grace_s: float) -> WorkerSpec | None:
+        """A rank still running whose failure record, written by this launch, is older than `exit_grace_s`."""
+        now = time.time()
+        for spec, code in zip(self.specs, codes):
+            if code is not None:
+                continue
+            try:
+                record = json.loads(run_files.rank_file_in(self.logs_dir, spec.rank, "failure.json").read_text())
+                stamped = float(record["time"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if self.started <= stamped <= now - exit_grace_s:
+                return spec
         return None
 
     def failure(self, spec: WorkerSpec, code: int) -> RankFailure:

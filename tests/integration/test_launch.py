@@ -257,6 +257,36 @@ def test_the_first_failing_rank_is_named_with_its_own_error_in_a_few_lines(tmp_p
     assert "SIGTERM" not in "\n".join(lines) and "Connection closed" not in "\n".join(lines)
 
 
+# A rank that records its failure (as HyperSloth.worker does) and then does not leave Python: seen on an H200, a
+# worker that raised under Unsloth exited ~4 minutes after its error. Its stamp from an earlier run is ignored.
+HANGING_AFTER_FAILURE = textwrap.dedent('''
+    import json, os, sys, time
+    logs, mode = sys.argv[1], sys.argv[2]
+    if mode == "fail":
+        with open(os.path.join(logs, "rank0.failure.json"), "w") as f:
+            json.dump({"rank": 0, "time": time.time(), "error": "RuntimeError: size mismatch"}, f)
+        print("[rank 0] RuntimeError: size mismatch", file=sys.stderr, flush=True)
+        time.sleep(60)
+    time.sleep(2.5)
+''')
+
+
+def test_a_rank_that_recorded_its_failure_but_does_not_exit_is_stopped(tmp_path, capfd, monkeypatch):
+    monkeypatch.setattr(launch_mod, "FAILED_EXIT_GRACE_S", 1.0)
+    script, out = tmp_path / "hanging.py", tmp_path / "out"
+    script.write_text(HANGING_AFTER_FAILURE)
+    start = time.monotonic()
+    assert launch("cfg.py", [0], out, worker_argv=[sys.executable, str(script), str(out / "logs"), "fail"],
+                  cuda=False, grace_s=1.0) == 1
+    assert time.monotonic() - start < 30  # not the 60 s it would hang
+    err = capfd.readouterr().err
+    assert "rank 0 recorded its failure 1 s ago and has not exited; stopping it" in err
+    assert "rank 0 (gpu 0) failed with RuntimeError: size mismatch" in err
+    # the stale record of that run does not stop the next one, which outlives the grace
+    assert launch("cfg.py", [0], out, worker_argv=[sys.executable, str(script), str(out / "logs"), "ok"],
+                  cuda=False, grace_s=1.0) == 0
+
+
 def test_launcher_raising_mid_spawn_leaves_no_worker(fake, tmp_path, monkeypatch):
     real_popen, started = subprocess.Popen, []
 

@@ -131,3 +131,37 @@ def test_reentrant_gradient_checkpointing_measures_quietly():
         warnings.simplefilter("always")
         assert measure(model).exact
     assert not [w for w in caught if "requires_grad" in str(w.message)]
+
+
+def test_compiled_blocks_with_a_gradient_trial_are_measured_once_per_layer_and_left_uncompiled(monkeypatch):
+    """Unsloth compiles each decoder block (unsloth/models/_block_compile.py) and, before a block's first call
+    without gradients, runs it once with gradients: every attention ran twice per forward and the check compared 4
+    outputs with 2 (the GPU failure of 2026-12-03). The check keeps each module's last output, runs the blocks
+    eagerly (nothing compiled with its hooks in), and leaves the blocks' compile state as it found it."""
+    from torch._dynamo.utils import counters
+
+    model = _tiny("qwen3")
+    layers = packing_check.decoder_layers(model)
+    layer_class = type(layers[0])
+    compiled = torch.compile(layer_class.forward, backend="eager")
+
+    def forward(self, hidden_states, *args, **kwargs):  # Unsloth's _wrap, in short
+        checked = self.__dict__.get("_unsloth_block_checked", 0)
+        if not torch.is_grad_enabled() and not checked & 2:
+            with torch.enable_grad():
+                forward(self, hidden_states.detach().requires_grad_(), *args, **kwargs)
+        bit = 2 if torch.is_grad_enabled() else 1
+        self.__dict__["_unsloth_block_checked"] = self.__dict__.get("_unsloth_block_checked", 0) | bit
+        return compiled(self, hidden_states, *args, **kwargs)
+
+    monkeypatch.setattr(layer_class, "forward", forward)
+    layers[1].__dict__["_unsloth_block_mode"] = "split"  # state a block had before the check stays
+    counters.clear()
+    check = measure(model)
+    assert check.exact and check.layers == 2 and check.leaked > 0.5, check
+    assert counters["stats"]["unique_graphs"] == 0  # the hooks were not traced into a graph
+    assert all("_unsloth_block_checked" not in layer.__dict__ for layer in layers)
+    assert layers[1].__dict__["_unsloth_block_mode"] == "split" and "_unsloth_block_mode" not in layers[0].__dict__
+    with torch.no_grad():  # and the compiled blocks still compile for training
+        model(input_ids=torch.arange(2, 10)[None])
+    assert counters["stats"]["unique_graphs"] > 0

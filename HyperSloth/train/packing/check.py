@@ -106,25 +106,52 @@ def _quiet_dropout(model):
 def _outputs(model, modules: Sequence[torch.nn.Module], batch: dict[str, torch.Tensor],
              rows: slice) -> torch.Tensor | None:
     """Positions `rows` of every module's output (its first tensor, or a model output's last hidden state) in one
-    forward: [modules, tokens, width], fp32; None where no module's hook ran (a forward that bypasses them)."""
-    kept: list[torch.Tensor] = []
+    forward: [modules, tokens, width], fp32; None where a module's hook did not run (a forward that bypasses them).
+    A module called more than once in the forward keeps its last output: Unsloth's compiled decoder blocks run a
+    gradient-mode trial of a block before its first call without gradients (same inputs, same outputs)."""
+    kept: dict[int, torch.Tensor] = {}
 
-    def keep(_module, _args, output):
-        tensor = getattr(output, "last_hidden_state", None)
-        if tensor is None:
-            tensor = output[0] if isinstance(output, (tuple, list)) else output
-        kept.append(tensor.detach().reshape(-1, tensor.shape[-1])[rows].float().cpu())
+    def keeper(index: int):
+        def keep(_module, _args, output):
+            tensor = getattr(output, "last_hidden_state", None)
+            if tensor is None:
+                tensor = output[0] if isinstance(output, (tuple, list)) else output
+            kept[index] = tensor.detach().reshape(-1, tensor.shape[-1])[rows].float().cpu()
+        return keep
 
     device = next(model.parameters()).device
     batch = {k: v if k == "packed_seq_lengths" else v.to(device) for k, v in batch.items()}
-    hooks = [m.register_forward_hook(keep) for m in modules]
+    hooks = [m.register_forward_hook(keeper(i)) for i, m in enumerate(modules)]
     try:
         with torch.no_grad():
             model(**batch, use_cache=False)
     finally:
         for hook in hooks:
             hook.remove()
-    return torch.stack(kept) if kept else None
+    return torch.stack([kept[i] for i in range(len(modules))]) if len(kept) == len(modules) else None
+
+
+# Unsloth's block compile (unsloth/models/_block_compile.py) remembers per decoder layer which gradient modes it has
+# compiled (and whether a compile failed, to retry another way). The check runs the blocks eagerly: what they
+# remember is put back afterwards, so training's first call still compiles with Unsloth's fallbacks armed.
+_COMPILE_STATE = ("_unsloth_block_checked", "_unsloth_block_mode")
+
+
+@contextmanager
+def _eager(model):
+    """torch.compile'd code (Unsloth's compiled decoder blocks) runs eagerly: the check's hooks would otherwise be
+    traced into graphs and their recompiles counted against the limit training needs. Each layer's compile state
+    is as it was afterwards."""
+    layers = decoder_layers(model) or []
+    saved = [{key: layer.__dict__[key] for key in _COMPILE_STATE if key in layer.__dict__} for layer in layers]
+    try:
+        with torch.compiler.set_stance("force_eager"):
+            yield
+    finally:
+        for layer, state in zip(layers, saved):
+            for key in _COMPILE_STATE:
+                layer.__dict__.pop(key, None)
+            layer.__dict__.update(state)
 
 
 def _difference(x: torch.Tensor, reference: torch.Tensor) -> float:
@@ -153,7 +180,7 @@ def measure(model, *, with_lengths: bool = False) -> PackingCheck:
         raise ConfigError("packed rows cannot be checked on this model: no decoder layers found "
                           "(model.model.layers); set training.batching='sorted-pad'")
     last, head = slice(-SECOND_TOKENS, None), slice(0, SECOND_TOKENS)
-    with _quiet_dropout(model), warnings.catch_warnings():
+    with _quiet_dropout(model), _eager(model), warnings.catch_warnings():
         # reentrant gradient checkpointing under no_grad says so once per layer; nothing here needs gradients
         warnings.filterwarnings("ignore", message="None of the inputs have requires_grad")
         reference = _outputs(model, modules, alone, last)
