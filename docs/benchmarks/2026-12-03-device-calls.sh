@@ -34,4 +34,33 @@ callO() {  # gpt-oss, Qwen3.5-MoE, GLM-4.7-Flash and Qwen3-MoE at defaults throu
   pack
 }
 
+# The second session of 2026-12-03 (1800 s of device time): callN ran first and our GRPO slot failed 35 s in (the
+# packed-row check under Unsloth's compiled blocks, fixed since), then hung ~4 minutes before it exited; TRL's slot
+# ran out of time at 17 of 22 steps. callN is therefore split over two calls on the warm machine: callP times our
+# slot and then runs callO's architecture check, callQ times TRL's slot (same data, same machine, within 30 s).
+callP() {  # GRPO, HyperSloth at defaults, 2 warm-up + 20 timed steps; then callO's check of four MoE models (~9 min)
+  bench --workloads grpo-0.6b --slots hypersloth-1 --warmup 2 --steps 20 --tag grpo-split20-ours \
+    --budget-s $(left 300) > $L/bench-ours.log 2>&1
+  el "bench (ours) done"; show $L/bench-ours.log
+  cp $W/grpo-0.6b/out_hypersloth-1/logs/rank0.log $L/grpo-rank0.log 2>/dev/null
+  grep -h "CUDA-graph decode\|packed rows\|Error\|Traceback" $L/grpo-rank0.log | head -5 | cut -c1-400
+  timeout $(left 575) python3 scripts/arch_check.py --out $OUT/arch \
+    --architectures gpt_oss,qwen3_5_moe,glm4_moe_lite,qwen3_moe --parallel 8 > $L/arch.log 2>&1
+  el "arch check done"; cut -c1-1500 $L/arch.log | tail -12
+  python3 -c "import json; [print(r['architecture'], k, (r[k].get('packing') or {}), r[k].get('exit')) \
+    for r in json.load(open('$OUT/arch/arch_check.json')) for k in ('graphed', 'eager')]"
+  tar czf $OUT/arch-logs.tgz -C $OUT arch && rm -rf $OUT/arch/*.log
+  pack
+}
+
+callQ() {  # GRPO, TRL GRPOTrainer + Unsloth at 64x1, 2 warm-up + 20 timed steps, on the data callP built (~6 min)
+  bench --workloads grpo-0.6b --slots trl-grpo-64x1 --warmup 2 --steps 20 --tag grpo-split20-trl \
+    --budget-s $(left 570) > $L/bench-trl.log 2>&1
+  el "bench (TRL) done"; show $L/bench-trl.log
+  python3 -c "import json; [print(r['system'], r.get('s_median'), r.get('s_p90'), 'generation_s', \
+    [round(g, 2) if g else g for g in r.get('generation_s') or []]) \
+    for r in json.load(open('$OUT/records-grpo-split20-trl-grpo-0.6b.json'))]"
+  pack
+}
+
 "$@"
