@@ -25,8 +25,8 @@ callN() {  # GRPO (issue 34 item 8) with the brief's 20 timed steps (callI / cal
 callO() {  # gpt-oss, Qwen3.5-MoE, GLM-4.7-Flash and Qwen3-MoE at defaults through Unsloth, graphed and eager (scripts/arch_check.py): the
   # packed-row check's first GPU measurement (train/packing/check.py; gpt-oss's transformers decoder builds its mask
   # without the position ids), and gpt-oss's row of docs/models.md's fast-path table (~4 minutes)
-  timeout $(left 290) python3 scripts/arch_check.py --out $OUT/arch --architectures gpt_oss,qwen3_5_moe,glm4_moe_lite,qwen3_moe \
-    --parallel 8 > $L/arch.log 2>&1
+  timeout $(left 290) python3 scripts/arch_check.py --out $OUT/arch --architectures gpt_oss,qwen3_5_moe,glm4_moe_lite,qwen3_moe,qwen3 \
+    --parallel 10 > $L/arch.log 2>&1
   el "arch check done"; cut -c1-1500 $L/arch.log | tail -12
   python3 -c "import json; [print(r['architecture'], k, (r[k].get('packing') or {}), r[k].get('exit')) \
     for r in json.load(open('$OUT/arch/arch_check.json')) for k in ('graphed', 'eager')]"
@@ -45,7 +45,7 @@ callP() {  # GRPO, HyperSloth at defaults, 2 warm-up + 20 timed steps; then call
   cp $W/grpo-0.6b/out_hypersloth-1/logs/rank0.log $L/grpo-rank0.log 2>/dev/null
   grep -h "CUDA-graph decode\|packed rows\|Error\|Traceback" $L/grpo-rank0.log | head -5 | cut -c1-400
   timeout $(left 575) python3 scripts/arch_check.py --out $OUT/arch \
-    --architectures gpt_oss,qwen3_5_moe,glm4_moe_lite,qwen3_moe --parallel 8 > $L/arch.log 2>&1
+    --architectures gpt_oss,qwen3_5_moe,glm4_moe_lite,qwen3_moe,qwen3 --parallel 10 > $L/arch.log 2>&1
   el "arch check done"; cut -c1-1500 $L/arch.log | tail -12
   python3 -c "import json; [print(r['architecture'], k, (r[k].get('packing') or {}), r[k].get('exit')) \
     for r in json.load(open('$OUT/arch/arch_check.json')) for k in ('graphed', 'eager')]"
