@@ -4,7 +4,7 @@
 passes and the graphs, what the packed-row check measured (train/packing/check.py), and how far the graphed losses
 are from eager's. One JSON record per architecture.
 
-    python scripts/arch_check.py --out $OUT/arch [--architectures qwen3,phi3,...] [--parallel 4]
+    python scripts/arch_check.py --out $OUT/arch [--architectures qwen3,phi3,...] [--parallel 4] [--launch-blocking]
 
 Runs where Unsloth and a GPU are; the tiny models are built here on the CPU (random weights, bf16 at load).
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -26,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 from HyperSloth.train.tiny_architectures import ARCHITECTURES  # noqa: E402
 
 SHAPE = dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=512)
+TRACEBACK_LINES = 40  # of a failed run's rank 0 log, into its record
 LINES = ("LoRA projections:", "LoRA targets", "packed rows", "eager decoder", "CUDA graphs for", "budget:", "Unsloth")
 
 
@@ -57,21 +59,24 @@ def prepare(work: Path, archs: list[str]) -> None:
                       data_dir=str(work / "data"), max_seq_length=2048, num_proc=1)
 
 
-def run_one(work: Path, out_dir: Path, arch: str, graphs: bool) -> dict:
+def run_one(work: Path, out_dir: Path, arch: str, graphs: bool, launch_blocking: bool = False) -> dict:
     name = f"{arch}-{'graphs' if graphs else 'eager'}"
     out = work / "runs" / name
     cfg = work / "configs" / f"{name}.py"
     cfg.parent.mkdir(parents=True, exist_ok=True)
     cfg.write_text(config_text(work, arch, graphs, out))
     started = time.time()
+    env = {**os.environ, **({"CUDA_LAUNCH_BLOCKING": "1"} if launch_blocking else {})}
     done = subprocess.run([sys.executable, "-m", "HyperSloth.cli.train", str(cfg), "--overwrite"],
-                          capture_output=True, text=True, timeout=420)
+                          capture_output=True, text=True, timeout=420, env=env)
     (out_dir / f"{name}.log").write_text(done.stdout[-20000:] + "\n--- stderr\n" + done.stderr[-20000:])
     record = {"run": name, "exit": done.returncode, "seconds": round(time.time() - started, 1)}
     log = out / "logs" / "rank0.log"
     if log.is_file():
         record["lines"] = [re.sub(r"^.*? \| ", "", ln)[:300] for ln in log.read_text().splitlines()
                            if any(key in ln for key in LINES)][:14]
+        if done.returncode != 0:  # the traceback lives only in the rank's log (the launcher shows one line)
+            record["traceback"] = [ln[:300] for ln in log.read_text().splitlines()[-TRACEBACK_LINES:]]
     summary = out / "train_summary.json"
     if summary.is_file():
         s = json.loads(summary.read_text())
@@ -93,6 +98,8 @@ def main() -> None:
     p.add_argument("--work", default="/tmp/hs_arch")
     p.add_argument("--architectures", default=",".join(ARCHITECTURES))
     p.add_argument("--parallel", type=int, default=4)
+    p.add_argument("--launch-blocking", action="store_true",
+                   help="CUDA_LAUNCH_BLOCKING=1: a CUDA error's traceback names the kernel that raised it (slower)")
     a = p.parse_args()
     archs = [x for x in a.architectures.split(",") if x]
     work, out_dir = Path(a.work), Path(a.out)
@@ -100,7 +107,7 @@ def main() -> None:
     prepare(work, archs)
     jobs = [(arch, graphs) for arch in archs for graphs in (True, False)]
     with ThreadPoolExecutor(a.parallel) as pool:
-        results = dict(zip(jobs, pool.map(lambda job: run_one(work, out_dir, *job), jobs)))
+        results = dict(zip(jobs, pool.map(lambda job: run_one(work, out_dir, *job, a.launch_blocking), jobs)))
     records = []
     for arch in archs:
         graphed, eager = results[(arch, True)], results[(arch, False)]

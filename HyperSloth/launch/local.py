@@ -41,8 +41,8 @@ from HyperSloth.outputs.run_files import TORCHRUN_VARS
 
 MASTER_ADDR = "127.0.0.1"
 STDERR_TAIL_LINES = 20
-# A rank that recorded its failure (failure.json) but has not exited this long after is stopped and reported: on
-# an H200 a worker that raised under Unsloth took ~4 minutes to leave Python after its error (2026-12-03).
+# A rank that recorded its failure (failure.json) but has not exited this long after is stopped and reported: its
+# error is known, and what is left (tearing down a process group whose peers are gone, interpreter exit) can hang.
 FAILED_EXIT_GRACE_S = 30.0
 
 class LaunchError(Exception):

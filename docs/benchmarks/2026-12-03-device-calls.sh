@@ -63,4 +63,14 @@ callQ() {  # GRPO, TRL GRPOTrainer + Unsloth at 64x1, 2 warm-up + 20 timed steps
   pack
 }
 
+callR() {  # GRPO's sampling under torch.profiler (issue 34): ours at defaults with the per-phase timer and
+  # torch.profiler over steps 4-6, which hold the sampling (HyperSlothGRPOTrainer.training_step). Where do the ~22.7 ms
+  # per token step go: the replayed decode graph, the logits processor (SeededSampler), HF generate's loop (~4 min)
+  bench --workloads grpo-0.6b --slots hypersloth-1-profile --warmup 2 --steps 6 --tag grpo-profile \
+    --budget-s $(left 280) > $L/bench-profile.log 2>&1
+  el "bench (profile) done"; show $L/bench-profile.log
+  keep_profiles grpo-0.6b
+  pack
+}
+
 "$@"

@@ -257,8 +257,8 @@ def test_the_first_failing_rank_is_named_with_its_own_error_in_a_few_lines(tmp_p
     assert "SIGTERM" not in "\n".join(lines) and "Connection closed" not in "\n".join(lines)
 
 
-# A rank that records its failure (as HyperSloth.worker does) and then does not leave Python: seen on an H200, a
-# worker that raised under Unsloth exited ~4 minutes after its error. Its stamp from an earlier run is ignored.
+# A rank that records its failure (as HyperSloth.worker does) and then does not leave Python (a teardown that
+# hangs). Its stamp from an earlier run is ignored.
 HANGING_AFTER_FAILURE = textwrap.dedent('''
     import json, os, sys, time
     logs, mode = sys.argv[1], sys.argv[2]
