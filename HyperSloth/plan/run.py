@@ -231,9 +231,12 @@ class RunDescription(BaseModel):
             grpo = self.grpo
             method = (f"; GRPO, {self.global_batch_size // grpo.num_generations} prompts x {grpo.num_generations} "
                       f"generations, rewards {', '.join(self.reward_funcs)}")
+        batching = f"{self.batching} batching"
+        if self.batching == "packed" and self.method == "sft" and not self.batching_from_config:
+            batching += " (sorted-pad if the model's packed rows leak: checked at load)"
         return (f"world size {self.world_size}, micro-batch {self.micro_batch_size} {unit}, "
                 f"{self.samples_per_rank_per_step} {unit} per rank per step ({per_step}), "
-                f"global batch {self.global_batch_size} {unit} per optimizer step; {self.batching} batching, "
+                f"global batch {self.global_batch_size} {unit} per optimizer step; {batching}, "
                 f"{self.backend} {self.dtype} on {self.device}{method}")
 
     def planning_key(self) -> dict[str, Any]:

@@ -107,7 +107,11 @@ def test_batching_left_unset_is_recorded_and_sorted_pad_recuts_the_same_step(set
     """A packed run whose model leaks may train sorted-pad only if its config left batching unset (worker.py)."""
     unset = resolve(write_config(setup, batching=None, per_device=2, accumulation=3), world_size=2)
     assert (unset.batching, unset.batching_from_config) == ("packed", False)
-    assert resolve(write_config(setup, batching="packed", name="set.py")).batching_from_config
+    explicit = resolve(write_config(setup, batching="packed", name="set.py"))
+    assert explicit.batching_from_config
+    # the start-up line and --dry-run say where the batching may still change, and only there
+    assert "packed batching (sorted-pad if the model's packed rows leak: checked at load)" in unset.batch_line()
+    assert "packed batching, " in explicit.batch_line()
     padded = unset.with_batching("sorted-pad")
     assert (padded.batching, padded.micro_batches_per_step, padded.global_batch_size) == ("sorted-pad", 3, 12)
     assert padded.samples_per_rank_per_step == unset.samples_per_rank_per_step == 6
