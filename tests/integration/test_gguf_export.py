@@ -177,11 +177,11 @@ def test_an_unsupported_architecture_is_refused_before_the_merge(exported, tiny_
     base = tmp_path / "base"
     shutil.copytree(tiny_model_dir, base)
     config = json.loads((base / "config.json").read_text())
-    (base / "config.json").write_text(json.dumps({**config, "architectures": ["Phi3ForCausalLM"]}))
+    (base / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3_5MoeForCausalLM"]}))
     with pytest.raises(SystemExit) as exit_info:
         export_main([str(exported.parent / "run"), "--out", str(tmp_path / "out"), "--gguf", "f16", "--base", str(base)])
     assert exit_info.value.code == 2
-    assert "Phi3ForCausalLM" in capsys.readouterr().err
+    assert "Qwen3_5MoeForCausalLM" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 

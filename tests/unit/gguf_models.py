@@ -20,9 +20,10 @@ CHAT = [{"role": "system", "content": "You are a helpful assistant."},
 
 def tiny_config(architecture: str):
     """A transformers config of `architecture` at the tiny shape (Gemma 3 with one sliding-window layer; Qwen3-MoE
-    with the tiny MoE's 4 experts, 2 active, each 96 wide; gpt-oss likewise, its first layer sliding)."""
-    from transformers import (Gemma3TextConfig, GptOssConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config,
-                              Qwen3MoeConfig)
+    with the tiny MoE's 4 experts, 2 active, each 96 wide; gpt-oss likewise, its first layer sliding; Phi-3 with its
+    fused projections)."""
+    from transformers import (Gemma3TextConfig, GptOssConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
+                              Qwen3Config, Qwen3MoeConfig)
 
     from HyperSloth.train.tiny_architectures import TINY_ACTIVE_EXPERTS, TINY_EXPERTS
 
@@ -39,6 +40,8 @@ def tiny_config(architecture: str):
                             rope_parameters={"rope_type": "yarn", "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                              "truncate": False, "original_max_position_embeddings": 256,
                                              "rope_theta": 150000.0})
+    if architecture == "Phi3ForCausalLM":  # fused qkv_proj and gate_up_proj
+        return Phi3Config(**SHAPE)
     classes = {"Qwen3ForCausalLM": Qwen3Config, "Qwen2ForCausalLM": Qwen2Config, "LlamaForCausalLM": LlamaConfig,
                "MistralForCausalLM": MistralConfig}
     return classes[architecture](**SHAPE)

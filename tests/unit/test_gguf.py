@@ -28,7 +28,7 @@ from HyperSloth.outputs.gguf.vocab import QWEN2_REGEX, pre_tokenizer_name  # noq
 from HyperSloth.outputs.gguf.writer import tensor_type  # noqa: E402
 
 ARCHS = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Gemma3ForCausalLM",
-         "Qwen3MoeForCausalLM", "GptOssForCausalLM")
+         "Qwen3MoeForCausalLM", "GptOssForCausalLM", "Phi3ForCausalLM")
 MOE = "Qwen3MoeForCausalLM"
 GPT_OSS = "GptOssForCausalLM"
 # Largest |written - HF| per type for weights of std 0.1 (f16/bf16 rounding; q8_0: half a step of max/127).
@@ -371,13 +371,53 @@ def test_llama3_rope_writes_the_rope_freqs_tensor(arch_dirs, tmp_path):
     assert factors.shape == (8,) and factors[0] == 1.0 and factors[-1] == 8.0  # fast dims kept, slow ones scaled
 
 
+def phi3_config(model: Path, **changes) -> Path:
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, **changes}))
+    return model
+
+
+def test_phi3_keys_the_fused_projections_as_they_are_and_the_sliding_window(arch_dirs, tmp_path, logs):
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}  # as transformers 5 saves
+    model = phi3_config(shutil.copytree(arch_dirs["Phi3ForCausalLM"], tmp_path / "fused"), sliding_window=8,
+                        rope_parameters=rope, original_max_position_embeddings=4096)
+    fields, tensors = read(write_gguf(model, tmp_path / "m.gguf", "f16"))
+    assert fields["general.architecture"] == "phi3"
+    assert fields["phi3.rope.dimension_count"] == 12  # 0.75 of the head's 16
+    assert fields["phi3.rope.scaling.original_context_length"] == 4096  # as config.json says (Phi3Config's default)
+    assert fields["phi3.attention.sliding_window"] == 8
+    assert fields["phi3.feed_forward_length"] == 128 and tensors["blk.0.ffn_up.weight"].shape.tolist() == [64, 256]
+    assert tensors["blk.0.attn_qkv.weight"].shape.tolist() == [64, 128]  # 4 query + 2 x 2 KV heads of 16
+    assert not any(name.startswith("rope_factors") for name in tensors)
+    assert any("switches Phi-3's sliding window off" in line and "beyond 8 tokens" in line for line in logs)
+
+
+def test_phi3_longrope_writes_both_factor_tensors_and_the_attention_factor(arch_dirs, tmp_path, logs):
+    long, short = [1.0, 1.5, 2.0, 4.0, 6.0, 8.0, 12.0, 16.0], [1.0, 1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6]
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "long_factor": long, "short_factor": short}
+    model = phi3_config(shutil.copytree(arch_dirs["Phi3ForCausalLM"], tmp_path / "longrope"), rope_parameters=rope,
+                        original_max_position_embeddings=64)
+    fields, tensors = read(write_gguf(model, tmp_path / "m.gguf", "f32"))
+    np.testing.assert_array_equal(values(tensors["rope_factors_long.weight"]), np.float32(long))
+    np.testing.assert_array_equal(values(tensors["rope_factors_short.weight"]), np.float32(short))
+    assert fields["phi3.rope.scaling.original_context_length"] == 64
+    # transformers' LongRoPE attention factor for a context 4x the original: sqrt(1 + ln 4 / ln 64)
+    assert fields["phi3.rope.scaling.attn_factor"] == pytest.approx(np.sqrt(1 + np.log(4) / np.log(64)))
+    assert "rope.scaling.type" not in " ".join(fields)
+    assert any("long factors by the context it is started with (-c above 64)" in line for line in logs)
+    phi3_config(model, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
+    with pytest.raises(ExportError, match="Phi-3 in llama.cpp takes no RoPE scaling or LongRoPE.*'linear'"):
+        write_gguf(model, tmp_path / "linear.gguf", "f32")
+
+
 def test_an_unsupported_architecture_is_refused_by_name(tiny_model_dir, tmp_path):
-    model = tmp_path / "phi"
+    model = tmp_path / "qwen35"
     shutil.copytree(tiny_model_dir, model)
     config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "architectures": ["Phi3ForCausalLM"]}))
-    with pytest.raises(ExportError, match="Phi3ForCausalLM.*Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM, "
-                                          "MistralForCausalLM, Gemma3ForCausalLM, Qwen3MoeForCausalLM"):
+    (model / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3_5MoeForCausalLM"]}))
+    with pytest.raises(ExportError, match="Qwen3_5MoeForCausalLM.*Qwen3ForCausalLM, Qwen2ForCausalLM, "
+                                          "LlamaForCausalLM, MistralForCausalLM, Gemma3ForCausalLM, "
+                                          "Qwen3MoeForCausalLM, GptOssForCausalLM, Phi3ForCausalLM"):
         write_gguf(model, tmp_path / "out" / "m.gguf", "f16")
     assert not (tmp_path / "out").exists()
 

@@ -82,12 +82,45 @@ def test_llama_cpp_runs_the_tiny_model(tiny_model_dir, tmp_path, gguf_type):
     check(measured, gguf_type)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", [*ARCHS, "Phi3ForCausalLM"])
 def test_llama_cpp_runs_each_architecture(tiny_model_dir, tmp_path, arch):
-    model = build_arch_model(arch, tmp_path / arch, tiny_model_dir)
+    # not named "phi3": llama.cpp gives a model so named Phi-3's special-token attributes, which needs its vocab's
+    # "</s>", "<unk>", "<s>" and "<|endoftext|>" (llama-vocab.cpp); the tiny tokenizer has none of them
+    model = build_arch_model(arch, tmp_path / arch.replace("Phi3", "FusedProjections"), tiny_model_dir)
     measured = compare(model, write_gguf(model, tmp_path / "m.gguf", "f16"))
     print(f"{arch} f16: {measured}")
     check(measured, "f16")
+
+
+@pytest.mark.parametrize("rotary_share", [1.0, 0.75])
+def test_llama_cpp_runs_phi3_longrope_with_its_factors(tiny_model_dir, tmp_path, monkeypatch, rotary_share):
+    """Phi-3.5 / Phi-4-mini's RoPE: LongRoPE factors on the rotated share of each head. The chat (79 tokens) is
+    longer than the original context (64), so transformers takes the long factors, and llama.cpp does at n_ctx 512;
+    written with the two swapped, llama.cpp's logits move away (the factors are read)."""
+    from transformers import Phi3Config
+
+    from gguf_models import SHAPE
+    from HyperSloth.outputs.gguf import writer
+
+    rng, pairs = np.random.default_rng(0), int(16 * rotary_share) // 2
+    config = Phi3Config(**SHAPE, original_max_position_embeddings=64, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": rotary_share,
+        "long_factor": list(1 + 3 * rng.random(pairs)), "short_factor": list(1 + 0.5 * rng.random(pairs))})
+    config.architectures, config.bos_token_id, config.eos_token_id, config.pad_token_id = ["Phi3ForCausalLM"], None, 2, 0
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(1.0 if "norm" in name else 0.0, 0.1)
+    model.save_pretrained(str(tmp_path / "longrope"))
+    AutoTokenizer.from_pretrained(str(tiny_model_dir)).save_pretrained(str(tmp_path / "longrope"))
+    measured = compare(tmp_path / "longrope", write_gguf(tmp_path / "longrope", tmp_path / "m.gguf", "f32"))
+    print(f"Phi-3 LongRoPE, rotary share {rotary_share}: {measured}")
+    check(measured, "f32")
+    written = writer.phi3_longrope_factors
+    monkeypatch.setattr(writer, "phi3_longrope_factors", lambda c: written(c)[::-1])  # (short, long)
+    swapped = compare(tmp_path / "longrope", write_gguf(tmp_path / "longrope", tmp_path / "swapped.gguf", "f32"))
+    assert swapped["max_diff_over_range"] > 10 * measured["max_diff_over_range"], (swapped, measured)
 
 
 def routing_gap_and_f16_shift(model_dir: Path, ids: list[int], by_logits: bool = False) -> tuple[float, float]:

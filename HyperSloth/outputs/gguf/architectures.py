@@ -15,6 +15,10 @@ the table below, checked against llama.cpp's conversion/{qwen,llama,gemma}.py (l
   stacked (experts.py, layout "gpt_oss"), the attention sinks, the expert width from `intermediate_size`, the
   sliding window and its per-layer pattern; output.weight written even when the embeddings are tied (llama.cpp's
   gpt-oss graph reads no other); the experts' clamped SwiGLU is hard-coded on both sides (alpha 1.702, limit 7).
+- Phi-3 (conversion/phi.py, Phi3MiniModel): no change to the tensors (llama.cpp's phi3 takes the fused qkv_proj and
+  gate_up_proj as they are); the rotary share of the head, the original context, the sliding window (llama.cpp
+  reads it and switches it off: `phi3_caveats`), and for LongRoPE (Phi-3-128k, Phi-3.5, Phi-4-mini) the long and
+  short factors as two tensors plus the attention factor.
 Anything else is refused by name, with the supported list.
 """
 
@@ -64,6 +68,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("Gemma3ForCausalLM", "GEMMA3", norm_shift=1.0),
         Architecture("Qwen3MoeForCausalLM", "QWEN3MOE", moe=True),
         Architecture("GptOssForCausalLM", "GPT_OSS", moe=True, experts_layout="gpt_oss", output_required=True),
+        Architecture("Phi3ForCausalLM", "PHI3"),
     )
 }
 SUPPORTED = ", ".join(ARCHITECTURES)
@@ -91,7 +96,10 @@ def _check_config(arch: Architecture, config: dict[str, Any], where: str) -> Non
         _check_moe(config, where)
     if arch.gguf_arch == "GPT_OSS":
         _check_gpt_oss(config, where)
-    rope_kind(config)  # refuses a RoPE scaling llama.cpp would not reproduce
+    if arch.gguf_arch == "PHI3" and rope_kind(config, longrope=True) not in ("default", "longrope"):
+        raise ExportError(f"--gguf cannot write {where}: Phi-3 in llama.cpp takes no RoPE scaling or LongRoPE, and its "
+                          f"config has {rope_kind(config, longrope=True)!r}")
+    rope_kind(config, longrope=arch.gguf_arch == "PHI3")  # refuses a RoPE scaling llama.cpp would not reproduce
 
 
 def _check_gemma3(config: dict[str, Any], where: str) -> None:
@@ -150,13 +158,16 @@ def rope_parameters(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, A
     return params, {}
 
 
-def rope_kind(config: dict[str, Any]) -> str:
-    """The RoPE scaling ('default', 'linear', 'yarn', 'llama3'); ExportError for another."""
+def rope_kind(config: dict[str, Any], longrope: bool = False) -> str:
+    """The RoPE scaling ('default', 'linear', 'yarn', 'llama3', and with `longrope` (Phi-3) 'longrope');
+    ExportError for another."""
     params, _ = rope_parameters(config)
     kind = str(params.get("rope_type", params.get("type")) or "default").lower()
-    if kind not in ("default", "linear", "yarn", "llama3"):
-        raise ExportError(f"--gguf cannot write RoPE scaling {kind!r} (rope_parameters of config.json); supported: "
-                          "default, linear, yarn, llama3")
+    kind = "longrope" if kind == "su" else kind  # Phi-3's first name for it
+    known = ("default", "linear", "yarn", "llama3", *(("longrope",) if longrope else ()))
+    if kind not in known:
+        raise ExportError(f"--gguf cannot write RoPE scaling {kind!r} (rope_parameters of config.json) for this "
+                          f"architecture; supported: {', '.join(known)}")
     return kind
 
 
@@ -175,7 +186,7 @@ def add_hyperparameters(writer, config: dict[str, Any], arch: Architecture) -> N
     writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
     writer.add_key_length(head_dim(config))
     writer.add_value_length(head_dim(config))
-    writer.add_rope_dimension_count(head_dim(config))
+    writer.add_rope_dimension_count(rotary_dims(config))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
     _add_rope(writer, config)
@@ -189,6 +200,8 @@ def add_hyperparameters(writer, config: dict[str, Any], arch: Architecture) -> N
                                               else config["moe_intermediate_size"])
     if arch.gguf_arch == "GPT_OSS":
         _add_gpt_oss_window(writer, config)
+    if arch.gguf_arch == "PHI3":
+        _add_phi3(writer, config)
 
 
 def _add_rope(writer, config: dict[str, Any]) -> None:
@@ -198,7 +211,7 @@ def _add_rope(writer, config: dict[str, Any]) -> None:
     writer.add_rope_freq_base(float(params.get("rope_theta", 10000.0)))
     if "rope_theta" in local:
         writer.add_rope_freq_base_swa(float(local["rope_theta"]))
-    kind = rope_kind(config)
+    kind = rope_kind(config, longrope=True)  # architecture_of refused LongRoPE outside Phi-3 already
     if kind == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(params["factor"]))
@@ -212,6 +225,57 @@ def _add_rope(writer, config: dict[str, Any]) -> None:
                          ("beta_slow", writer.add_rope_scaling_yarn_beta_slow)):
             if params.get(key) is not None:
                 add(float(params[key]))
+
+
+def rotary_dims(config: dict[str, Any]) -> int:
+    """Rotated dimensions of a head: all of them, or Phi-3's `partial_rotary_factor` share (Phi-4-mini: 0.75)."""
+    params, _ = rope_parameters(config)
+    share = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    return int(share * head_dim(config))
+
+
+def _original_context(config: dict[str, Any]) -> int:
+    params, _ = rope_parameters(config)
+    return int(params.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
+               or config["max_position_embeddings"])
+
+
+def _add_phi3(writer, config: dict[str, Any]) -> None:
+    """conversion/phi.py's keys beyond the common ones: the original context, the sliding window (0 for none),
+    and for LongRoPE the attention factor (transformers' formula where config.json names none)."""
+    if rope_kind(config, longrope=True) != "yarn":  # YaRN wrote it already
+        writer.add_rope_scaling_orig_ctx_len(_original_context(config))
+    writer.add_sliding_window(int(config.get("sliding_window") or 0))
+    if rope_kind(config, longrope=True) == "longrope":
+        params, _ = rope_parameters(config)
+        factor = config["max_position_embeddings"] / _original_context(config)
+        attention = params.get("attention_factor")
+        if attention is None:
+            attention = math.sqrt(1 + math.log(factor) / math.log(_original_context(config))) if factor > 1 else 1.0
+        writer.add_rope_scaling_attn_factors(float(attention))
+
+
+def phi3_longrope_factors(config: dict[str, Any]) -> tuple[np.ndarray, np.ndarray] | None:
+    """LongRoPE's (long, short) per-frequency factors, the `rope_factors_long` / `_short` tensors llama.cpp reads;
+    None without LongRoPE."""
+    if rope_kind(config, longrope=True) != "longrope":
+        return None
+    params, _ = rope_parameters(config)  # transformers' Phi3Config checks both hold rotary_dims / 2 factors
+    return (np.asarray(params["long_factor"], dtype=np.float32), np.asarray(params["short_factor"], dtype=np.float32))
+
+
+def caveats(config: dict[str, Any], arch: Architecture) -> list[str]:
+    """Where llama.cpp will compute something else than transformers from a file written as its converter writes
+    it: said once by the export, not refused (llama.cpp's own converter writes these models the same way)."""
+    said = []
+    if arch.gguf_arch == "PHI3" and config.get("sliding_window"):
+        said.append(f"llama.cpp switches Phi-3's sliding window off (src/models/phi3.cpp): beyond "
+                    f"{config['sliding_window']} tokens of context it attends to every earlier token, where "
+                    "transformers attends to the last sliding_window ones")
+    if arch.gguf_arch == "PHI3" and rope_kind(config, longrope=True) == "longrope":
+        said.append(f"llama.cpp picks LongRoPE's long factors by the context it is started with (-c above "
+                    f"{_original_context(config)}) for every token; transformers by the length of the sequence")
+    return said
 
 
 def _add_gemma3(writer, config: dict[str, Any]) -> None:
@@ -243,7 +307,7 @@ def _add_sliding_window(writer, config: dict[str, Any]) -> None:
 
 def llama3_rope_factors(config: dict[str, Any]) -> np.ndarray | None:
     """The `rope_freqs` tensor llama.cpp takes for Llama 3.1+'s 'llama3' RoPE (conversion/llama.py's formula)."""
-    if rope_kind(config) != "llama3":
+    if rope_kind(config, longrope=True) != "llama3":
         return None
     params, _ = rope_parameters(config)
     dim, base = head_dim(config), params.get("rope_theta", 10000.0)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from loguru import logger
 
 from HyperSloth.outputs import run_files
 from HyperSloth.outputs.export import ExportError
@@ -27,8 +28,10 @@ from HyperSloth.outputs.gguf.architectures import (
     Architecture,
     add_hyperparameters,
     architecture_of,
+    caveats,
     expert_count,
     llama3_rope_factors,
+    phi3_longrope_factors,
     transform,
 )
 from HyperSloth.outputs.gguf.experts import TensorPart, tensor_parts
@@ -69,6 +72,8 @@ def write_gguf(model_dir: str | os.PathLike, dest: str | os.PathLike, gguf_type:
     model_dir, dest = Path(model_dir), Path(dest)
     config = read_config(model_dir)
     arch = architecture_of(config, str(model_dir))
+    for caveat in caveats(config, arch):
+        logger.warning(f"GGUF of {model_dir.name}: {caveat}")
     qtype_name, file_type = GGUF_TYPES[gguf_type]
     writer = gguf.GGUFWriter(path=None, arch=arch.arch_name)
     writer.add_type(gguf.GGUFType.MODEL)
@@ -99,6 +104,10 @@ def plan_tensors(model_dir: Path, config: dict[str, Any], arch: Architecture, qt
     if (factors := llama3_rope_factors(config)) is not None:
         yield PlannedTensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", factors.shape,
                             gguf.GGMLQuantizationType.F32, lambda: factors)
+    if arch.gguf_arch == "PHI3" and (longrope := phi3_longrope_factors(config)) is not None:
+        for kind, data in zip((gguf.MODEL_TENSOR.ROPE_FACTORS_LONG, gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT), longrope):
+            yield PlannedTensor(gguf.TENSOR_NAMES[kind] + ".weight", data.shape, gguf.GGMLQuantizationType.F32,
+                                lambda data=data: data)
     tied = bool(config.get("tie_word_embeddings"))
     files, shapes = _tensor_index(model_dir, tied=tied)
     parts = tensor_parts(shapes, expert_count(config) if arch.moe else None, arch.experts_layout)
