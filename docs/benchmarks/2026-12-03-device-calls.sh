@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# 2026-12-03: the device plan for the next session with device time (this session had 176 s of device time left
-# and could not start a machine). One H200 (kind nvidia-h200), carry .whl (`bash ../shared/device/wheelhouse.sh`).
-# Run from the repository root as `bash docs/benchmarks/2026-12-03-device-calls.sh callN`. Records land in $OUT.
-# Order (30 minutes): callN (GRPO, ~9.5 min), callO (gpt-oss and Qwen3-MoE through Unsloth, ~4 min), then callG of
-# 2026-12-02-device-calls.sh (the leaner grouped MoE pass, ~4 min), then callA + callM of
-# 2026-12-02-fa4-device-calls.sh (long-0.6b profiled, FA4 at defaults against stock).
+# 2026-12-03: the device plans of that day's two sessions. One H200 (kind nvidia-h200), carry .whl
+# (`bash ../shared/device/wheelhouse.sh`). Run from the repository root as
+# `bash docs/benchmarks/2026-12-03-device-calls.sh callN`. Records land in $OUT.
+# Ran in the second session: callO, then callN (docs/benchmarks.md, 2026-12-03 second session). Next, in this order:
+#   callS  GRPO's sampling, engine against engine (~6 min): where GRPO's 1.5x must come from
+#   callR  GRPO's step under torch.profiler (~4 min)
+#   callT  the tiny Qwen3.5-MoE on Unsloth with CUDA_LAUNCH_BLOCKING=1 and its traceback (~3 min)
+#   then callG of 2026-12-02-device-calls.sh (the leaner grouped MoE pass) and callA + callM of
+#   2026-12-02-fa4-device-calls.sh (long-0.6b FA4 profile).
 source scripts/device_calls_lib.sh  # the GPU environment, $W / $L, el, left, bench, show, pack, ...
 
 callN() {  # GRPO (issue 34 item 8) with the brief's 20 timed steps (callI / callK timed 8): HyperSloth at defaults
@@ -70,6 +73,27 @@ callR() {  # GRPO's sampling under torch.profiler (issue 34): ours at defaults w
     --budget-s $(left 280) > $L/bench-profile.log 2>&1
   el "bench (profile) done"; show $L/bench-profile.log
   keep_profiles grpo-0.6b
+  pack
+}
+
+callS() {  # GRPO's sampling, engine against engine (scripts/sampling_bench.py, issue 34): Unsloth's segmented decode
+  # graphs (today) against HF generate on the transformers backend, dynamic cache eager and static cache compiled
+  # (CUDA graphs through torch.compile): which one can take sampling below the ~19 ms per token step 1.5x needs (~6 min)
+  [ -f $W/ckpt_0.6b/config.json ] || python3 scripts/benchmark.py --as-system build --model 0.6b --checkpoint $W/ckpt_0.6b
+  timeout $(left 560) python3 scripts/sampling_bench.py --model $W/ckpt_0.6b --engines unsloth,hf-static,hf-dynamic \
+    --calls 6 --out $OUT/sampling.json > $L/sampling.log 2>&1
+  el "sampling bench done"; grep '^{' $L/sampling.log; grep -h "Error\|Traceback" $L/sampling.log | head -5 | cut -c1-300
+  pack
+}
+
+callT() {  # the tiny Qwen3.5-MoE through Unsloth stopped with an illegal memory access in callO: again with
+  # CUDA_LAUNCH_BLOCKING=1, eager and graphed, the failed runs' tracebacks in the record (~3 min)
+  timeout $(left 200) python3 scripts/arch_check.py --out $OUT/arch --architectures qwen3_5_moe --launch-blocking \
+    > $L/arch.log 2>&1
+  el "arch check done"
+  python3 -c "import json; [print(r['architecture'], k, r[k].get('exit'), '\n'.join(r[k].get('traceback') or [])[-3000:]) \
+    for r in json.load(open('$OUT/arch/arch_check.json')) for k in ('graphed', 'eager')]"
+  tar czf $OUT/arch-logs.tgz -C $OUT arch && rm -rf $OUT/arch/*.log
   pack
 }
 

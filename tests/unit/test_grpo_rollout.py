@@ -179,6 +179,9 @@ def test_a_prompts_completions_do_not_depend_on_the_other_prompts_in_the_batch(t
     assert [c.tolist() for c in both[1]] == [c.tolist() for c in alone[0]]  # padded beside `long` or not
     assert len({tuple(c.tolist()) for c in both[0]}) > 1  # a group's completions differ from each other
     assert [c.tolist() for c in sample_groups(model, [short], [23], grpo, config)[0]] != [c.tolist() for c in alone[0]]
+    # padded further left to a whole multiple of 16 (a static KV cache's few shapes): the same completions
+    wide = sample_groups(model, [long, short], [11, 22], grpo, config, width_multiple=16)
+    assert [[c.tolist() for c in g] for g in wide] == [[c.tolist() for c in g] for g in both]
 
 
 class _Layer(torch.nn.Module):

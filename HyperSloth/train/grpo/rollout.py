@@ -100,13 +100,15 @@ def cut_at_eos(tokens: np.ndarray, eos_token_ids: Sequence[int]) -> np.ndarray:
 
 @torch.no_grad()
 def sample_groups(model, prompts: Sequence[Sequence[int]], seeds: Sequence[int], grpo: GrpoArgs,
-                  config: GenerationConfig) -> list[list[np.ndarray]]:
-    """`num_generations` completions of each prompt in one `generate` call (left-padded), each prompt's drawn
-    with the generator seeded by its seed (`SeededSampler`)."""
+                  config: GenerationConfig, width_multiple: int = 1) -> list[list[np.ndarray]]:
+    """`num_generations` completions of each prompt in one `generate` call (left-padded, to a multiple of
+    `width_multiple` tokens: a static KV cache then keeps few shapes), each prompt's drawn with the generator
+    seeded by its seed (`SeededSampler`)."""
     if not prompts:
         return []
     device = next(model.parameters()).device
-    g, width = grpo.num_generations, max(len(p) for p in prompts)
+    g = grpo.num_generations
+    width = -(-max(len(p) for p in prompts) // width_multiple) * width_multiple
     rows = [list(p) for p in prompts for _ in range(g)]
     ids = torch.full((len(rows), width), config.pad_token_id, dtype=torch.long)
     mask = torch.zeros_like(ids)

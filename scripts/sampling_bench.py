@@ -1,0 +1,140 @@
+"""GRPO's sampling alone, engine against engine (issue 34): seconds per token step of `rollout.sample_groups`, the
+call a GRPO step makes, for the benchmark's shape (8 prompts x 8 completions, up to 256 new tokens, LoRA r=16 on
+every projection), so the next step on GRPO's speed is chosen from measurement. GRPO on one H200 spends ~95% of its
+step sampling (docs/grpo.md: ~22.7 ms per token step on Unsloth's decode, against well under 1 ms of weight reads):
+
+  unsloth      Unsloth backend inside `rollout.sampling_mode`: Unsloth's fused one-token decode, replayed as one
+               CUDA graph segment per layer with each layer's attention eager between them (what GRPO runs today)
+  hf-dynamic   transformers backend + PEFT in eval mode: HF `generate` with its dynamic KV cache, eager
+  hf-static    transformers backend + PEFT: HF `generate` with a static KV cache (cache_implementation="static"),
+               which HF compiles for the decode steps (torch.compile, CUDA graphs on a GPU); the prompt batch is
+               left-padded to a multiple of --width-step tokens so the cache keeps few shapes between calls
+
+Each engine runs in a process of its own (Unsloth patches transformers when imported) on the same seeded prompts:
+--calls calls, each over new prompts of random lengths as GRPO's steps are; the first call is reported apart
+(compiles, captures). Per engine: the first call's seconds, the median and p90 over the rest of seconds per call
+and milliseconds per token step, peak GB, and the share of completions equal to the first engine's (on a GPU in
+bf16 some differ by rounding; fp32 on the CPU: all).
+
+    python scripts/sampling_bench.py --model CKPT --out OUT.json [--engines unsloth,hf-dynamic,hf-static]
+    python scripts/sampling_bench.py --model TINY --device cpu --engines hf-dynamic,hf-static --max-new 8 --calls 2
+
+Only HyperSloth's own loading (train/model.py), sampling (train/grpo/rollout.py) and transformers are used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+ENGINES = ("unsloth", "hf-dynamic", "hf-static")
+PROMPTS, GENERATIONS = 8, 8
+
+
+def prompts_of_call(call: int, vocab: int, seed: int, median_tokens: int) -> list[list[int]]:
+    """PROMPTS prompts of random token ids, lognormal lengths around `median_tokens` (as GRPO's differ per step)."""
+    rng = np.random.default_rng([seed, call])
+    lengths = np.clip(np.exp(rng.normal(np.log(median_tokens), 0.5, PROMPTS)), 4, 4 * median_tokens).astype(int)
+    return [rng.integers(10, vocab - 10, int(n)).tolist() for n in lengths]
+
+
+def run_engine(a: argparse.Namespace) -> dict:
+    """One engine in this process: load, sample --calls times, time each call."""
+    import torch
+
+    from HyperSloth.config import FastModelArgs, GrpoArgs, LoraArgs
+    from HyperSloth.train import model as model_lib
+
+    backend = "unsloth" if a.as_engine == "unsloth" else "transformers"
+    if backend == "unsloth":
+        model_lib.import_backend("unsloth")  # before transformers is imported by what follows
+    from HyperSloth.train.grpo.rollout import eos_ids, generation_config, sample_groups, sampling_mode
+
+    fast = FastModelArgs(model_name=a.model, max_seq_length=4096, backend=backend,
+                         dtype="float32" if a.device == "cpu" else "bfloat16")
+    loaded = model_lib.load_model(fast, LoraArgs(r=16, lora_alpha=16), lora_passes=backend == "unsloth")
+    model = loaded.model if a.device == "cpu" else loaded.model.to("cuda")
+    grpo = GrpoArgs(num_generations=GENERATIONS, max_completion_length=a.max_new, temperature=1.0)
+    config = generation_config(grpo, loaded.tokenizer.pad_token_id, eos_ids(model, loaded.tokenizer))
+    config.min_new_tokens = a.max_new  # no completion ends early: every call generates --max-new tokens
+    if a.as_engine == "hf-static":
+        config.cache_implementation, config.disable_compile = "static", False
+    vocab = model.get_input_embeddings().weight.shape[0]
+    seconds, completions = [], []
+    for call in range(a.calls):
+        prompts = prompts_of_call(call, vocab, a.seed, a.prompt_tokens)
+        seeds = [1000 * call + k for k in range(PROMPTS)]
+        if a.device != "cpu":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        with sampling_mode(model, backend):
+            groups = sample_groups(model, prompts, seeds, grpo, config,
+                                   width_multiple=a.width_step if a.as_engine == "hf-static" else 1)
+        if a.device != "cpu":
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - started)
+        completions.append([[c.tolist() for c in group] for group in groups])
+    return {"engine": a.as_engine, "seconds": seconds, "completions": completions,
+            "peak_gb": torch.cuda.max_memory_allocated() / 2**30 if a.device != "cpu" else None}
+
+
+def summary(record: dict, max_new: int, reference: dict | None) -> dict:
+    later = np.asarray(record["seconds"][1:] or record["seconds"])
+    out = {"engine": record["engine"], "first_call_s": round(record["seconds"][0], 3),
+           "median_s": round(float(np.median(later)), 3), "p90_s": round(float(np.percentile(later, 90)), 3),
+           "ms_per_token_step": round(1000 * float(np.median(later)) / max_new, 2), "peak_gb": record["peak_gb"]}
+    if reference is not None:
+        pairs = [(x, y) for a, b in zip(record["completions"], reference["completions"]) for x, y in zip(a, b)]
+        out["same_completions_as_" + reference["engine"]] = sum(x == y for x, y in pairs) / len(pairs)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="a local checkpoint folder (config, weights, tokenizer)")
+    p.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {', '.join(ENGINES)}")
+    p.add_argument("--calls", type=int, default=6, help="sampling calls per engine; the first is reported apart")
+    p.add_argument("--max-new", type=int, default=256, help="tokens per completion (none ends early)")
+    p.add_argument("--prompt-tokens", type=int, default=100, help="median prompt length")
+    p.add_argument("--width-step", type=int, default=64, help="hf-static: prompt batches padded to a multiple of it")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write the records (with every call's seconds) here as JSON")
+    p.add_argument("--as-engine", choices=ENGINES, help=argparse.SUPPRESS)  # one engine, in a child process
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.as_engine:
+        Path(a.result).write_text(json.dumps(run_engine(a)))
+        return
+    engines = [e for e in a.engines.split(",") if e]
+    unknown = sorted(set(engines) - set(ENGINES))
+    if unknown:
+        raise SystemExit(f"unknown engines {unknown}; known: {', '.join(ENGINES)}")
+    records, out = [], Path(a.out) if a.out else None
+    for engine in engines:
+        result = Path(f"/tmp/sampling_bench_{engine}.json")
+        argv = [sys.executable, __file__, "--model", a.model, "--calls", str(a.calls), "--max-new", str(a.max_new),
+                "--prompt-tokens", str(a.prompt_tokens), "--width-step", str(a.width_step), "--device", a.device,
+                "--seed", str(a.seed), "--as-engine", engine, "--result", str(result)]
+        done = subprocess.run(argv)
+        if done.returncode != 0:
+            print(json.dumps({"engine": engine, "error": f"exit {done.returncode}"}), flush=True)
+            continue
+        records.append(json.loads(result.read_text()))
+        print(json.dumps(summary(records[-1], a.max_new, records[0] if len(records) > 1 else None)), flush=True)
+    if out is not None:
+        out.write_text(json.dumps([{**summary(r, a.max_new, records[0] if i else None), "seconds": r["seconds"]}
+                                   for i, r in enumerate(records)], indent=1))
+
+
+if __name__ == "__main__":
+    main()

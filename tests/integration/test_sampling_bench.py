@@ -1,0 +1,32 @@
+"""scripts/sampling_bench.py on the CPU: the two transformers engines sample the tiny model, each in its own
+process, and agree on every completion (fp32); a misspelt engine is refused. Its GPU figures are docs/grpo.md's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "sampling_bench.py"
+
+
+@pytest.mark.slow
+def test_the_engines_sample_the_same_completions_and_report_each_call(tiny_model_dir, tmp_path):
+    out = tmp_path / "sampling.json"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tiny_model_dir), "--device", "cpu",
+                           "--engines", "hf-dynamic,hf-static", "--max-new", "4", "--calls", "2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    dynamic, static = json.loads(out.read_text())
+    assert (dynamic["engine"], static["engine"]) == ("hf-dynamic", "hf-static")
+    assert len(dynamic["seconds"]) == len(static["seconds"]) == 2 and static["first_call_s"] > 0
+    assert static["same_completions_as_hf-dynamic"] == 1.0
+
+
+def test_an_unknown_engine_is_refused(tiny_model_dir):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tiny_model_dir), "--engines", "vllm"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "unknown engines ['vllm']" in done.stderr
