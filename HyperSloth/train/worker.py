@@ -63,9 +63,26 @@ def main(description: RunDescription, info: dist.DistInfo, timeline: StartupTime
         # Not re-raised: Python would print the traceback again on stderr (and torch once more, each line
         # prefixed "[rank0]:"), ~150 lines for one error. The log file holds it once.
         logger.bind(**{logs.FILE_ONLY: True}).opt(exception=err).error("worker failed")
-        print(f"[rank {info.rank}] {type(err).__name__}: {err}\n[rank {info.rank}] traceback in {log}",
+        print(f"[rank {info.rank}] {describe_error(err)}\n[rank {info.rank}] traceback in {log}",
               file=sys.stderr, flush=True)
         sys.exit(1)
+
+
+# torch's text under a CUDA kernel error (an illegal memory access, a device-side assert), replaced by what to do
+_CUDA_BOILERPLATE = ("Search for `cuda", "CUDA kernel errors might be", "For debugging consider passing",
+                     "Compile with `TORCH_USE_CUDA_DSA`", "Device-side assertions")
+CUDA_ERROR_HINT = ("a CUDA kernel failed; the traceback shows where the failure was noticed, not the kernel: run "
+                   "again with CUDA_LAUNCH_BLOCKING=1 to name it, or with fast_model_args.backend='transformers' to "
+                   "train without Unsloth's kernels")
+
+
+def describe_error(err: BaseException) -> str:
+    """"Type: message"; for a CUDA kernel error, its first line and CUDA_ERROR_HINT instead of torch's advice."""
+    text = f"{type(err).__name__}: {err}"
+    if "CUDA error: " not in text.splitlines()[0]:
+        return text
+    kept = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith(_CUDA_BOILERPLATE)]
+    return "\n".join([*kept, CUDA_ERROR_HINT])
 
 
 def run(description: RunDescription, info: dist.DistInfo, timeline: StartupTimeline) -> dict[str, Any] | None:
@@ -118,7 +135,7 @@ def _prepare_unsloth(rank: int, varlen: bool = True) -> None:
 def _record_failure(out_dir: Path, rank: int, err: BaseException) -> None:
     """Stamp when this rank's exception was raised, before the process group goes down: the peers'
     errors that follow come later, so the launcher can name the rank that failed first."""
-    record = {"rank": rank, "time": time.time(), "error": f"{type(err).__name__}: {err}"}
+    record = {"rank": rank, "time": time.time(), "error": describe_error(err)}
     run_files.atomic_write_json(run_files.rank_file(out_dir, rank, "failure.json"), record)
 
 

@@ -44,6 +44,28 @@ def test_a_failing_worker_prints_its_error_in_two_lines_and_logs_the_traceback(t
     assert text.count("Traceback") == 1 and "in load_model" in text and "└" not in text
 
 
+def test_a_cuda_kernel_error_says_what_to_do_instead_of_torchs_advice(tmp_path):
+    """The tiny Qwen3.5-MoE on Unsloth stopped so on an H200 (2026-12-03): torch's five lines, of which only the
+    first says what happened, became the launcher's report. The record keeps that line and says what to try."""
+    cuda = RuntimeError("CUDA error: an illegal memory access was encountered\n"
+                        "Search for `cudaErrorIllegalAddress' in https://docs.nvidia.com/cuda/ for more information.\n"
+                        "CUDA kernel errors might be asynchronously reported at some other API call, so the stacktrace "
+                        "below might be incorrect.\nFor debugging consider passing CUDA_LAUNCH_BLOCKING=1\n"
+                        "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.\n")
+    assert worker.describe_error(cuda).splitlines() == [
+        "RuntimeError: CUDA error: an illegal memory access was encountered", worker.CUDA_ERROR_HINT]
+    assert "CUDA_LAUNCH_BLOCKING=1" in worker.CUDA_ERROR_HINT and "backend='transformers'" in worker.CUDA_ERROR_HINT
+    other = ValueError("the CUDA error count is 3\nFor debugging consider passing nothing")
+    assert worker.describe_error(other) == "ValueError: the CUDA error count is 3\nFor debugging consider passing nothing"
+    worker._record_failure(tmp_path, 0, cuda)
+    import json
+
+    from HyperSloth.outputs import run_files
+
+    recorded = json.loads(run_files.rank_file(tmp_path, 0, "failure.json").read_text())["error"]
+    assert recorded == worker.describe_error(cuda)
+
+
 def test_a_config_problem_found_by_a_worker_exits_2_with_its_message(tmp_path, monkeypatch, capfd, restore_loguru):
     from HyperSloth.config import ConfigError
 
