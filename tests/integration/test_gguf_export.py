@@ -2,7 +2,8 @@
 random, so the merge changes the model): OUT/adapter, OUT/merged, OUT/gguf/<run>-<TYPE>.gguf and its Modelfile;
 the GGUF holds the *merged* weights; a wrong type or an architecture llama.cpp cannot run writes nothing. The same
 for a tiny Qwen3-MoE and a tiny gpt-oss whose experts carry adapters (merged into every expert, stacked in the GGUF
-per layer; gpt-oss's tied embeddings written as its output too).
+per layer; gpt-oss's tied embeddings written as its output too), and a tiny Phi-3 with adapters on its fused
+projections.
 With llama-cpp-python importable, llama.cpp also runs the exported files against the merged models."""
 
 from __future__ import annotations
@@ -83,6 +84,34 @@ def exported_gpt_oss(tmp_path_factory) -> tuple[Path, Path]:
     run = make_run(root / "gpt-oss-run", base, experts=True)
     export_main([str(run), "--out", str(root / "out"), "--gguf", "f32", "--dtype", "float32"])
     return base, root / "out"
+
+
+@pytest.fixture(scope="module")
+def exported_phi3(tmp_path_factory) -> tuple[Path, Path]:
+    """(base, OUT): the same for a tiny Phi-3, its adapters on the fused qkv_proj and gate_up_proj (the targets
+    training resolves). Not named "phi3": llama.cpp looks up Phi-3's own special tokens in a model so named."""
+    root = tmp_path_factory.mktemp("fused")
+    base = build_tiny_model(root / "tiny-fused", architecture="phi3")
+    run = make_run(root / "fused-run", base, experts=True)
+    export_main([str(run), "--out", str(root / "out"), "--gguf", "f32", "--dtype", "float32"])
+    return base, root / "out"
+
+
+def test_the_phi3_gguf_holds_the_merged_fused_projections(exported_phi3):
+    base, out = exported_phi3
+    reader = gguf.GGUFReader(str(out / "gguf" / "fused-run-f32.gguf"))
+    assert reader.fields["general.architecture"].contents() == "phi3"
+    tensors = {t.name: np.asarray(t.data) for t in reader.tensors}
+    merged, before = load_file(str(out / "merged" / "model.safetensors")), load_file(str(base / "model.safetensors"))
+    for layer in (0, 1):
+        for hf, name in (("self_attn.qkv_proj", "attn_qkv"), ("mlp.gate_up_proj", "ffn_up")):
+            weight = merged[f"model.layers.{layer}.{hf}.weight"]
+            assert np.abs(weight - before[f"model.layers.{layer}.{hf}.weight"]).max() > 1e-3  # adapters folded in
+            np.testing.assert_array_equal(tensors[f"blk.{layer}.{name}.weight"], weight)
+
+
+def test_llama_cpp_agrees_with_the_merged_phi3(exported_phi3):
+    assert_llama_cpp_agrees(exported_phi3[1], "fused-run-f32.gguf", "Phi-3 LoRA run f32")
 
 
 def test_the_gpt_oss_gguf_holds_every_experts_merged_weights(exported_gpt_oss):
