@@ -20,6 +20,14 @@ ARCHITECTURES = ("qwen3", "qwen3_moe", "gpt_oss", "qwen3_5_moe", "glm4_moe_lite"
 TINY_EXPERTS, TINY_ACTIVE_EXPERTS = 4, 2
 
 
+def _mrope_sections(frequencies: int) -> list[int]:
+    """Qwen3.5's [11, 11, 10] scaled to `frequencies` rotated pairs (the first sections take the remainder)."""
+    sections = [11 * frequencies // 32, 11 * frequencies // 32, 10 * frequencies // 32]
+    for k in range(frequencies - sum(sections)):
+        sections[k % 3] += 1
+    return sections
+
+
 def tiny_config(architecture: str, *, vocab_size: int, hidden_size: int, intermediate_size: int, num_layers: int,
                 num_heads: int, num_kv_heads: int, head_dim: int, max_position_embeddings: int,
                 initializer_range: float, pad_token_id: int, eos_token_id: int):
@@ -55,7 +63,12 @@ def tiny_config(architecture: str, *, vocab_size: int, hidden_size: int, interme
                      shared_expert_intermediate_size=width,
                      layer_types=["linear_attention"] * (num_layers - 1) + ["full_attention"],
                      linear_num_key_heads=num_kv_heads, linear_num_value_heads=num_heads, linear_key_head_dim=head_dim,
-                     linear_value_head_dim=head_dim, linear_conv_kernel_dim=4, output_router_logits=False)
+                     linear_value_head_dim=head_dim, linear_conv_kernel_dim=4, output_router_logits=False,
+                     # Qwen3.5's MRoPE sections [11, 11, 10] are the 32 frequencies of its rotated 64 dims (0.25 of
+                     # 256); scaled to this head's, so llama.cpp (which asserts they fit) runs its GGUF too
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                      "mrope_interleaved": True,
+                                      "mrope_section": _mrope_sections(int(head_dim * 0.25) // 2)})
     elif architecture == "glm4_moe_lite":  # MLA: heads of nope + rope dims for q/k, v of head_dim; layer 0 dense
         extra = dict(n_routed_experts=TINY_EXPERTS, num_experts_per_tok=TINY_ACTIVE_EXPERTS, n_shared_experts=1,
                      moe_intermediate_size=intermediate_size // 2, kv_lora_rank=2 * head_dim, q_lora_rank=2 * head_dim,

@@ -2,8 +2,8 @@
 random, so the merge changes the model): OUT/adapter, OUT/merged, OUT/gguf/<run>-<TYPE>.gguf and its Modelfile;
 the GGUF holds the *merged* weights; a wrong type or an architecture llama.cpp cannot run writes nothing. The same
 for a tiny Qwen3-MoE and a tiny gpt-oss whose experts carry adapters (merged into every expert, stacked in the GGUF
-per layer; gpt-oss's tied embeddings written as its output too), and a tiny Phi-3 with adapters on its fused
-projections.
+per layer; gpt-oss's tied embeddings written as its output too), a tiny Phi-3 with adapters on its fused
+projections, and a tiny Qwen3.5-MoE with adapters on its linear attention and experts.
 With llama-cpp-python importable, llama.cpp also runs the exported files against the merged models."""
 
 from __future__ import annotations
@@ -114,6 +114,39 @@ def test_llama_cpp_agrees_with_the_merged_phi3(exported_phi3):
     assert_llama_cpp_agrees(exported_phi3[1], "fused-run-f32.gguf", "Phi-3 LoRA run f32")
 
 
+@pytest.fixture(scope="module")
+def exported_qwen35(tmp_path_factory) -> tuple[Path, Path]:
+    """(base, OUT): the same for a tiny Qwen3.5-MoE, adapters on its linear attention, attention and experts."""
+    root = tmp_path_factory.mktemp("qwen35")
+    base = build_tiny_model(root / "tiny-qwen35", architecture="qwen3_5_moe")
+    run = make_run(root / "qwen35-run", base, experts=True)
+    export_main([str(run), "--out", str(root / "out"), "--gguf", "f32", "--dtype", "float32"])
+    return base, root / "out"
+
+
+def test_the_qwen35_gguf_holds_the_merged_linear_attention_and_experts(exported_qwen35):
+    base, out = exported_qwen35
+    reader = gguf.GGUFReader(str(out / "gguf" / "qwen35-run-f32.gguf"))
+    assert reader.fields["general.architecture"].contents() == "qwen35moe"
+    tensors = {t.name: np.asarray(t.data) for t in reader.tensors}
+    merged, before = load_file(str(out / "merged" / "model.safetensors")), load_file(str(base / "model.safetensors"))
+    z = "model.layers.0.linear_attn.in_proj_z.weight"
+    assert np.abs(merged[z] - before[z]).max() > 1e-3  # the adapters were folded in
+    config = json.loads((base / "config.json").read_text())
+    keys, per_key = config["linear_num_key_heads"], config["linear_num_value_heads"] // config["linear_num_key_heads"]
+    assert per_key > 1  # value heads tiled: from grouped by key head (llama.cpp's _reorder_v_heads)
+    width = config["linear_value_head_dim"]
+    tiled = merged[z].reshape(keys, per_key, width, -1).swapaxes(0, 1).reshape(merged[z].shape)
+    np.testing.assert_array_equal(tensors["blk.0.attn_gate.weight"], tiled)
+    down = [f"model.layers.0.mlp.experts.{e}.down_proj.weight" for e in range(4)]  # saved one tensor per expert
+    assert all(np.abs(merged[name] - before[name]).max() > 1e-3 for name in down)
+    np.testing.assert_array_equal(tensors["blk.0.ffn_down_exps.weight"], np.stack([merged[name] for name in down]))
+
+
+def test_llama_cpp_agrees_with_the_merged_qwen35(exported_qwen35):
+    assert_llama_cpp_agrees(exported_qwen35[1], "qwen35-run-f32.gguf", "Qwen3.5-MoE LoRA run f32")
+
+
 def test_the_gpt_oss_gguf_holds_every_experts_merged_weights(exported_gpt_oss):
     base, out = exported_gpt_oss
     reader = gguf.GGUFReader(str(out / "gguf" / "gpt-oss-run-f32.gguf"))
@@ -206,11 +239,11 @@ def test_an_unsupported_architecture_is_refused_before_the_merge(exported, tiny_
     base = tmp_path / "base"
     shutil.copytree(tiny_model_dir, base)
     config = json.loads((base / "config.json").read_text())
-    (base / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3_5MoeForCausalLM"]}))
+    (base / "config.json").write_text(json.dumps({**config, "architectures": ["Glm4MoeLiteForCausalLM"]}))
     with pytest.raises(SystemExit) as exit_info:
         export_main([str(exported.parent / "run"), "--out", str(tmp_path / "out"), "--gguf", "f16", "--base", str(base)])
     assert exit_info.value.code == 2
-    assert "Qwen3_5MoeForCausalLM" in capsys.readouterr().err
+    assert "Glm4MoeLiteForCausalLM" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 

@@ -179,6 +179,73 @@ def test_qwen3_moe_keys_and_tensor_types(arch_dirs, tmp_path):
             assert (tensor.tensor_type, [int(n) for n in tensor.shape]) == (q8, shape), proj
 
 
+QWEN35 = "Qwen3_5MoeForCausalLM"
+
+
+@pytest.fixture(scope="module")
+def qwen35_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    return build_arch_model(QWEN35, tmp_path_factory.mktemp("qwen35") / "tiny-linear", tiny_model_dir)
+
+
+def test_qwen35_moe_keys_and_tensors_as_llama_cpps_loader_reads_them(qwen35_dir, tmp_path):
+    """Shapes in ggml order, as llama.cpp's qwen35moe create_tensor asks for them (src/models/qwen35moe.cpp):
+    hidden 64, 2 key heads and 4 value heads of 16 (key_dim 32, value_dim 64, conv_dim 128), kernel 4."""
+    fields, tensors = read(write_gguf(qwen35_dir, tmp_path / "m.gguf", "q8_0"))
+    assert fields["general.architecture"] == "qwen35moe"
+    keys = ("ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size",
+            "expert_count", "expert_used_count", "expert_feed_forward_length", "expert_shared_feed_forward_length",
+            "full_attention_interval", "rope.dimension_count")
+    assert {key: fields[f"qwen35moe.{key}"] for key in keys} == {
+        "ssm.conv_kernel": 4, "ssm.state_size": 16, "ssm.group_count": 2, "ssm.time_step_rank": 4,
+        "ssm.inner_size": 64, "expert_count": 4, "expert_used_count": 2, "expert_feed_forward_length": 96,
+        "expert_shared_feed_forward_length": 96, "full_attention_interval": 4, "rope.dimension_count": 8}
+    assert list(fields["qwen35moe.attention.recurrent_layers"]) == [True, True, False]
+    assert list(fields["qwen35moe.rope.dimension_sections"]) == [2, 1, 1, 0]
+    shape = lambda name: [int(n) for n in tensors[name].shape]  # noqa: E731
+    assert shape("blk.0.attn_qkv.weight") == [64, 128] and shape("blk.0.attn_gate.weight") == [64, 64]
+    assert shape("blk.0.ssm_conv1d.weight") == [4, 128] and shape("blk.0.ssm_out.weight") == [64, 64]
+    assert shape("blk.0.ssm_a") == shape("blk.0.ssm_dt.bias") == [4] and shape("blk.0.ssm_norm.weight") == [16]
+    assert shape("blk.0.ssm_alpha.weight") == shape("blk.0.ssm_beta.weight") == [64, 4]
+    assert shape("blk.2.attn_q.weight") == [64, 128]  # query and its output gate: 4 heads x 16 x 2
+    f32 = gguf.GGMLQuantizationType.F32
+    for name in ("blk.0.ssm_conv1d.weight", "blk.0.ffn_gate_inp.weight", "blk.0.ffn_gate_inp_shexp.weight"):
+        assert tensors[name].tensor_type == f32, name  # convert_hf_to_gguf.py keeps them F32
+    assert tensors["blk.0.ffn_gate_shexp.weight"].tensor_type == gguf.GGMLQuantizationType.Q8_0
+
+
+def test_qwen35_moe_values_a_norms_and_the_value_heads_tiled(qwen35_dir, tmp_path):
+    """A = -exp(A_log); every norm + 1 but the linear attention's gated one; value heads from grouped by key head
+    to tiled (llama.cpp's _reorder_v_heads: [k0 v0, k0 v1, k1 v0, k1 v1] -> [k0 v0, k1 v0, k0 v1, k1 v1])."""
+    _, tensors = read(write_gguf(qwen35_dir, tmp_path / "m.gguf", "f32"))
+    hf = load_file(str(qwen35_dir / "model.safetensors"))
+    tiled = [0, 2, 1, 3]  # value head order in the GGUF
+    a_log = hf["model.layers.0.linear_attn.A_log"]
+    np.testing.assert_allclose(values(tensors["blk.0.ssm_a"]), -np.exp(a_log[tiled]), rtol=1e-6)
+    np.testing.assert_array_equal(values(tensors["blk.0.ssm_dt.bias"]), hf["model.layers.0.linear_attn.dt_bias"][tiled])
+    for gguf_name, hf_name, shift in (("blk.0.ssm_norm.weight", "model.layers.0.linear_attn.norm.weight", 0),
+                                      ("blk.0.attn_norm.weight", "model.layers.0.input_layernorm.weight", 1),
+                                      ("blk.2.attn_q_norm.weight", "model.layers.2.self_attn.q_norm.weight", 1)):
+        np.testing.assert_array_equal(values(tensors[gguf_name]), hf[hf_name] + shift, err_msg=gguf_name)
+    out = hf["model.layers.0.linear_attn.out_proj.weight"].reshape(64, 4, 16)  # columns: value heads of 16
+    np.testing.assert_array_equal(values(tensors["blk.0.ssm_out.weight"]), out[:, tiled].reshape(64, 64))
+    qkv = hf["model.layers.0.linear_attn.in_proj_qkv.weight"]  # rows: q (32), k (32), then v (4 heads of 16)
+    want = np.concatenate([qkv[:64], qkv[64:].reshape(4, 16, 64)[tiled].reshape(64, 64)])
+    np.testing.assert_array_equal(values(tensors["blk.0.attn_qkv.weight"]), want)
+    conv = hf["model.layers.0.linear_attn.conv1d.weight"][:, 0]  # (channels, kernel), the same channel order
+    want = np.concatenate([conv[:64], conv[64:].reshape(4, 16, 4)[tiled].reshape(64, 4)])
+    np.testing.assert_array_equal(values(tensors["blk.0.ssm_conv1d.weight"]), want)
+
+
+def test_a_qwen35_moe_llama_cpp_cannot_run_is_refused(qwen35_dir):
+    config = json.loads((qwen35_dir / "config.json").read_text())
+    with pytest.raises(ExportError, match="one head width for the linear attention's keys and values.*16 and 32"):
+        architectures.architecture_of({**config, "linear_value_head_dim": 32})
+    # transformers' default sections on this model's 8 rotated dimensions: llama.cpp would abort on its assert
+    rope = {**config["rope_parameters"], "mrope_section": [11, 11, 10]}
+    with pytest.raises(ExportError, match=r"sections \[11, 11, 10, 0\] hold 32 frequencies.*8 rotated dimensions"):
+        architectures.architecture_of({**config, "rope_parameters": rope})
+
+
 def test_the_gguf_gpt_oss_experts_compute_what_transformers_experts_compute(arch_dirs, tmp_path):
     """llama.cpp's gpt-oss MoE FFN per expert (build_moe_ffn, LLM_FFN_SWIGLU_OAI_MOE; ggml's swiglu_oai with alpha
     1.702, limit 7): g = min(gate @ x + b_g, 7), u = clamp(up @ x + b_u, -7, 7), down @ (g sigmoid(1.702 g) (u + 1))
@@ -411,13 +478,14 @@ def test_phi3_longrope_writes_both_factor_tensors_and_the_attention_factor(arch_
 
 
 def test_an_unsupported_architecture_is_refused_by_name(tiny_model_dir, tmp_path):
-    model = tmp_path / "qwen35"
+    model = tmp_path / "glm"
     shutil.copytree(tiny_model_dir, model)
     config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3_5MoeForCausalLM"]}))
-    with pytest.raises(ExportError, match="Qwen3_5MoeForCausalLM.*Qwen3ForCausalLM, Qwen2ForCausalLM, "
+    (model / "config.json").write_text(json.dumps({**config, "architectures": ["Glm4MoeLiteForCausalLM"]}))
+    with pytest.raises(ExportError, match="Glm4MoeLiteForCausalLM.*Qwen3ForCausalLM, Qwen2ForCausalLM, "
                                           "LlamaForCausalLM, MistralForCausalLM, Gemma3ForCausalLM, "
-                                          "Qwen3MoeForCausalLM, GptOssForCausalLM, Phi3ForCausalLM"):
+                                          "Qwen3MoeForCausalLM, GptOssForCausalLM, Phi3ForCausalLM, "
+                                          "Qwen3_5MoeForCausalLM"):
         write_gguf(model, tmp_path / "out" / "m.gguf", "f16")
     assert not (tmp_path / "out").exists()
 

@@ -123,6 +123,20 @@ def test_llama_cpp_runs_phi3_longrope_with_its_factors(tiny_model_dir, tmp_path,
     assert swapped["max_diff_over_range"] > 10 * measured["max_diff_over_range"], (swapped, measured)
 
 
+@pytest.mark.parametrize("gguf_type", ["f32", "f16"])
+def test_llama_cpp_runs_qwen35_moe(tiny_model_dir, tmp_path, gguf_type):
+    """Qwen3.5-MoE's gated-delta-rule layers and its full-attention layer, experts with a shared one. f32 against
+    the model as it is; f16 as Qwen3-MoE's: the rounding may move a token whose router nearly ties (measured:
+    0.51% of the range, 1 of 79 positions)."""
+    model = build_arch_model("Qwen3_5MoeForCausalLM", tmp_path / "tiny-linear", tiny_model_dir)
+    measured = compare(model, write_gguf(model, tmp_path / "m.gguf", gguf_type))
+    print(f"Qwen3.5-MoE {gguf_type}: {measured}")
+    if gguf_type == "f32":
+        check(measured, "f32")
+    else:
+        assert measured["max_diff_over_range"] <= 2e-2 and measured["argmax_agreement"] >= 0.95, measured
+
+
 def routing_gap_and_f16_shift(model_dir: Path, ids: list[int], by_logits: bool = False) -> tuple[float, float]:
     """On `ids`: the smallest gap between the k-th and (k+1)-th router probability (k active experts) over every
     token and layer, and the largest change that rounding the weights to f16 makes to any router probability.

@@ -19,6 +19,8 @@ the table below, checked against llama.cpp's conversion/{qwen,llama,gemma}.py (l
   gate_up_proj as they are); the rotary share of the head, the original context, the sliding window (llama.cpp
   reads it and switches it off: `phi3_caveats`), and for LongRoPE (Phi-3-128k, Phi-3.5, Phi-4-mini) the long and
   short factors as two tensors plus the attention factor.
+- Qwen3.5-MoE (conversion/qwen.py, Qwen3_5MoeTextModel): its linear-attention layers (linear_attention.py), the
+  experts as Qwen3-MoE's, the shared expert and its gate, every norm + 1 but the linear attention's gated one.
 Anything else is refused by name, with the supported list.
 """
 
@@ -31,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from HyperSloth.outputs.export import ExportError
+from HyperSloth.outputs.gguf import linear_attention
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,7 @@ class Architecture:
     moe: bool = False  # experts (per-expert or fused on disk) become three stacked tensors (experts.py)
     experts_layout: str = "qwen"  # how the experts lie on disk (experts.LAYOUTS)
     output_required: bool = False  # llama.cpp reads output.weight only: written from the embeddings when tied
+    linear_attention: bool = False  # Qwen3.5's gated-delta-rule layers (linear_attention.py)
 
     @property
     def model_arch(self):
@@ -69,6 +73,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("Qwen3MoeForCausalLM", "QWEN3MOE", moe=True),
         Architecture("GptOssForCausalLM", "GPT_OSS", moe=True, experts_layout="gpt_oss", output_required=True),
         Architecture("Phi3ForCausalLM", "PHI3"),
+        Architecture("Qwen3_5MoeForCausalLM", "QWEN35MOE", moe=True, linear_attention=True),
     )
 }
 SUPPORTED = ", ".join(ARCHITECTURES)
@@ -96,6 +101,8 @@ def _check_config(arch: Architecture, config: dict[str, Any], where: str) -> Non
         _check_moe(config, where)
     if arch.gguf_arch == "GPT_OSS":
         _check_gpt_oss(config, where)
+    if arch.linear_attention:
+        linear_attention.check(config, where, rotary_dims(config))
     if arch.gguf_arch == "PHI3" and rope_kind(config, longrope=True) not in ("default", "longrope"):
         raise ExportError(f"--gguf cannot write {where}: Phi-3 in llama.cpp takes no RoPE scaling or LongRoPE, and its "
                           f"config has {rope_kind(config, longrope=True)!r}")
@@ -181,7 +188,8 @@ def add_hyperparameters(writer, config: dict[str, Any], arch: Architecture) -> N
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
+    if "intermediate_size" in config:  # Qwen3.5-MoE has experts only (their width below)
+        writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
     writer.add_key_length(head_dim(config))
@@ -202,6 +210,8 @@ def add_hyperparameters(writer, config: dict[str, Any], arch: Architecture) -> N
         _add_gpt_oss_window(writer, config)
     if arch.gguf_arch == "PHI3":
         _add_phi3(writer, config)
+    if arch.linear_attention:
+        linear_attention.add_hyperparameters(writer, config)
 
 
 def _add_rope(writer, config: dict[str, Any]) -> None:
@@ -328,6 +338,8 @@ def llama3_rope_factors(config: dict[str, Any]) -> np.ndarray | None:
 
 def transform(name: str, data: np.ndarray, config: dict[str, Any], arch: Architecture) -> np.ndarray:
     """The per-architecture change a Hugging Face tensor needs before llama.cpp reads it (float32 in and out)."""
+    if arch.linear_attention:
+        return linear_attention.transform(name, data, config)
     if arch.permute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
         return _permute(data, config["num_attention_heads"])
     if arch.permute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):

@@ -34,6 +34,7 @@ from HyperSloth.outputs.gguf.architectures import (
     phi3_longrope_factors,
     transform,
 )
+from HyperSloth.outputs.gguf import linear_attention
 from HyperSloth.outputs.gguf.experts import TensorPart, tensor_parts
 
 EMBEDDINGS = "model.embed_tokens.weight"  # also the output projection of a model with tied embeddings
@@ -114,12 +115,14 @@ def plan_tensors(model_dir: Path, config: dict[str, Any], arch: Architecture, qt
     if tied and arch.output_required:  # llama.cpp's graph for it reads output.weight, never token_embd
         parts.append(TensorPart("lm_head.weight", shapes[EMBEDDINGS], (EMBEDDINGS,)))
     for part in parts:
-        gguf_name = names.get_name(part.name, try_suffixes=(".weight", ".bias"))
+        lookup, shape = part.name, part.shape
+        if arch.linear_attention:
+            lookup, shape = linear_attention.lookup_name(part.name), linear_attention.stored_shape(part.name, shape)
+        gguf_name = names.get_name(lookup, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise ExportError(f"tensor {part.sources[0]} of {model_dir} has no name in llama.cpp's {arch.arch_name} "
                               f"architecture: this {arch.hf_name} variant is not supported")
-        yield PlannedTensor(gguf_name, part.shape, tensor_type(gguf_name, part.shape, qtype),
-                            _loader(files, part, config, arch))
+        yield PlannedTensor(gguf_name, shape, tensor_type(gguf_name, shape, qtype), _loader(files, part, config, arch))
 
 
 def _tensor_index(model_dir: Path, tied: bool) -> tuple[dict[str, Path], dict[str, tuple[int, ...]]]:
@@ -142,8 +145,10 @@ def tensor_type(gguf_name: str, shape: tuple[int, ...], requested):
     block F16."""
     import gguf
 
-    router = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.FFN_GATE_INP].split(".")[-1]  # "ffn_gate_inp"
-    if (len(shape) <= 1 or gguf_name.endswith(("_norm.weight", f"{router}.weight"))
+    kept = tuple(gguf.TENSOR_NAMES[kind].split(".")[-1] + ".weight"  # routers, the shared expert's gate, convs
+                 for kind in (gguf.MODEL_TENSOR.FFN_GATE_INP, gguf.MODEL_TENSOR.FFN_GATE_INP_SHEXP,
+                              gguf.MODEL_TENSOR.SSM_CONV1D))
+    if (len(shape) <= 1 or gguf_name.endswith(("_norm.weight", *kept))
             or not gguf_name.endswith(".weight")):
         return gguf.GGMLQuantizationType.F32
     block_size, _ = gguf.GGML_QUANT_SIZES[requested]
