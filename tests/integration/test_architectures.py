@@ -5,9 +5,12 @@ unset in every run.
 - A tiny gpt-oss (eager attention, biased transposed experts; its decoder builds masks without the position ids, so
   packed rows leak until HyperSloth hands it the masks) logs its step-1 loss as every sample alone gives it; 1 and
   2 workers agree.
-- A tiny Qwen3.5-MoE (linear attention, whose packed rows leak on the CPU) is refused when its config asks for
-  packed rows, with what to change; with batching left unset it trains sorted-pad, 1 and 2 workers agreeing, and
-  resumes from its checkpoint (whose run.json says sorted-pad) to the uninterrupted run's losses.
+- A tiny Qwen3.5-MoE (linear attention, whose state transformers' PyTorch kernels carry across the samples of a
+  packed row) trains packed with its linear attention run one sample at a time: step 1 logs every sample's own
+  loss, 1 and 2 workers agree. Without that fix (UNFIXABLE_PACKING_INJECTION, as a model HyperSloth cannot make
+  exact) it is refused when its config asks for packed rows, with what to change; with batching left unset it
+  trains sorted-pad, 1 and 2 workers agreeing, and resumes from its checkpoint (whose run.json says sorted-pad) to
+  the uninterrupted run's losses.
 - A tiny GLM-4.7-Flash (latent attention, a dense first layer) trains at defaults, 1 and 2 workers agreeing.
 - A tiny Phi-3 gets its fused qkv_proj / gate_up_proj."""
 
@@ -45,10 +48,14 @@ SPECS = [
     RunSpec("phi3-2w", model_subdir="phi3", default_targets=True),
     RunSpec("gptoss-2w", model_subdir="gpt_oss", default_targets=True),
     RunSpec("gptoss-1w", gpus=1, per_device=8, model_subdir="gpt_oss", default_targets=True),
-    RunSpec("qwen35-packed", model_subdir="qwen3_5_moe", default_targets=True),
     RunSpec("qwen35-2w", batching=None, model_subdir="qwen3_5_moe", default_targets=True),
     RunSpec("qwen35-1w", gpus=1, per_device=8, batching=None, model_subdir="qwen3_5_moe", default_targets=True),
-    RunSpec("qwen35-resume", batching=None, model_subdir="qwen3_5_moe", default_targets=True, resume_from="qwen35-2w"),
+    RunSpec("leaky-packed", model_subdir="qwen3_5_moe", default_targets=True, unfixable_packing=True),
+    RunSpec("leaky-2w", batching=None, model_subdir="qwen3_5_moe", default_targets=True, unfixable_packing=True),
+    RunSpec("leaky-1w", gpus=1, per_device=8, batching=None, model_subdir="qwen3_5_moe", default_targets=True,
+            unfixable_packing=True),
+    RunSpec("leaky-resume", batching=None, model_subdir="qwen3_5_moe", default_targets=True, resume_from="leaky-2w",
+            unfixable_packing=True),
     RunSpec("glm-2w", model_subdir="glm4_moe_lite", default_targets=True),
     RunSpec("glm-1w", gpus=1, per_device=8, model_subdir="glm4_moe_lite", default_targets=True),
 ]
@@ -145,22 +152,37 @@ def test_gpt_oss_packed_rows_train_each_sample_as_alone_and_two_workers_match_on
     assert any("experts" in name for name in multi.adapter())
 
 
-@needs("qwen35-packed", "qwen35-2w", "qwen35-1w")
-def test_qwen3_5_moe_is_refused_packed_and_at_defaults_trains_sorted_pad_on_one_or_two_workers(runs):
-    refused = runs.get("qwen35-packed")
+@needs("qwen35-2w", "qwen35-1w")
+def test_qwen3_5_moe_trains_packed_with_its_linear_attention_per_sample_on_one_or_two_workers(runs, dataset, workdir,
+                                                                                            model_dir):
+    multi, single = runs.get("qwen35-2w").check_ok(), runs.get("qwen35-1w").check_ok()
+    packing = json.loads((multi.out / "run_resolved.json").read_text())["packing"]
+    assert packing["exact"] and packing["fix"] == "linear attention runs one sample at a time", packing
+    assert multi.summary["batching"] == single.summary["batching"] == "packed"
+    log = (multi.out / "logs" / "rank0.log").read_text()
+    assert "qwen3_5_moe_text's linear attention carries its state from one sample of a packed row" in log
+    assert_step_one_is_every_sample_alone(multi, workdir, model_dir, dataset)
+    assert_workers_agree(multi, single)
+    assert any("linear_attn.in_proj_qkv" in name for name in multi.adapter())
+    assert any("experts" in name for name in multi.adapter())
+
+
+@needs("leaky-packed", "leaky-2w", "leaky-1w")
+def test_a_model_whose_packed_rows_stay_leaky_is_refused_packed_and_at_defaults_trains_sorted_pad(runs):
+    """The tiny Qwen3.5-MoE without the per-sample fix (UNFIXABLE_PACKING_INJECTION), as a model HyperSloth cannot
+    make exact."""
+    refused = runs.get("leaky-packed")
     assert refused.returncode != 0, refused.output[-2000:]
     assert "qwen3_5_moe_text on the transformers backend lets the samples of a packed row attend to each other" \
         in refused.output and "set training.batching='sorted-pad'" in refused.output
     assert not (refused.out / "train_summary.json").exists()
-    multi, single = runs.get("qwen35-2w").check_ok(), runs.get("qwen35-1w").check_ok()
+    multi, single = runs.get("leaky-2w").check_ok(), runs.get("leaky-1w").check_ok()
     packing = json.loads((multi.out / "run_resolved.json").read_text())["packing"]
     assert packing["switched_to"] == "sorted-pad" and not packing["exact"], packing
     assert multi.summary["batching"] == single.summary["batching"] == "sorted-pad"
     log = (multi.out / "logs" / "rank0.log").read_text()
     assert "training.batching is not set, so this run trains sorted-pad" in log
     assert_workers_agree(multi, single)
-    assert any("linear_attn.in_proj_qkv" in name for name in multi.adapter())
-    assert any("experts" in name for name in multi.adapter())
 
 
 @needs("glm-2w", "glm-1w")
@@ -172,9 +194,9 @@ def test_glm_4_7_flash_trains_at_defaults_and_two_workers_match_one(runs, datase
     assert any("kv_b_proj" in name for name in multi.adapter()) and any("experts" in name for name in multi.adapter())
 
 
-@needs("qwen35-2w", "qwen35-resume")
-def test_qwen3_5_moe_trained_sorted_pad_by_itself_resumes_as_it_ran(runs):
-    full, resumed = runs.get("qwen35-2w").check_ok(), runs.get("qwen35-resume").check_ok()
+@needs("leaky-2w", "leaky-resume")
+def test_a_run_switched_to_sorted_pad_by_itself_resumes_as_it_ran(runs):
+    full, resumed = runs.get("leaky-2w").check_ok(), runs.get("leaky-resume").check_ok()
     a, b = full.summary, resumed.summary
     assert b["batching"] == "sorted-pad" and b["steps"] == MAX_STEPS
     assert b["step_losses"][:SAVE_STEPS] == a["step_losses"][:SAVE_STEPS]

@@ -69,6 +69,16 @@ if _os.environ.get("HYPERSLOTH_RANK") == "1":
     _Trainer._save_rng_state = _killed_while_saving
 '''
 
+# Every worker runs without HyperSloth's per-sample linear attention (train/packing/linear_attention.py): a tiny
+# Qwen3.5-MoE's packed rows then stay leaky on the CPU, as a model HyperSloth cannot make exact would, so the
+# fallback to sorted-pad and the refusal are run end to end.
+UNFIXABLE_PACKING_INJECTION = '''
+import os as _os
+if _os.environ.get("HYPERSLOTH_RANK") is not None:
+    import HyperSloth.train.packing.check as _check
+    _check.per_sample_linear_attention = lambda model: None
+'''
+
 
 @dataclass(frozen=True)
 class RunSpec:
@@ -89,6 +99,7 @@ class RunSpec:
     profile: bool = False  # training.profile: phase timing and the kernel profile of steps 4-6
     model_subdir: str | None = None  # a model in this folder of the pool's model_dir (other architectures)
     default_targets: bool = False  # leave lora_args.target_modules unset (read from the model) and dropout out
+    unfixable_packing: bool = False  # UNFIXABLE_PACKING_INJECTION
 
     def hyper_config(self, model_dir: Path) -> dict[str, Any]:
         return {
@@ -180,11 +191,13 @@ def write_config(spec: RunSpec, workdir: Path, model_dir: Path) -> Path:
 
 
 def injection_dir(spec: RunSpec, workdir: Path) -> Path:
-    """A folder holding the `sitecustomize.py` that makes rank 1 fail or die (put it on PYTHONPATH)."""
+    """A folder holding the `sitecustomize.py` that makes rank 1 fail or die, or the packing unfixable (put it on
+    PYTHONPATH)."""
     folder = workdir / "inject" / spec.name
     folder.mkdir(parents=True, exist_ok=True)
     mark = str(workdir / "outputs" / spec.name / FAILURE_MARK)
-    code = (KILL_IN_SAVE_INJECTION.format(mark=mark, step=MAX_STEPS) if spec.kill_in_save
+    code = (UNFIXABLE_PACKING_INJECTION if spec.unfixable_packing
+            else KILL_IN_SAVE_INJECTION.format(mark=mark, step=MAX_STEPS) if spec.kill_in_save
             else FAILURE_INJECTION.format(mark=mark))
     (folder / "sitecustomize.py").write_text(code)
     return folder
@@ -277,7 +290,7 @@ class RunPool:
                 shutil.copytree(source, out)
         config = write_config(spec, self.workdir, self.model_dir)
         env = run_env()
-        if spec.inject_failure or spec.kill_in_save:
+        if spec.inject_failure or spec.kill_in_save or spec.unfixable_packing:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(injection_dir(spec, self.workdir)),
                                                               env.get("PYTHONPATH")]))
         if spec.launcher == "tmux":

@@ -1,4 +1,5 @@
-"""Packed rows kept exact: the start-up check that the loaded model keeps a packed row's samples apart, with the
-fix for decoders whose mask ignores the position ids and the refusal otherwise (check), and the references that
-prove it at length in tests and benchmarks: a packed sample against itself alone, a step from samples alone
-(exactness)."""
+"""Packed rows kept exact: the start-up check that the loaded model keeps a packed row's samples apart, with its
+two fixes (decoders whose mask ignores the position ids get the masks built from them; linear attention whose
+kernels carry state across samples runs one sample at a time: linear_attention) and the refusal otherwise (check),
+and the references that prove it at length in tests and benchmarks: a packed sample against itself alone, a step
+from samples alone (exactness)."""

@@ -40,6 +40,7 @@ from loguru import logger
 from HyperSloth.config import ConfigError
 from HyperSloth.train.collate import collate_packed
 from HyperSloth.train.packing.exactness import decoder_and_head
+from HyperSloth.train.packing.linear_attention import per_sample_linear_attention
 from HyperSloth.train.lora.install import decoder_layers
 
 # Packing is exact when the packed difference is within NOISE_FACTOR x the rounding difference of a row that cannot
@@ -280,6 +281,17 @@ def settle_packing(model, backend: str) -> PackingCheck:
             logger.info(f"packed rows: {_arch(model)}'s decoder builds its attention mask without the position ids "
                         f"(samples would see each other: {check.packed:.0%} off); HyperSloth passes it the "
                         f"block-diagonal masks transformers builds from them (checked: within {fixed.packed:.1e})")
+            return fixed
+        remove()
+    remove = per_sample_linear_attention(model)
+    if remove is not None:
+        fixed = measure(model, with_lengths=with_lengths)
+        if fixed.exact:
+            fixed = PackingCheck(fixed.packed, fixed.rounding, fixed.leaked, fixed.layers,
+                                 fix="linear attention runs one sample at a time")
+            logger.info(f"packed rows: {_arch(model)}'s linear attention carries its state from one sample of a "
+                        f"packed row to the next on the {backend} backend ({check.packed:.0%} off); HyperSloth runs "
+                        f"it one sample at a time (checked: within {fixed.packed:.1e})")
             return fixed
         remove()
     return check
