@@ -283,7 +283,8 @@ def settle_packing(model, backend: str) -> PackingCheck:
                         f"block-diagonal masks transformers builds from them (checked: within {fixed.packed:.1e})")
             return fixed
         remove()
-    remove = per_sample_linear_attention(model)
+    # Not on Unsloth: its compiled decoder blocks would trace the per-sample split, one graph per set of spans
+    remove = per_sample_linear_attention(model) if backend != "unsloth" else None
     if remove is not None:
         fixed = measure(model, with_lengths=with_lengths)
         if fixed.exact:
