@@ -3,7 +3,8 @@ random, so the merge changes the model): OUT/adapter, OUT/merged, OUT/gguf/<run>
 the GGUF holds the *merged* weights; a wrong type or an architecture llama.cpp cannot run writes nothing. The same
 for a tiny Qwen3-MoE and a tiny gpt-oss whose experts carry adapters (merged into every expert, stacked in the GGUF
 per layer; gpt-oss's tied embeddings written as its output too), a tiny Phi-3 with adapters on its fused
-projections, and a tiny Qwen3.5-MoE with adapters on its linear attention and experts.
+projections, a tiny Qwen3.5-MoE with adapters on its linear attention and experts, and a tiny GLM-4.7-Flash with
+adapters on its latent attention.
 With llama-cpp-python importable, llama.cpp also runs the exported files against the merged models."""
 
 from __future__ import annotations
@@ -147,6 +148,36 @@ def test_llama_cpp_agrees_with_the_merged_qwen35(exported_qwen35):
     assert_llama_cpp_agrees(exported_qwen35[1], "qwen35-run-f32.gguf", "Qwen3.5-MoE LoRA run f32")
 
 
+@pytest.fixture(scope="module")
+def exported_glm(tmp_path_factory) -> tuple[Path, Path]:
+    """(base, OUT): the same for a tiny GLM-4.7-Flash (tied embeddings), adapters on its latent attention, dense
+    and shared MLPs and experts."""
+    root = tmp_path_factory.mktemp("glm")
+    base = build_tiny_model(root / "tiny-glm", architecture="glm4_moe_lite")
+    run = make_run(root / "glm-run", base, experts=True)
+    export_main([str(run), "--out", str(root / "out"), "--gguf", "f32", "--dtype", "float32"])
+    return base, root / "out"
+
+
+def test_the_glm_gguf_holds_the_merged_latent_attention_split(exported_glm):
+    base, out = exported_glm
+    reader = gguf.GGUFReader(str(out / "gguf" / "glm-run-f32.gguf"))
+    assert reader.fields["general.architecture"].contents() == "deepseek2"
+    tensors = {t.name: np.asarray(t.data) for t in reader.tensors}
+    merged, before = load_file(str(out / "merged" / "model.safetensors")), load_file(str(base / "model.safetensors"))
+    config = json.loads((base / "config.json").read_text())
+    heads, nope = config["num_attention_heads"], config["qk_nope_head_dim"]
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    assert np.abs(merged[name] - before[name]).max() > 1e-3  # the adapter was folded in
+    kv_b = merged[name].reshape(heads, nope + config["v_head_dim"], -1)
+    np.testing.assert_array_equal(tensors["blk.1.attn_k_b.weight"], kv_b[:, :nope].transpose(0, 2, 1))
+    np.testing.assert_array_equal(tensors["blk.1.attn_v_b.weight"], kv_b[:, nope:])
+
+
+def test_llama_cpp_agrees_with_the_merged_glm(exported_glm):
+    assert_llama_cpp_agrees(exported_glm[1], "glm-run-f32.gguf", "GLM-4.7-Flash LoRA run f32")
+
+
 def test_the_gpt_oss_gguf_holds_every_experts_merged_weights(exported_gpt_oss):
     base, out = exported_gpt_oss
     reader = gguf.GGUFReader(str(out / "gguf" / "gpt-oss-run-f32.gguf"))
@@ -239,11 +270,11 @@ def test_an_unsupported_architecture_is_refused_before_the_merge(exported, tiny_
     base = tmp_path / "base"
     shutil.copytree(tiny_model_dir, base)
     config = json.loads((base / "config.json").read_text())
-    (base / "config.json").write_text(json.dumps({**config, "architectures": ["Glm4MoeLiteForCausalLM"]}))
+    (base / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3NextForCausalLM"]}))
     with pytest.raises(SystemExit) as exit_info:
         export_main([str(exported.parent / "run"), "--out", str(tmp_path / "out"), "--gguf", "f16", "--base", str(base)])
     assert exit_info.value.code == 2
-    assert "Glm4MoeLiteForCausalLM" in capsys.readouterr().err
+    assert "Qwen3NextForCausalLM" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 

@@ -58,6 +58,15 @@ def tiny_config(architecture: str):
                                                        "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
                                                        "mrope_interleaved": True})
         return config
+    if architecture == "Glm4MoeLiteForCausalLM":  # latent attention (kv rank 32, q rank 32); a dense layer first
+        from transformers import Glm4MoeLiteConfig
+
+        shape = {k: v for k, v in SHAPE.items() if k != "head_dim"}  # Glm4MoeLiteConfig reads it as the rope dims
+        return Glm4MoeLiteConfig(**{**shape, "num_hidden_layers": 3, "num_key_value_heads": 4},
+                                 n_routed_experts=TINY_EXPERTS, num_experts_per_tok=TINY_ACTIVE_EXPERTS,
+                                 n_shared_experts=1, moe_intermediate_size=96, kv_lora_rank=32, q_lora_rank=32,
+                                 qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, routed_scaling_factor=1.8,
+                                 norm_topk_prob=True, mlp_layer_types=["dense", "sparse", "sparse"])
     classes = {"Qwen3ForCausalLM": Qwen3Config, "Qwen2ForCausalLM": Qwen2Config, "LlamaForCausalLM": LlamaConfig,
                "MistralForCausalLM": MistralConfig}
     return classes[architecture](**SHAPE)
@@ -77,6 +86,9 @@ def build_arch_model(architecture: str, out: Path, tokenizer_dir: Path, seed: in
             # norms around 1 (Gemma's around 0: it scales by 1 + weight), so a wrong shift shows in the logits
             centre = 0.0 if "norm" not in name or architecture.startswith("Gemma") else 1.0
             param.normal_(centre, 0.1)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # GLM's routing correction, a buffer: zeros until trained
+                buffer.normal_(0.0, 0.1)
     model.save_pretrained(str(out), safe_serialization=True)
     AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(out))
     return out

@@ -246,6 +246,53 @@ def test_a_qwen35_moe_llama_cpp_cannot_run_is_refused(qwen35_dir):
         architectures.architecture_of({**config, "rope_parameters": rope})
 
 
+GLM = "Glm4MoeLiteForCausalLM"
+
+
+@pytest.fixture(scope="module")
+def glm_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    return build_arch_model(GLM, tmp_path_factory.mktemp("glm") / "tiny-latent", tiny_model_dir)
+
+
+def test_glm_4_7_flash_keys_and_its_latent_attention_split_as_llama_cpp_absorbs_it(glm_dir, tmp_path):
+    """4 heads of nope 16 + rope 8, v 16, kv rank 32, q rank 32; a dense layer, then 2 MoE layers of 4 experts (96
+    wide, 2 active) with a shared expert. kv_b_proj (heads x (nope + v), rank) becomes k_b (heads, rank, nope) and
+    v_b (heads, v, rank): conversion/deepseek.py's split."""
+    fields, tensors = read(write_gguf(glm_dir, tmp_path / "m.gguf", "f32"))
+    assert fields["general.architecture"] == "deepseek2"
+    keys = ("attention.head_count_kv", "attention.key_length", "attention.value_length", "attention.key_length_mla",
+            "attention.value_length_mla", "attention.q_lora_rank", "attention.kv_lora_rank", "rope.dimension_count",
+            "leading_dense_block_count", "expert_count", "expert_shared_count", "expert_used_count",
+            "expert_feed_forward_length", "feed_forward_length", "expert_gating_func")
+    assert {key: fields[f"deepseek2.{key}"] for key in keys} == {
+        "attention.head_count_kv": 1, "attention.key_length": 40, "attention.value_length": 32,
+        "attention.key_length_mla": 24, "attention.value_length_mla": 16, "attention.q_lora_rank": 32,
+        "attention.kv_lora_rank": 32, "rope.dimension_count": 8, "leading_dense_block_count": 1, "expert_count": 4,
+        "expert_shared_count": 1, "expert_used_count": 2, "expert_feed_forward_length": 96, "feed_forward_length": 128,
+        "expert_gating_func": int(gguf.ExpertGatingFuncType.SIGMOID)}
+    assert fields["deepseek2.expert_weights_scale"] == pytest.approx(1.8) and fields["deepseek2.expert_weights_norm"]
+    hf = load_file(str(glm_dir / "model.safetensors"))
+    kv_b = hf["model.layers.1.self_attn.kv_b_proj.weight"].reshape(4, 16 + 16, 32)  # per head: nope rows, then v
+    np.testing.assert_array_equal(values(tensors["blk.1.attn_k_b.weight"]), kv_b[:, :16].transpose(0, 2, 1))
+    np.testing.assert_array_equal(values(tensors["blk.1.attn_v_b.weight"]), kv_b[:, 16:])
+    assert "blk.1.attn_kv_b.weight" not in tensors
+    np.testing.assert_array_equal(values(tensors["blk.1.exp_probs_b.bias"]),
+                                  hf["model.layers.1.mlp.gate.e_score_correction_bias"])
+    assert "blk.0.ffn_gate.weight" in tensors and "blk.0.ffn_gate_exps.weight" not in tensors  # the dense layer
+    assert [int(n) for n in tensors["blk.1.ffn_gate_exps.weight"].shape] == [64, 96, 4]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rope_interleave": False}, "rotates interleaved pairs, and its config has rope_interleave false"),
+    ({"n_group": 2, "topk_group": 1}, "within 2 groups"),
+    ({"mlp_layer_types": ["dense", "sparse", "dense"]}, "dense layers first only"),
+])
+def test_a_glm_llama_cpp_would_run_otherwise_is_refused(glm_dir, change, message):
+    config = json.loads((glm_dir / "config.json").read_text())
+    with pytest.raises(ExportError, match=message):
+        architectures.architecture_of({**config, **change})
+
+
 def test_the_gguf_gpt_oss_experts_compute_what_transformers_experts_compute(arch_dirs, tmp_path):
     """llama.cpp's gpt-oss MoE FFN per expert (build_moe_ffn, LLM_FFN_SWIGLU_OAI_MOE; ggml's swiglu_oai with alpha
     1.702, limit 7): g = min(gate @ x + b_g, 7), u = clamp(up @ x + b_u, -7, 7), down @ (g sigmoid(1.702 g) (u + 1))
@@ -478,14 +525,14 @@ def test_phi3_longrope_writes_both_factor_tensors_and_the_attention_factor(arch_
 
 
 def test_an_unsupported_architecture_is_refused_by_name(tiny_model_dir, tmp_path):
-    model = tmp_path / "glm"
+    model = tmp_path / "next"
     shutil.copytree(tiny_model_dir, model)
     config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "architectures": ["Glm4MoeLiteForCausalLM"]}))
-    with pytest.raises(ExportError, match="Glm4MoeLiteForCausalLM.*Qwen3ForCausalLM, Qwen2ForCausalLM, "
+    (model / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3NextForCausalLM"]}))
+    with pytest.raises(ExportError, match="Qwen3NextForCausalLM.*Qwen3ForCausalLM, Qwen2ForCausalLM, "
                                           "LlamaForCausalLM, MistralForCausalLM, Gemma3ForCausalLM, "
                                           "Qwen3MoeForCausalLM, GptOssForCausalLM, Phi3ForCausalLM, "
-                                          "Qwen3_5MoeForCausalLM"):
+                                          "Qwen3_5MoeForCausalLM, Glm4MoeLiteForCausalLM"):
         write_gguf(model, tmp_path / "out" / "m.gguf", "f16")
     assert not (tmp_path / "out").exists()
 

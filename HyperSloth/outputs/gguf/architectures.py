@@ -21,6 +21,8 @@ the table below, checked against llama.cpp's conversion/{qwen,llama,gemma}.py (l
   short factors as two tensors plus the attention factor.
 - Qwen3.5-MoE (conversion/qwen.py, Qwen3_5MoeTextModel): its linear-attention layers (linear_attention.py), the
   experts as Qwen3-MoE's, the shared expert and its gate, every norm + 1 but the linear attention's gated one.
+- GLM-4.7-Flash (conversion/glm.py, Glm4MoeLiteModel, a DeepseekV2Model): its latent attention's kv_b_proj split in
+  two, the router's score correction, sigmoid gating, the dense first layers (latent_attention.py).
 Anything else is refused by name, with the supported list.
 """
 
@@ -33,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from HyperSloth.outputs.export import ExportError
-from HyperSloth.outputs.gguf import linear_attention
+from HyperSloth.outputs.gguf import latent_attention, linear_attention
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class Architecture:
     experts_layout: str = "qwen"  # how the experts lie on disk (experts.LAYOUTS)
     output_required: bool = False  # llama.cpp reads output.weight only: written from the embeddings when tied
     linear_attention: bool = False  # Qwen3.5's gated-delta-rule layers (linear_attention.py)
+    latent_attention: bool = False  # DeepSeek's multi-head latent attention, GLM-4.7-Flash's (latent_attention.py)
 
     @property
     def model_arch(self):
@@ -74,6 +77,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("GptOssForCausalLM", "GPT_OSS", moe=True, experts_layout="gpt_oss", output_required=True),
         Architecture("Phi3ForCausalLM", "PHI3"),
         Architecture("Qwen3_5MoeForCausalLM", "QWEN35MOE", moe=True, linear_attention=True),
+        Architecture("Glm4MoeLiteForCausalLM", "DEEPSEEK2", moe=True, latent_attention=True),
     )
 }
 SUPPORTED = ", ".join(ARCHITECTURES)
@@ -103,6 +107,8 @@ def _check_config(arch: Architecture, config: dict[str, Any], where: str) -> Non
         _check_gpt_oss(config, where)
     if arch.linear_attention:
         linear_attention.check(config, where, rotary_dims(config))
+    if arch.latent_attention:
+        latent_attention.check(config, where)
     if arch.gguf_arch == "PHI3" and rope_kind(config, longrope=True) not in ("default", "longrope"):
         raise ExportError(f"--gguf cannot write {where}: Phi-3 in llama.cpp takes no RoPE scaling or LongRoPE, and its "
                           f"config has {rope_kind(config, longrope=True)!r}")
@@ -148,8 +154,9 @@ def _check_gpt_oss(config: dict[str, Any], where: str) -> None:
 
 
 def expert_count(config: dict[str, Any]) -> int:
-    """Experts per MoE layer: transformers 5 saves `num_local_experts`, Qwen's published configs `num_experts`."""
-    return int(config.get("num_local_experts") or config["num_experts"])
+    """Experts per MoE layer: transformers 5 saves `num_local_experts`, Qwen's published configs `num_experts`,
+    DeepSeek's and GLM's `n_routed_experts`."""
+    return int(config.get("num_local_experts") or config.get("n_routed_experts") or config["num_experts"])
 
 
 def rope_parameters(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -185,16 +192,19 @@ def head_dim(config: dict[str, Any]) -> int:
 def add_hyperparameters(writer, config: dict[str, Any], arch: Architecture) -> None:
     """The `{arch}.*` keys llama.cpp reads for these architectures."""
     heads = config["num_attention_heads"]
+    kv_heads, key_length, value_length, rope_dims = (
+        latent_attention.head_lengths(config) if arch.latent_attention
+        else (config.get("num_key_value_heads") or heads, head_dim(config), head_dim(config), rotary_dims(config)))
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     if "intermediate_size" in config:  # Qwen3.5-MoE has experts only (their width below)
         writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
-    writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
-    writer.add_key_length(head_dim(config))
-    writer.add_value_length(head_dim(config))
-    writer.add_rope_dimension_count(rotary_dims(config))
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(key_length)
+    writer.add_value_length(value_length)
+    writer.add_rope_dimension_count(rope_dims)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
     _add_rope(writer, config)
@@ -212,6 +222,8 @@ def add_hyperparameters(writer, config: dict[str, Any], arch: Architecture) -> N
         _add_phi3(writer, config)
     if arch.linear_attention:
         linear_attention.add_hyperparameters(writer, config)
+    if arch.latent_attention:
+        latent_attention.add_hyperparameters(writer, config)
 
 
 def _add_rope(writer, config: dict[str, Any]) -> None:
@@ -340,6 +352,8 @@ def transform(name: str, data: np.ndarray, config: dict[str, Any], arch: Archite
     """The per-architecture change a Hugging Face tensor needs before llama.cpp reads it (float32 in and out)."""
     if arch.linear_attention:
         return linear_attention.transform(name, data, config)
+    if arch.latent_attention:
+        return latent_attention.transform(name, data, config)
     if arch.permute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
         return _permute(data, config["num_attention_heads"])
     if arch.permute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):

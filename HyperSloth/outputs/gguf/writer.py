@@ -34,7 +34,7 @@ from HyperSloth.outputs.gguf.architectures import (
     phi3_longrope_factors,
     transform,
 )
-from HyperSloth.outputs.gguf import linear_attention
+from HyperSloth.outputs.gguf import latent_attention, linear_attention
 from HyperSloth.outputs.gguf.experts import TensorPart, tensor_parts
 
 EMBEDDINGS = "model.embed_tokens.weight"  # also the output projection of a model with tied embeddings
@@ -112,12 +112,16 @@ def plan_tensors(model_dir: Path, config: dict[str, Any], arch: Architecture, qt
     tied = bool(config.get("tie_word_embeddings"))
     files, shapes = _tensor_index(model_dir, tied=tied)
     parts = tensor_parts(shapes, expert_count(config) if arch.moe else None, arch.experts_layout)
+    if arch.latent_attention:
+        parts = latent_attention.split_parts(parts, config)
     if tied and arch.output_required:  # llama.cpp's graph for it reads output.weight, never token_embd
         parts.append(TensorPart("lm_head.weight", shapes[EMBEDDINGS], (EMBEDDINGS,)))
     for part in parts:
         lookup, shape = part.name, part.shape
         if arch.linear_attention:
             lookup, shape = linear_attention.lookup_name(part.name), linear_attention.stored_shape(part.name, shape)
+        if arch.latent_attention:
+            lookup = latent_attention.lookup_name(part.name)
         gguf_name = names.get_name(lookup, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise ExportError(f"tensor {part.sources[0]} of {model_dir} has no name in llama.cpp's {arch.arch_name} "
@@ -177,7 +181,7 @@ def _loader(files: dict[str, Path], part: TensorPart, config: dict[str, Any],
                     data = data.transpose(-1, -2)
                 arrays.append(np.ascontiguousarray(data.to(torch.float32).numpy()))
         data = np.stack(arrays) if part.stacked else arrays[0]
-        return transform(part.sources[0], data, config, arch)
+        return transform(part.name, data, config, arch)
 
     return load
 
