@@ -66,44 +66,48 @@ def exported(tiny_model_dir, tmp_path_factory) -> Path:
     return out
 
 
+def export_tiny(tmp_path_factory, architecture: str, name: str) -> tuple[Path, Path]:
+    """(base, OUT): one CLI export in f32 of a run of the tiny `architecture` model (`build_tiny_model`) with the
+    adapters training puts on it (its experts too), merged in float32, so the GGUF holds the merged weights exactly
+    and llama.cpp's routing meets no rounding. The run folder is NAME-run, its base tiny-NAME."""
+    root = tmp_path_factory.mktemp(name)
+    base = build_tiny_model(root / f"tiny-{name}", architecture=architecture)
+    run = make_run(root / f"{name}-run", base, experts=True)
+    export_main([str(run), "--out", str(root / "out"), "--gguf", "f32", "--dtype", "float32"])
+    return base, root / "out"
+
+
+def read_export(base: Path, out: Path, gguf_name: str, arch: str) -> tuple[dict, dict, dict]:
+    """The GGUF's tensors (its architecture checked to be `arch`), the merged and the base weights."""
+    reader = gguf.GGUFReader(str(out / "gguf" / gguf_name))
+    assert reader.fields["general.architecture"].contents() == arch
+    tensors = {t.name: np.asarray(t.data) for t in reader.tensors}
+    return tensors, load_file(str(out / "merged" / "model.safetensors")), load_file(str(base / "model.safetensors"))
+
+
 @pytest.fixture(scope="module")
 def exported_moe(tmp_path_factory) -> tuple[Path, Path]:
     """(base, OUT): one CLI export of a tiny Qwen3-MoE run with adapters on its experts, in f32 from a float32
     merge, so the GGUF holds the merged weights exactly and llama.cpp's routing meets no rounding."""
-    root = tmp_path_factory.mktemp("moe")
-    base = build_tiny_model(root / "tiny-moe", architecture="qwen3_moe")
-    run = make_run(root / "moe-run", base, experts=True)
-    export_main([str(run), "--out", str(root / "out"), "--gguf", "f32", "--dtype", "float32"])
-    return base, root / "out"
+    return export_tiny(tmp_path_factory, "qwen3_moe", "moe")
 
 
 @pytest.fixture(scope="module")
 def exported_gpt_oss(tmp_path_factory) -> tuple[Path, Path]:
     """(base, OUT): the same for a tiny gpt-oss (tied embeddings, biased experts stored (in, out))."""
-    root = tmp_path_factory.mktemp("gpt-oss")
-    base = build_tiny_model(root / "tiny-gpt-oss", architecture="gpt_oss")
-    run = make_run(root / "gpt-oss-run", base, experts=True)
-    export_main([str(run), "--out", str(root / "out"), "--gguf", "f32", "--dtype", "float32"])
-    return base, root / "out"
+    return export_tiny(tmp_path_factory, "gpt_oss", "gpt-oss")
 
 
 @pytest.fixture(scope="module")
 def exported_phi3(tmp_path_factory) -> tuple[Path, Path]:
     """(base, OUT): the same for a tiny Phi-3, its adapters on the fused qkv_proj and gate_up_proj (the targets
     training resolves). Not named "phi3": llama.cpp looks up Phi-3's own special tokens in a model so named."""
-    root = tmp_path_factory.mktemp("fused")
-    base = build_tiny_model(root / "tiny-fused", architecture="phi3")
-    run = make_run(root / "fused-run", base, experts=True)
-    export_main([str(run), "--out", str(root / "out"), "--gguf", "f32", "--dtype", "float32"])
-    return base, root / "out"
+    return export_tiny(tmp_path_factory, "phi3", "fused")
 
 
 def test_the_phi3_gguf_holds_the_merged_fused_projections(exported_phi3):
     base, out = exported_phi3
-    reader = gguf.GGUFReader(str(out / "gguf" / "fused-run-f32.gguf"))
-    assert reader.fields["general.architecture"].contents() == "phi3"
-    tensors = {t.name: np.asarray(t.data) for t in reader.tensors}
-    merged, before = load_file(str(out / "merged" / "model.safetensors")), load_file(str(base / "model.safetensors"))
+    tensors, merged, before = read_export(base, out, "fused-run-f32.gguf", "phi3")
     for layer in (0, 1):
         for hf, name in (("self_attn.qkv_proj", "attn_qkv"), ("mlp.gate_up_proj", "ffn_up")):
             weight = merged[f"model.layers.{layer}.{hf}.weight"]
@@ -118,19 +122,12 @@ def test_llama_cpp_agrees_with_the_merged_phi3(exported_phi3):
 @pytest.fixture(scope="module")
 def exported_qwen35(tmp_path_factory) -> tuple[Path, Path]:
     """(base, OUT): the same for a tiny Qwen3.5-MoE, adapters on its linear attention, attention and experts."""
-    root = tmp_path_factory.mktemp("qwen35")
-    base = build_tiny_model(root / "tiny-qwen35", architecture="qwen3_5_moe")
-    run = make_run(root / "qwen35-run", base, experts=True)
-    export_main([str(run), "--out", str(root / "out"), "--gguf", "f32", "--dtype", "float32"])
-    return base, root / "out"
+    return export_tiny(tmp_path_factory, "qwen3_5_moe", "qwen35")
 
 
 def test_the_qwen35_gguf_holds_the_merged_linear_attention_and_experts(exported_qwen35):
     base, out = exported_qwen35
-    reader = gguf.GGUFReader(str(out / "gguf" / "qwen35-run-f32.gguf"))
-    assert reader.fields["general.architecture"].contents() == "qwen35moe"
-    tensors = {t.name: np.asarray(t.data) for t in reader.tensors}
-    merged, before = load_file(str(out / "merged" / "model.safetensors")), load_file(str(base / "model.safetensors"))
+    tensors, merged, before = read_export(base, out, "qwen35-run-f32.gguf", "qwen35moe")
     z = "model.layers.0.linear_attn.in_proj_z.weight"
     assert np.abs(merged[z] - before[z]).max() > 1e-3  # the adapters were folded in
     config = json.loads((base / "config.json").read_text())
@@ -152,19 +149,12 @@ def test_llama_cpp_agrees_with_the_merged_qwen35(exported_qwen35):
 def exported_glm(tmp_path_factory) -> tuple[Path, Path]:
     """(base, OUT): the same for a tiny GLM-4.7-Flash (tied embeddings), adapters on its latent attention, dense
     and shared MLPs and experts."""
-    root = tmp_path_factory.mktemp("glm")
-    base = build_tiny_model(root / "tiny-glm", architecture="glm4_moe_lite")
-    run = make_run(root / "glm-run", base, experts=True)
-    export_main([str(run), "--out", str(root / "out"), "--gguf", "f32", "--dtype", "float32"])
-    return base, root / "out"
+    return export_tiny(tmp_path_factory, "glm4_moe_lite", "glm")
 
 
 def test_the_glm_gguf_holds_the_merged_latent_attention_split(exported_glm):
     base, out = exported_glm
-    reader = gguf.GGUFReader(str(out / "gguf" / "glm-run-f32.gguf"))
-    assert reader.fields["general.architecture"].contents() == "deepseek2"
-    tensors = {t.name: np.asarray(t.data) for t in reader.tensors}
-    merged, before = load_file(str(out / "merged" / "model.safetensors")), load_file(str(base / "model.safetensors"))
+    tensors, merged, before = read_export(base, out, "glm-run-f32.gguf", "deepseek2")
     config = json.loads((base / "config.json").read_text())
     heads, nope = config["num_attention_heads"], config["qk_nope_head_dim"]
     name = "model.layers.1.self_attn.kv_b_proj.weight"
@@ -180,11 +170,7 @@ def test_llama_cpp_agrees_with_the_merged_glm(exported_glm):
 
 def test_the_gpt_oss_gguf_holds_every_experts_merged_weights(exported_gpt_oss):
     base, out = exported_gpt_oss
-    reader = gguf.GGUFReader(str(out / "gguf" / "gpt-oss-run-f32.gguf"))
-    assert reader.fields["general.architecture"].contents() == "gpt-oss"
-    tensors = {t.name: np.asarray(t.data) for t in reader.tensors}
-    merged = load_file(str(out / "merged" / "model.safetensors"))
-    before = load_file(str(base / "model.safetensors"))
+    tensors, merged, before = read_export(base, out, "gpt-oss-run-f32.gguf", "gpt-oss")
     for layer in (0, 1):
         stem = f"model.layers.{layer}.mlp.experts"
         gate_up, down = merged[f"{stem}.gate_up_proj"], merged[f"{stem}.down_proj"]  # (E, H, 2I), (E, I, H)
@@ -203,16 +189,11 @@ def test_llama_cpp_agrees_with_the_merged_gpt_oss(exported_gpt_oss):
 def test_the_moe_gguf_holds_every_experts_merged_weights(exported_moe):
     base, out = exported_moe
     assert sorted(p.name for p in (out / "gguf").iterdir()) == ["Modelfile", "moe-run-f32.gguf"]
-    reader = gguf.GGUFReader(str(out / "gguf" / "moe-run-f32.gguf"))
-    assert reader.fields["general.architecture"].contents() == "qwen3moe"
-    tensors = {t.name: t for t in reader.tensors}
-    merged = load_file(str(out / "merged" / "model.safetensors"))  # one tensor per expert, as transformers saves
-    before = load_file(str(base / "model.safetensors"))
+    tensors, merged, before = read_export(base, out, "moe-run-f32.gguf", "qwen3moe")  # merged: one tensor per expert
     for layer in (0, 1):
         for proj in ("gate", "up", "down"):
             names = [f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight" for e in range(4)]
-            tensor = tensors[f"blk.{layer}.ffn_{proj}_exps.weight"]
-            written = np.asarray(tensor.data).reshape(4, *merged[names[0]].shape)
+            written = tensors[f"blk.{layer}.ffn_{proj}_exps.weight"].reshape(4, *merged[names[0]].shape)
             np.testing.assert_array_equal(written, np.stack([merged[name] for name in names]))
             moved = [np.abs(merged[name] - before[name]).max() for name in names]
             assert min(moved) > 1e-3, (layer, proj, moved)  # each expert's own adapter was folded in

@@ -262,40 +262,45 @@ def refusal(model, backend: str, method: str, check: PackingCheck) -> str:
 
 
 def settle_packing(model, backend: str) -> PackingCheck:
-    """Measure packing on the loaded model (`measure`); where it leaks, hand the decoder the masks built from the
-    position ids (`masks_from_positions`; on Unsloth too, whose varlen routing for transformers' attention reads a
-    block-diagonal mask) and measure again, keeping the fix only where it made packing exact. Logs one line where
-    packing is exact; returns the last measurement (`exact` False: packed rows still leak)."""
+    """Measure packing on the loaded model (`measure`); where it leaks, try each fix (`_fixes`): hand the decoder
+    the masks built from the position ids (`masks_from_positions`; on Unsloth too, whose varlen routing for
+    transformers' attention reads a block-diagonal mask), then, on the transformers backend, run linear attention one
+    sample at a time (`per_sample_linear_attention`); measure again after each, keeping a fix only where it made
+    packing exact. Logs one line where packing is exact; returns the last measurement (`exact` False: packed rows
+    still leak)."""
     with_lengths = backend == "unsloth"
     check = measure(model, with_lengths=with_lengths)
     if check.exact:
         logger.info(f"packed rows checked: samples stay apart (attention outputs within {check.packed:.1e} of each "
                     f"sample alone, over {check.layers} layers)")
         return check
-    remove = masks_from_positions(model)
-    if remove is not None:
+    for install, fix, said in _fixes(model, backend, check):
+        remove = install(model)
+        if remove is None:
+            continue
         fixed = measure(model, with_lengths=with_lengths)
         if fixed.exact:
-            fixed = PackingCheck(fixed.packed, fixed.rounding, fixed.leaked, fixed.layers,
-                                 fix="the decoder gets the masks built from the position ids")
-            logger.info(f"packed rows: {_arch(model)}'s decoder builds its attention mask without the position ids "
-                        f"(samples would see each other: {check.packed:.0%} off); HyperSloth passes it the "
-                        f"block-diagonal masks transformers builds from them (checked: within {fixed.packed:.1e})")
-            return fixed
-        remove()
-    # Not on Unsloth: its compiled decoder blocks would trace the per-sample split, one graph per set of spans
-    remove = per_sample_linear_attention(model) if backend != "unsloth" else None
-    if remove is not None:
-        fixed = measure(model, with_lengths=with_lengths)
-        if fixed.exact:
-            fixed = PackingCheck(fixed.packed, fixed.rounding, fixed.leaked, fixed.layers,
-                                 fix="linear attention runs one sample at a time")
-            logger.info(f"packed rows: {_arch(model)}'s linear attention carries its state from one sample of a "
-                        f"packed row to the next on the {backend} backend ({check.packed:.0%} off); HyperSloth runs "
-                        f"it one sample at a time (checked: within {fixed.packed:.1e})")
-            return fixed
+            logger.info(said(fixed))
+            return PackingCheck(fixed.packed, fixed.rounding, fixed.leaked, fixed.layers, fix=fix)
         remove()
     return check
+
+
+def _fixes(model, backend: str, check: PackingCheck) -> list[tuple[Callable[[Any], Callable[[], None] | None], str,
+                                                                   Callable[[PackingCheck], str]]]:
+    """What settle_packing tries, in order: (install -> its undo or None where it does not apply, what it does, the
+    log line once it made packing exact)."""
+    arch = _arch(model)
+    masks = (masks_from_positions, "the decoder gets the masks built from the position ids",
+             lambda fixed: f"packed rows: {arch}'s decoder builds its attention mask without the position ids (samples "
+                           f"would see each other: {check.packed:.0%} off); HyperSloth passes it the block-diagonal "
+                           f"masks transformers builds from them (checked: within {fixed.packed:.1e})")
+    per_sample = (per_sample_linear_attention, "linear attention runs one sample at a time",
+                  lambda fixed: f"packed rows: {arch}'s linear attention carries its state from one sample of a packed "
+                                f"row to the next on the {backend} backend ({check.packed:.0%} off); HyperSloth runs "
+                                f"it one sample at a time (checked: within {fixed.packed:.1e})")
+    # Not on Unsloth: its compiled decoder blocks would trace the per-sample split, one graph per set of spans
+    return [masks] if backend == "unsloth" else [masks, per_sample]
 
 
 def ensure_exact_packing(model, backend: str, method: str = "sft") -> PackingCheck:
