@@ -119,6 +119,12 @@ def test_qwen3_5_linear_attention_leaks_until_it_runs_one_sample_at_a_time():
     assert check.exact and check.packed < 1e-5 and check.fix == "linear attention runs one sample at a time", check
     after = packed_vs_alone(model, sample, others)
     assert after.grad_max_abs > 1e-4 and after.exact(loss_tol=1e-5, grad_tol=1e-4), after.as_record()
+    # under gradient checkpointing the backward recomputes each layer after the decoder returned: split as before
+    for reentrant in (True, False):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        model.train()
+        checkpointed = packed_vs_alone(model, sample, others)
+        assert checkpointed.exact(loss_tol=1e-5, grad_tol=1e-4), (reentrant, checkpointed.as_record())
     # not on the Unsloth backend, whose compiled blocks would trace the split: there it stays a leak
     unsloth = packing_check.settle_packing(_tiny_qwen3_5(), "unsloth")
     assert not unsloth.exact and unsloth.fix is None, unsloth

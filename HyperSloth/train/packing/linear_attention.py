@@ -48,12 +48,12 @@ def per_sample_linear_attention(model) -> Callable[[], None] | None:
         found = sample_spans(positions) if packed else None
         spans[0] = found if found and len(found) > 1 else None
 
-    def clear(_module, _args, _kwargs, _output):
-        spans[0] = None
-
+    # The spans stay until the decoder's next call: gradient checkpointing recomputes a layer inside the backward,
+    # after the decoder's forward returned, and the recompute must split the row as the forward did.
     def per_sample(original):
         def forward(hidden_states, cache_params=None, attention_mask=None, **kwargs):
-            if spans[0] is None or cache_params is not None or hidden_states.shape[0] != 1:
+            if (spans[0] is None or cache_params is not None or hidden_states.shape[0] != 1
+                    or spans[0][-1][1] != hidden_states.shape[1]):
                 return original(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
             kwargs = {k: v for k, v in kwargs.items() if not k.startswith(("cu_seq_lens", "max_length"))}
             return torch.cat([original(hidden_states[:, a:b], cache_params=None,
@@ -63,8 +63,7 @@ def per_sample_linear_attention(model) -> Callable[[], None] | None:
         return forward
 
     decoder = decoder_and_head(model)[0]
-    handles = [decoder.register_forward_pre_hook(record, with_kwargs=True),
-               decoder.register_forward_hook(clear, with_kwargs=True)]
+    handles = [decoder.register_forward_pre_hook(record, with_kwargs=True)]
     own = [mixer.__dict__.get("forward") for mixer in mixers]  # a forward set on the instance (a patch) stays
     for mixer in mixers:
         mixer.forward = per_sample(mixer.forward)
