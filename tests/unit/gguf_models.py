@@ -144,3 +144,31 @@ def gemma_style(tokenizer_dir: Path) -> Path:
     spec["decoder"]["decoders"] = [step for step in spec["decoder"]["decoders"] if step["type"] != "Strip"]
     path.write_text(json.dumps(spec))
     return tokenizer_dir
+
+
+def build_qwen35_from_multimodal(out: Path, tokenizer_dir: Path) -> Path:
+    """A tiny Qwen3.5-MoE as a fine-tune of the published checkpoint leaves it: the multimodal
+    Qwen3_5MoeForConditionalGeneration (as Qwen3.5-35B-A3B is published) loaded with AutoModelForCausalLM (the text
+    model) and saved, which transformers 5 does under the checkpoint's names, `model.language_model.layers...`.
+    Heads of 128 with Qwen3.5's rotated quarter, so its default MRoPE sections [11, 11, 10] fit."""
+    from transformers import Qwen3_5MoeConfig
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeForConditionalGeneration
+
+    from HyperSloth.train.tiny_architectures import TINY_ACTIVE_EXPERTS, TINY_EXPERTS
+
+    text = dict(vocab_size=SHAPE["vocab_size"], hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=128, num_experts=TINY_EXPERTS, num_experts_per_tok=TINY_ACTIVE_EXPERTS,
+                moe_intermediate_size=32, shared_expert_intermediate_size=32, linear_num_key_heads=2,
+                linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                layer_types=["linear_attention", "full_attention"], eos_token_id=2, pad_token_id=0, bos_token_id=None)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64)
+    torch.manual_seed(0)
+    Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=text, vision_config=vision)).save_pretrained(
+        str(out / "multimodal"))
+    model = AutoModelForCausalLM.from_pretrained(str(out / "multimodal"), dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(1.0 if "norm" in name and "linear_attn.norm" not in name else 0.0, 0.1)
+    model.save_pretrained(str(out / "text"))
+    AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(out / "text"))
+    return out / "text"

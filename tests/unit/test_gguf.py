@@ -236,6 +236,21 @@ def test_qwen35_moe_values_a_norms_and_the_value_heads_tiled(qwen35_dir, tmp_pat
     np.testing.assert_array_equal(values(tensors["blk.0.ssm_conv1d.weight"]), want)
 
 
+def test_a_qwen35_text_model_saved_under_the_multimodal_names_is_written(tiny_model_dir, tmp_path):
+    """A fine-tune of Qwen3.5-35B-A3B (published multimodal) merges into `model.language_model.*` names: written
+    under llama.cpp's names as the text model's."""
+    from gguf_models import build_qwen35_from_multimodal
+
+    model = build_qwen35_from_multimodal(tmp_path / "q35", tiny_model_dir)
+    hf = load_file(str(model / "model.safetensors"))
+    assert any(name.startswith("model.language_model.layers.0.") for name in hf)
+    _, tensors = read(write_gguf(model, tmp_path / "m.gguf", "f32"))
+    np.testing.assert_array_equal(values(tensors["token_embd.weight"]), hf["model.language_model.embed_tokens.weight"])
+    np.testing.assert_array_equal(values(tensors["blk.1.attn_q.weight"]),
+                                  hf["model.language_model.layers.1.self_attn.q_proj.weight"])
+    assert "blk.0.ssm_a" in tensors and "blk.0.ffn_gate_exps.weight" in tensors
+
+
 def test_a_qwen35_moe_llama_cpp_cannot_run_is_refused(qwen35_dir):
     config = json.loads((qwen35_dir / "config.json").read_text())
     with pytest.raises(ExportError, match="one head width for the linear attention's keys and values.*16 and 32"):

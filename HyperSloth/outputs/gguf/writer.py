@@ -117,16 +117,23 @@ def plan_tensors(model_dir: Path, config: dict[str, Any], arch: Architecture, qt
     if tied and arch.output_required:  # llama.cpp's graph for it reads output.weight, never token_embd
         parts.append(TensorPart("lm_head.weight", shapes[EMBEDDINGS], (EMBEDDINGS,)))
     for part in parts:
-        lookup, shape = part.name, part.shape
+        lookup, shape = text_model_name(part.name), part.shape
         if arch.linear_attention:
-            lookup, shape = linear_attention.lookup_name(part.name), linear_attention.stored_shape(part.name, shape)
+            lookup, shape = linear_attention.lookup_name(lookup), linear_attention.stored_shape(lookup, shape)
         if arch.latent_attention:
-            lookup = latent_attention.lookup_name(part.name)
+            lookup = latent_attention.lookup_name(lookup)
         gguf_name = names.get_name(lookup, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise ExportError(f"tensor {part.sources[0]} of {model_dir} has no name in llama.cpp's {arch.arch_name} "
                               f"architecture: this {arch.hf_name} variant is not supported")
         yield PlannedTensor(gguf_name, shape, tensor_type(gguf_name, shape, qtype), _loader(files, part, config, arch))
+
+
+def text_model_name(name: str) -> str:
+    """A tensor's name as a text-only model holds it. transformers 5 saves a text model loaded from a multimodal
+    checkpoint (Qwen3.5-35B-A3B is one) under the checkpoint's own names, `model.language_model.layers...`, which
+    llama.cpp's converter maps as `model.layers...`."""
+    return "model." + name[len("model.language_model."):] if name.startswith("model.language_model.") else name
 
 
 def _tensor_index(model_dir: Path, tied: bool) -> tuple[dict[str, Path], dict[str, tuple[int, ...]]]:
