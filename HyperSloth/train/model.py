@@ -222,6 +222,7 @@ def _attach_peft(model, lora: LoraArgs, record: dict[str, Any] | None = None):
         lora_dropout=lora.lora_dropout,
         target_modules=list(targets.modules) or None,
         target_parameters=list(targets.parameters) or None,
+        exclude_modules=list(targets.excluded) or None,
         bias=lora.bias,
         use_rslora=lora.use_rslora,
         task_type="CAUSAL_LM",

@@ -172,3 +172,24 @@ def build_qwen35_from_multimodal(out: Path, tokenizer_dir: Path) -> Path:
     model.save_pretrained(str(out / "text"))
     AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(out / "text"))
     return out / "text"
+
+
+def build_gemma3_multimodal(out: Path, tokenizer_dir: Path) -> Path:
+    """A tiny Gemma3ForConditionalGeneration (as Gemma 3 4B and larger are published: a SigLIP tower, a projector
+    and the language model, saved under `language_model.model...`), its text part at the tiny Gemma 3's shape with
+    the sliding layer, random weights (norms around 0: Gemma scales by 1 + weight)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = tiny_config("Gemma3ForCausalLM").to_dict()
+    vision = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=8)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=5,
+                          boi_token_index=6, eoi_token_index=7, eos_token_id=2, pad_token_id=0, bos_token_id=None)
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():
+        for _, param in model.named_parameters():
+            param.normal_(0.0, 0.1)
+    model.save_pretrained(str(out))
+    AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(out))
+    return out

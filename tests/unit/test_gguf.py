@@ -251,6 +251,24 @@ def test_a_qwen35_text_model_saved_under_the_multimodal_names_is_written(tiny_mo
     assert "blk.0.ssm_a" in tensors and "blk.0.ffn_gate_exps.weight" in tensors
 
 
+def test_a_multimodal_gemma3_is_written_as_its_language_model(tiny_model_dir, tmp_path):
+    """Gemma 3 4B and larger are Gemma3ForConditionalGeneration: the GGUF holds the language model (its
+    `language_model.model...` tensors under llama.cpp's gemma3 names, the text config's keys), not the towers."""
+    from gguf_models import build_gemma3_multimodal
+
+    model = build_gemma3_multimodal(tmp_path / "gemma-mm", tiny_model_dir)
+    hf = load_file(str(model / "model.safetensors"))
+    assert any(name.startswith("vision_tower.") for name in hf)
+    fields, tensors = read(write_gguf(model, tmp_path / "m.gguf", "f32"))
+    assert fields["general.architecture"] == "gemma3" and fields["gemma3.block_count"] == 2
+    assert fields["gemma3.attention.sliding_window"] == 8
+    assert not any("vision" in name or "mm" in name.split(".")[0] for name in tensors)
+    np.testing.assert_array_equal(values(tensors["blk.1.attn_q.weight"]),
+                                  hf["language_model.model.layers.1.self_attn.q_proj.weight"])
+    np.testing.assert_array_equal(values(tensors["blk.0.attn_norm.weight"]),
+                                  hf["language_model.model.layers.0.input_layernorm.weight"] + 1)
+
+
 def test_a_qwen35_moe_llama_cpp_cannot_run_is_refused(qwen35_dir):
     config = json.loads((qwen35_dir / "config.json").read_text())
     with pytest.raises(ExportError, match="one head width for the linear attention's keys and values.*16 and 32"):
@@ -547,7 +565,8 @@ def test_an_unsupported_architecture_is_refused_by_name(tiny_model_dir, tmp_path
     with pytest.raises(ExportError, match="Qwen3NextForCausalLM.*Qwen3ForCausalLM, Qwen2ForCausalLM, "
                                           "LlamaForCausalLM, MistralForCausalLM, Gemma3ForCausalLM, "
                                           "Qwen3MoeForCausalLM, GptOssForCausalLM, Phi3ForCausalLM, "
-                                          "Qwen3_5MoeForCausalLM, Glm4MoeLiteForCausalLM"):
+                                          "Qwen3_5MoeForCausalLM, Glm4MoeLiteForCausalLM, "
+                                          "Gemma3ForConditionalGeneration"):
         write_gguf(model, tmp_path / "out" / "m.gguf", "f16")
     assert not (tmp_path / "out").exists()
 

@@ -89,6 +89,29 @@ def test_gpt_oss_experts_stored_transposed_with_biases_get_adapters_and_train():
     assert len(grads) == 2 * SHAPE["num_layers"] and all(g is not None and g.abs().max() > 0 for g in grads)
 
 
+def test_a_multimodal_gemma3_trains_its_language_model_only():
+    """Gemma 3 4B+ loads as Gemma3ForConditionalGeneration: its decoder layers are found inside it (the packed-row
+    check and our LoRA passes read them), and the adapters go on the language model's seven projections, not on the
+    vision tower's q/k/v of the same names (PEFT's exclude_modules)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from HyperSloth.train.lora.install import decoder_layers
+
+    text = tiny_config("gemma3", **SHAPE).to_dict()
+    vision = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                  patch_size=8)
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4))
+    assert len(decoder_layers(model)) == 2
+    targets = resolve_targets(model, None)
+    assert set(targets.modules) == set(DENSE) and len(targets.excluded) == 2 * 3  # 2 vision layers x q, k, v
+    assert all(name.startswith("model.vision_tower.") for name in targets.excluded)
+    peft = _attach_peft(model, LoraArgs(r=4, lora_alpha=8, lora_dropout=0.0))
+    adapted = [name for name, module in peft.named_modules() if hasattr(module, "lora_A")]
+    assert len(adapted) == 2 * 7 and not any("vision" in name for name in adapted)
+    assert describe(peft, targets)[1]["excluded_modules"] == list(targets.excluded)
+
+
 def test_an_explicit_list_wins_and_the_mlp_names_select_the_experts():
     model = tiny("qwen3_moe")
     attention_only = resolve_targets(model, ["q_proj", "v_proj"])

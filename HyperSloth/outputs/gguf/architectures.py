@@ -80,11 +80,25 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("Glm4MoeLiteForCausalLM", "DEEPSEEK2", moe=True, latent_attention=True),
     )
 }
-SUPPORTED = ", ".join(ARCHITECTURES)
+# A multimodal model whose language model is written (llama.cpp's converter does the same; the vision tower would be
+# an mmproj file of its own): its class -> its language model's class.
+MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+SUPPORTED = ", ".join([*ARCHITECTURES, *MULTIMODAL])
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal model's config.json as its language model's: `text_config` over the top level's other keys
+    (tie_word_embeddings, ...), named by the language model's class. Any other config as it is."""
+    names = config.get("architectures") or []
+    if "text_config" not in config or not any(name in MULTIMODAL for name in names):
+        return config
+    top = {key: value for key, value in config.items() if not key.endswith("_config")}
+    return {**top, **config["text_config"], "architectures": [MULTIMODAL.get(name, name) for name in names]}
 
 
 def architecture_of(config: dict[str, Any], where: str = "the model") -> Architecture:
     """The supported architecture `config` (a config.json) names; ExportError naming it and the list if none."""
+    config = text_config(config)
     names = config.get("architectures") or []
     for name in names:
         if name in ARCHITECTURES:

@@ -30,6 +30,7 @@ from HyperSloth.outputs.gguf.architectures import (
     architecture_of,
     caveats,
     expert_count,
+    text_config,
     llama3_rope_factors,
     phi3_longrope_factors,
     transform,
@@ -71,7 +72,7 @@ def write_gguf(model_dir: str | os.PathLike, dest: str | os.PathLike, gguf_type:
     if gguf_type not in GGUF_TYPES:
         raise ExportError(f"GGUF type {gguf_type!r} is not supported: choose one of {', '.join(GGUF_TYPES)}")
     model_dir, dest = Path(model_dir), Path(dest)
-    config = read_config(model_dir)
+    config = text_config(read_config(model_dir))
     arch = architecture_of(config, str(model_dir))
     for caveat in caveats(config, arch):
         logger.warning(f"GGUF of {model_dir.name}: {caveat}")
@@ -129,23 +130,39 @@ def plan_tensors(model_dir: Path, config: dict[str, Any], arch: Architecture, qt
         yield PlannedTensor(gguf_name, shape, tensor_type(gguf_name, shape, qtype), _loader(files, part, config, arch))
 
 
+# Where a language model's tensors lie inside a multimodal checkpoint -> where a text-only model holds them
+_TEXT_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.", "language_model.lm_head.":
+                  "lm_head."}
+_NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "visual.", "audio_tower.")  # the multimodal parts
+
+
 def text_model_name(name: str) -> str:
     """A tensor's name as a text-only model holds it. transformers 5 saves a text model loaded from a multimodal
-    checkpoint (Qwen3.5-35B-A3B is one) under the checkpoint's own names, `model.language_model.layers...`, which
-    llama.cpp's converter maps as `model.layers...`."""
-    return "model." + name[len("model.language_model."):] if name.startswith("model.language_model.") else name
+    checkpoint (Qwen3.5-35B-A3B is one) under the checkpoint's own names, `model.language_model.layers...`, and a
+    multimodal model (Gemma 3 4B+) its language model under `language_model.model...`: llama.cpp's converter maps
+    both as `model.layers...`."""
+    for prefix, text in _TEXT_PREFIXES.items():
+        if name.startswith(prefix):
+            return text + name[len(prefix):]
+    return name
+
+
+def _outside_text(name: str) -> bool:
+    return name.removeprefix("model.").startswith(_NOT_TEXT)
 
 
 def _tensor_index(model_dir: Path, tied: bool) -> tuple[dict[str, Path], dict[str, tuple[int, ...]]]:
     """Each tensor's file and shape, without the tied output (llama.cpp reads it from token_embd when
-    output.weight is absent) and RoPE buffers."""
+    output.weight is absent), RoPE buffers, and a multimodal model's other towers."""
     from safetensors import safe_open
 
     files, shapes = {}, {}
     for file in _weight_files(model_dir):
         with safe_open(str(file), framework="pt") as handle:
             for hf_name in handle.keys():
-                if (tied and hf_name == "lm_head.weight") or hf_name.endswith("rotary_emb.inv_freq"):
+                text_name = text_model_name(hf_name)
+                if ((tied and text_name == "lm_head.weight") or text_name.endswith("rotary_emb.inv_freq")
+                        or _outside_text(hf_name)):
                     continue
                 files[hf_name], shapes[hf_name] = file, tuple(handle.get_slice(hf_name).get_shape())
     return files, shapes

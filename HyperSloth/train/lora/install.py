@@ -173,9 +173,13 @@ def _layer_refusal(layer: nn.Module) -> str | None:
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module] | None:
-    """The decoder layers of a PEFT-wrapped causal LM (model.base_model.model.model.layers), or None."""
+    """The decoder layers of a causal LM, PEFT-wrapped or not (model.base_model.model.model.layers), or of the
+    language model inside a multimodal one (Gemma 3 4B+: transformers' `get_decoder`), or None."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    layers = getattr(getattr(base, "model", None), "layers", None)
+    decoder = getattr(base, "model", None)
+    if getattr(decoder, "layers", None) is None and hasattr(base, "get_decoder"):
+        decoder = base.get_decoder()
+    layers = getattr(decoder, "layers", None)
     return list(layers) if layers is not None else None
 
 

@@ -43,10 +43,13 @@ class LoraTargets:
     modules: tuple[str, ...]
     parameters: tuple[str, ...]
     source: str
+    # Modules with a target's leaf name outside the text decoder (a multimodal model's vision tower, as Gemma 3
+    # 4B+ has): PEFT's `exclude_modules`, so the adapters stay on the language model
+    excluded: tuple[str, ...] = ()
 
     def record(self) -> dict[str, Any]:
         return {"source": self.source, "target_modules": list(self.modules),
-                "target_parameters": list(self.parameters)}
+                "target_parameters": list(self.parameters), "excluded_modules": list(self.excluded)}
 
 
 def resolve_targets(model: nn.Module, requested: list[str] | None) -> LoraTargets:
@@ -59,7 +62,8 @@ def resolve_targets(model: nn.Module, requested: list[str] | None) -> LoraTarget
         if not modules and not experts:
             raise ConfigError("found no linear projection in this model's decoder layers to adapt: set "
                               "lora_args.target_modules to the names of the layers to train")
-        return LoraTargets(modules=modules, parameters=tuple(sorted(set(experts.values()))), source="model")
+        return LoraTargets(modules=modules, parameters=tuple(sorted(set(experts.values()))), source="model",
+                           excluded=_outside_with_names(model, modules))
     all_names = [name for name, _ in model.named_modules() if name]
     matched_modules, matched_params, unmatched = [], set(), []
     for entry in requested:
@@ -124,6 +128,12 @@ def _outside_text(name: str) -> bool:
     return any(part in name for part in _NOT_TEXT)
 
 
+def _outside_with_names(model: nn.Module, leaf_names: tuple[str, ...]) -> tuple[str, ...]:
+    """Full names of the modules outside the text decoder that PEFT would match by these leaf names."""
+    return tuple(name for name, _ in model.named_modules()
+                 if name.rsplit(".", 1)[-1] in leaf_names and _outside_text(name))
+
+
 def _leaf_names(full_names: list[str]) -> tuple[str, ...]:
     """Leaf names in first-seen order (PEFT matches a leaf name against every module's name suffix)."""
     return tuple(dict.fromkeys(name.rsplit(".", 1)[-1] for name in full_names))
@@ -170,8 +180,9 @@ def describe(model: nn.Module, targets: LoraTargets) -> tuple[str, dict[str, Any
     share = trainable / total if total else 0.0
     what = "from the model" if targets.source == "model" else "from lora_args.target_modules"
     experts = (f" + experts {', '.join(targets.parameters)}" if targets.parameters else "")
+    kept_out = f" ({len(targets.excluded)} outside the language model left out)" if targets.excluded else ""
     line = (f"LoRA targets ({what}): {', '.join(targets.modules) or 'no linear layer'}{experts} -> "
-            f"{modules} modules, {tensors} expert tensors; trainable {trainable:,} of {total:,} "
+            f"{modules} modules{kept_out}, {tensors} expert tensors; trainable {trainable:,} of {total:,} "
             f"parameters ({100 * share:.3g}%)")
     record = {**targets.record(), "adapted_modules": modules, "adapted_expert_tensors": tensors,
               "trainable_parameters": trainable, "trainable_share": round(share, 8)}
