@@ -42,6 +42,7 @@ def tiny_model(out_dir: str = DEFAULT_OUT_DIR, data_path: str | None = None, for
 def describe(path: Path) -> str:
     """What was built: path, parameter count, vocabulary size and shape, read from the saved files."""
     config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    config = {**config, **config.get("text_config", {})}  # a multimodal model's language model (gemma3_mm)
     return "\n".join(
         [
             f"tiny model: {path}",

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 ARCHITECTURES = ("qwen3", "qwen3_moe", "gpt_oss", "qwen3_5_moe", "glm4_moe_lite", "phi3", "llama", "mistral", "qwen2",
-                 "gemma3")
+                 "gemma3", "gemma3_mm")
 # Experts of the tiny MoE and how many are active per token.
 TINY_EXPERTS, TINY_ACTIVE_EXPERTS = 4, 2
 
@@ -36,6 +36,19 @@ def tiny_config(architecture: str, *, vocab_size: int, hidden_size: int, interme
 
     if architecture not in ARCHITECTURES:
         raise ValueError(f"unknown tiny-model architecture {architecture!r}: choose one of {', '.join(ARCHITECTURES)}")
+    if architecture == "gemma3_mm":  # Gemma 3 4B+: a SigLIP tower and a projector around the tiny Gemma 3
+        text = tiny_config("gemma3", vocab_size=vocab_size, hidden_size=hidden_size,
+                           intermediate_size=intermediate_size, num_layers=num_layers, num_heads=num_heads,
+                           num_kv_heads=num_kv_heads, head_dim=head_dim, max_position_embeddings=max_position_embeddings,
+                           initializer_range=initializer_range, pad_token_id=pad_token_id, eos_token_id=eos_token_id)
+        vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                 num_attention_heads=2, image_size=32, patch_size=8)
+        # the image tokens lie past the vocabulary: text never holds them
+        return transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                         image_token_index=vocab_size, boi_token_index=vocab_size + 1,
+                                         eoi_token_index=vocab_size + 2, tie_word_embeddings=True,
+                                         pad_token_id=pad_token_id, eos_token_id=eos_token_id, bos_token_id=None,
+                                         initializer_range=initializer_range, dtype="float32")
     common: dict[str, Any] = dict(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,

@@ -12,6 +12,7 @@ unset in every run.
   trains sorted-pad, 1 and 2 workers agreeing, and resumes from its checkpoint (whose run.json says sorted-pad) to
   the uninterrupted run's losses.
 - A tiny GLM-4.7-Flash (latent attention, a dense first layer) trains at defaults, 1 and 2 workers agreeing.
+- A tiny multimodal Gemma 3 (Gemma3ForConditionalGeneration, as Gemma 3 4B+ is) trains its language model only.
 - A tiny Phi-3 gets its fused qkv_proj / gate_up_proj."""
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ SPECS = [
             unfixable_packing=True),
     RunSpec("leaky-resume", batching=None, model_subdir="qwen3_5_moe", default_targets=True, resume_from="leaky-2w",
             unfixable_packing=True),
+    RunSpec("gemma-mm-2w", model_subdir="gemma3_mm", default_targets=True),
+    RunSpec("gemma-mm-1w", gpus=1, per_device=8, model_subdir="gemma3_mm", default_targets=True),
     RunSpec("glm-2w", model_subdir="glm4_moe_lite", default_targets=True),
     RunSpec("glm-1w", gpus=1, per_device=8, model_subdir="glm4_moe_lite", default_targets=True),
 ]
@@ -67,7 +70,7 @@ def build_models(workdir: Path, tiny_model_dir: Path) -> Path:
     from HyperSloth.train.tiny_model import build_tiny_model
 
     models = workdir / "models"
-    for architecture in ("qwen3_moe", "phi3", "gpt_oss", "qwen3_5_moe", "glm4_moe_lite"):
+    for architecture in ("qwen3_moe", "phi3", "gpt_oss", "qwen3_5_moe", "glm4_moe_lite", "gemma3_mm"):
         build_tiny_model(models / architecture, architecture=architecture)
     source = workdir / "chat.jsonl"
     with SAMPLE_CHAT.open() as lines:
@@ -182,6 +185,21 @@ def test_a_model_whose_packed_rows_stay_leaky_is_refused_packed_and_at_defaults_
     assert multi.summary["batching"] == single.summary["batching"] == "sorted-pad"
     log = (multi.out / "logs" / "rank0.log").read_text()
     assert "training.batching is not set, so this run trains sorted-pad" in log
+    assert_workers_agree(multi, single)
+
+
+@needs("gemma-mm-2w", "gemma-mm-1w")
+def test_a_multimodal_gemma3_trains_its_language_model_at_defaults_and_two_workers_match_one(runs, dataset, workdir,
+                                                                                           model_dir):
+    """Gemma 3 4B+ is Gemma3ForConditionalGeneration: packed rows checked on its language model's layers, adapters
+    on those only (the vision tower's q/k/v left out), every sample alone at step 1, 1 and 2 workers agreeing."""
+    multi, single = runs.get("gemma-mm-2w").check_ok(), runs.get("gemma-mm-1w").check_ok()
+    resolved = json.loads((multi.out / "run_resolved.json").read_text())
+    assert resolved["packing"]["exact"] and resolved["packing"]["fix"] is None, resolved["packing"]
+    assert resolved["lora_targets"]["excluded_modules"] and all(
+        "vision_tower" in name for name in resolved["lora_targets"]["excluded_modules"])
+    assert multi.adapter() and not any("vision" in name for name in multi.adapter())
+    assert_step_one_is_every_sample_alone(multi, workdir, model_dir, dataset)
     assert_workers_agree(multi, single)
 
 
