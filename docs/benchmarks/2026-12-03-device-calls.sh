@@ -5,7 +5,7 @@
 # Ran in the second session: callO, then callN (docs/benchmarks.md, 2026-12-03 second session). Next, in this order:
 #   callS  GRPO's sampling, engine against engine (~6 min): where GRPO's 1.5x must come from
 #   callR  GRPO's step under torch.profiler (~4 min)
-#   callT  the tiny Qwen3.5-MoE on Unsloth with CUDA_LAUNCH_BLOCKING=1 and its traceback (~3 min)
+#   callT  the tiny Qwen3.5-MoE on Unsloth with CUDA_LAUNCH_BLOCKING=1 and its traceback, and gemma3_mm (~3 min)
 #   then callG of 2026-12-02-device-calls.sh (the leaner grouped MoE pass) and callA + callM of
 #   2026-12-02-fa4-device-calls.sh (long-0.6b FA4 profile).
 source scripts/device_calls_lib.sh  # the GPU environment, $W / $L, el, left, bench, show, pack, ...
@@ -87,8 +87,9 @@ callS() {  # GRPO's sampling, engine against engine (scripts/sampling_bench.py, 
 }
 
 callT() {  # the tiny Qwen3.5-MoE through Unsloth stopped with an illegal memory access in callO: again with
-  # CUDA_LAUNCH_BLOCKING=1, eager and graphed, the failed runs' tracebacks in the record (~3 min)
-  timeout $(left 200) python3 scripts/arch_check.py --out $OUT/arch --architectures qwen3_5_moe --launch-blocking \
+  # CUDA_LAUNCH_BLOCKING=1, eager and graphed, the failed runs' tracebacks in the record; and the tiny multimodal
+  # Gemma 3 (gemma3_mm, Gemma 3 4B+'s form), never run through Unsloth yet (~3 min)
+  timeout $(left 200) python3 scripts/arch_check.py --out $OUT/arch --architectures qwen3_5_moe,gemma3_mm --launch-blocking \
     > $L/arch.log 2>&1
   el "arch check done"
   python3 -c "import json; [print(r['architecture'], k, r[k].get('exit'), '\n'.join(r[k].get('traceback') or [])[-3000:]) \
