@@ -98,12 +98,19 @@ class RankFailure:
         return self.stderr_tail
 
 
+def failure_record(logs_dir: Path, rank: int) -> dict | None:
+    """The failure record rank `rank` wrote when it raised ({"rank", "time", "error"}), or None."""
+    try:
+        record = json.loads(run_files.rank_file_in(logs_dir, rank, "failure.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def recorded_error(logs_dir: Path, rank: int) -> str | None:
     """The error rank `rank` recorded in its failure record when it raised, or None."""
-    try:
-        return str(json.loads(run_files.rank_file_in(logs_dir, rank, "failure.json").read_text())["error"])
-    except (OSError, ValueError, KeyError):
-        return None
+    record = failure_record(logs_dir, rank)
+    return None if record is None or "error" not in record else str(record["error"])
 
 
 def is_torchrun_env(env: Mapping[str, str] = os.environ) -> bool:
@@ -318,14 +325,9 @@ class _Supervisor:
         """A rank still running whose failure record, written by this launch, is older than `exit_grace_s`."""
         now = time.time()
         for spec, code in zip(self.specs, codes):
-            if code is not None:
-                continue
-            try:
-                record = json.loads(run_files.rank_file_in(self.logs_dir, spec.rank, "failure.json").read_text())
-                stamped = float(record["time"])
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
-            if self.started <= stamped <= now - exit_grace_s:
+            record = failure_record(self.logs_dir, spec.rank) if code is None else None
+            stamped = record.get("time") if record else None  # the worker's time.time() (worker._record_failure)
+            if isinstance(stamped, (int, float)) and self.started <= stamped <= now - exit_grace_s:
                 return spec
         return None
 

@@ -17,7 +17,7 @@ the table below, checked against llama.cpp's conversion/{qwen,llama,gemma}.py (l
   gpt-oss graph reads no other); the experts' clamped SwiGLU is hard-coded on both sides (alpha 1.702, limit 7).
 - Phi-3 (conversion/phi.py, Phi3MiniModel): no change to the tensors (llama.cpp's phi3 takes the fused qkv_proj and
   gate_up_proj as they are); the rotary share of the head, the original context, the sliding window (llama.cpp
-  reads it and switches it off: `phi3_caveats`), and for LongRoPE (Phi-3-128k, Phi-3.5, Phi-4-mini) the long and
+  reads it and switches it off: `caveats`), and for LongRoPE (Phi-3-128k, Phi-3.5, Phi-4-mini) the long and
   short factors as two tensors plus the attention factor.
 - Qwen3.5-MoE (conversion/qwen.py, Qwen3_5MoeTextModel): its linear-attention layers (linear_attention.py), the
   experts as Qwen3-MoE's, the shared expert and its gate, every norm + 1 but the linear attention's gated one.
@@ -76,7 +76,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("Qwen3MoeForCausalLM", "QWEN3MOE", moe=True),
         Architecture("GptOssForCausalLM", "GPT_OSS", moe=True, experts_layout="gpt_oss", output_required=True),
         Architecture("Phi3ForCausalLM", "PHI3"),
-        Architecture("Qwen3_5MoeForCausalLM", "QWEN35MOE", moe=True, linear_attention=True),
+        Architecture("Qwen3_5MoeForCausalLM", "QWEN35MOE", norm_shift=1.0, moe=True, linear_attention=True),
         Architecture("Glm4MoeLiteForCausalLM", "DEEPSEEK2", moe=True, latent_attention=True),
     )
 }
@@ -123,10 +123,7 @@ def _check_config(arch: Architecture, config: dict[str, Any], where: str) -> Non
         linear_attention.check(config, where, rotary_dims(config))
     if arch.latent_attention:
         latent_attention.check(config, where)
-    if arch.gguf_arch == "PHI3" and rope_kind(config, longrope=True) not in ("default", "longrope"):
-        raise ExportError(f"--gguf cannot write {where}: Phi-3 in llama.cpp takes no RoPE scaling or LongRoPE, and its "
-                          f"config has {rope_kind(config, longrope=True)!r}")
-    rope_kind(config, longrope=arch.gguf_arch == "PHI3")  # refuses a RoPE scaling llama.cpp would not reproduce
+    _check_rope(config, arch, where)
 
 
 def _check_gemma3(config: dict[str, Any], where: str) -> None:
@@ -186,17 +183,24 @@ def rope_parameters(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, A
     return params, {}
 
 
-def rope_kind(config: dict[str, Any], longrope: bool = False) -> str:
-    """The RoPE scaling ('default', 'linear', 'yarn', 'llama3', and with `longrope` (Phi-3) 'longrope');
-    ExportError for another."""
+def rope_kind(config: dict[str, Any]) -> str:
+    """The RoPE scaling config.json names ('default' where none; Phi-3's first name 'su' as 'longrope')."""
     params, _ = rope_parameters(config)
     kind = str(params.get("rope_type", params.get("type")) or "default").lower()
-    kind = "longrope" if kind == "su" else kind  # Phi-3's first name for it
-    known = ("default", "linear", "yarn", "llama3", *(("longrope",) if longrope else ()))
+    return "longrope" if kind == "su" else kind
+
+
+def _check_rope(config: dict[str, Any], arch: Architecture, where: str) -> None:
+    """ExportError for a RoPE scaling llama.cpp would not reproduce: 'default', 'linear', 'yarn', 'llama3' are
+    written; Phi-3 takes 'default' and 'longrope' only."""
+    kind = rope_kind(config)
+    known = ("default", "linear", "yarn", "llama3", *(("longrope",) if arch.gguf_arch == "PHI3" else ()))
     if kind not in known:
         raise ExportError(f"--gguf cannot write RoPE scaling {kind!r} (rope_parameters of config.json) for this "
                           f"architecture; supported: {', '.join(known)}")
-    return kind
+    if arch.gguf_arch == "PHI3" and kind not in ("default", "longrope"):
+        raise ExportError(f"--gguf cannot write {where}: Phi-3 in llama.cpp takes no RoPE scaling or LongRoPE, and its "
+                          f"config has {kind!r}")
 
 
 def head_dim(config: dict[str, Any]) -> int:
@@ -247,7 +251,7 @@ def _add_rope(writer, config: dict[str, Any]) -> None:
     writer.add_rope_freq_base(float(params.get("rope_theta", 10000.0)))
     if "rope_theta" in local:
         writer.add_rope_freq_base_swa(float(local["rope_theta"]))
-    kind = rope_kind(config, longrope=True)  # architecture_of refused LongRoPE outside Phi-3 already
+    kind = rope_kind(config)  # architecture_of refused the kinds llama.cpp would not reproduce
     if kind == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(params["factor"]))
@@ -279,10 +283,10 @@ def _original_context(config: dict[str, Any]) -> int:
 def _add_phi3(writer, config: dict[str, Any]) -> None:
     """conversion/phi.py's keys beyond the common ones: the original context, the sliding window (0 for none),
     and for LongRoPE the attention factor (transformers' formula where config.json names none)."""
-    if rope_kind(config, longrope=True) != "yarn":  # YaRN wrote it already
+    if rope_kind(config) != "yarn":  # YaRN wrote it already
         writer.add_rope_scaling_orig_ctx_len(_original_context(config))
     writer.add_sliding_window(int(config.get("sliding_window") or 0))
-    if rope_kind(config, longrope=True) == "longrope":
+    if rope_kind(config) == "longrope":
         params, _ = rope_parameters(config)
         factor = config["max_position_embeddings"] / _original_context(config)
         attention = params.get("attention_factor")
@@ -294,7 +298,7 @@ def _add_phi3(writer, config: dict[str, Any]) -> None:
 def phi3_longrope_factors(config: dict[str, Any]) -> tuple[np.ndarray, np.ndarray] | None:
     """LongRoPE's (long, short) per-frequency factors, the `rope_factors_long` / `_short` tensors llama.cpp reads;
     None without LongRoPE."""
-    if rope_kind(config, longrope=True) != "longrope":
+    if rope_kind(config) != "longrope":
         return None
     params, _ = rope_parameters(config)  # transformers' Phi3Config checks both hold rotary_dims / 2 factors
     return (np.asarray(params["long_factor"], dtype=np.float32), np.asarray(params["short_factor"], dtype=np.float32))
@@ -308,7 +312,7 @@ def caveats(config: dict[str, Any], arch: Architecture) -> list[str]:
         said.append(f"llama.cpp switches Phi-3's sliding window off (src/models/phi3.cpp): beyond "
                     f"{config['sliding_window']} tokens of context it attends to every earlier token, where "
                     "transformers attends to the last sliding_window ones")
-    if arch.gguf_arch == "PHI3" and rope_kind(config, longrope=True) == "longrope":
+    if arch.gguf_arch == "PHI3" and rope_kind(config) == "longrope":
         said.append(f"llama.cpp picks LongRoPE's long factors by the context it is started with (-c above "
                     f"{_original_context(config)}) for every token; transformers by the length of the sequence")
     return said
@@ -343,7 +347,7 @@ def _add_sliding_window(writer, config: dict[str, Any]) -> None:
 
 def llama3_rope_factors(config: dict[str, Any]) -> np.ndarray | None:
     """The `rope_freqs` tensor llama.cpp takes for Llama 3.1+'s 'llama3' RoPE (conversion/llama.py's formula)."""
-    if rope_kind(config, longrope=True) != "llama3":
+    if rope_kind(config) != "llama3":
         return None
     params, _ = rope_parameters(config)
     dim, base = head_dim(config), params.get("rope_theta", 10000.0)
@@ -364,7 +368,7 @@ def llama3_rope_factors(config: dict[str, Any]) -> np.ndarray | None:
 
 def transform(name: str, data: np.ndarray, config: dict[str, Any], arch: Architecture) -> np.ndarray:
     """The per-architecture change a Hugging Face tensor needs before llama.cpp reads it (float32 in and out)."""
-    if arch.linear_attention:
+    if arch.linear_attention and linear_attention.MIXER in name:  # its gated norm included: it takes no shift
         return linear_attention.transform(name, data, config)
     if arch.latent_attention:
         return latent_attention.transform(name, data, config)

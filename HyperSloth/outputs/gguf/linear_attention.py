@@ -25,6 +25,7 @@ from HyperSloth.outputs.export import ExportError
 
 MROPE_SECTIONS = [11, 11, 10, 0]  # llama.cpp's converter's default where rope_parameters names none
 RECURRENT_LAYERS = "{arch}.attention.recurrent_layers"
+MIXER = "linear_attn."  # the linear-attention layer's tensors: `model.layers.N.linear_attn.*`
 
 
 def sections(config: dict[str, Any]) -> list[int]:
@@ -69,11 +70,8 @@ def _tiled(data: np.ndarray, axis: int, key_heads: int, per_key: int, width: int
 
 
 def transform(name: str, data: np.ndarray, config: dict[str, Any]) -> np.ndarray:
-    """A Qwen3.5-MoE tensor as llama.cpp's qwen35moe reads it (float32 in and out)."""
-    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
-        return data + np.float32(1.0)
-    if "linear_attn." not in name:
-        return data
+    """A tensor of a Qwen3.5-MoE linear-attention layer (`MIXER` in its name) as llama.cpp's qwen35moe reads it
+    (float32 in and out). Its gated norm keeps its weight; the model's other norms get architectures.py's + 1."""
     if name.endswith("conv1d.weight"):
         data = data.reshape(stored_shape(name, data.shape))
     key_heads, value_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]

@@ -24,22 +24,22 @@ from loguru import logger
 
 from HyperSloth.outputs import run_files
 from HyperSloth.outputs.export import ExportError
+from HyperSloth.outputs.gguf import latent_attention, linear_attention
 from HyperSloth.outputs.gguf.architectures import (
     Architecture,
     add_hyperparameters,
     architecture_of,
     caveats,
     expert_count,
-    text_config,
     llama3_rope_factors,
     phi3_longrope_factors,
+    text_config,
     transform,
 )
-from HyperSloth.outputs.gguf import latent_attention, linear_attention
 from HyperSloth.outputs.gguf.experts import TensorPart, tensor_parts
+from HyperSloth.outputs.gguf.vocab import add_tokenizer
 
 EMBEDDINGS = "model.embed_tokens.weight"  # also the output projection of a model with tied embeddings
-from HyperSloth.outputs.gguf.vocab import add_tokenizer
 
 # --gguf TYPE -> (GGMLQuantizationType name, LlamaFileType name). Only types the gguf package quantises itself
 # (its quants module has no K-quant or i-quant encoder); each one loaded by llama.cpp in the consumer test.

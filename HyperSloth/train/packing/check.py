@@ -15,14 +15,16 @@ layer's attention, and linear attention where a hybrid model has it) with the al
 its tokens of each token's relative difference, the largest over the layers. Packing is exact when the packed
 difference is within `NOISE_FACTOR` times the rounding one plus `LEAK_SHARE` of the leak's. Measured on the CPU
 (fp32 and bf16): 0 for Mixtral and every tiny architecture HyperSloth ships but two; a leak 0.98-1.27; gpt-oss
-1.27 (its whole leak, fixed below); Qwen3.5-MoE 0.10-1.13 (its linear attention, in transformers' PyTorch fallback,
-carries state across the boundary).
+1.27 (its whole leak, fixed below); Qwen3.5-MoE 0.04-1.13 (its linear attention, in transformers' PyTorch fallback,
+carries state across the boundary; fixed below).
 
-`settle_packing` runs it once per load (worker.py, packed runs only). Where packing leaks it hands the decoder the
-masks transformers builds from the position ids (`masks_from_positions`, a forward pre-hook: `create_causal_mask` /
-`create_sliding_window_causal_mask` with `position_ids`, the masks a decoder that passes them would build) and
-measures again. Still leaking: the worker refuses the run with what to change (`refusal`, a PackedRowsLeak), or, for
-an SFT run whose config left training.batching unset, trains it sorted-pad instead (one log line).
+`settle_packing` runs it once per load (worker.py, packed runs only). Where packing leaks it tries each fix
+(`_fixes`) and measures again after it: the masks transformers builds from the position ids handed to the decoder
+(`masks_from_positions`, a forward pre-hook: `create_causal_mask` / `create_sliding_window_causal_mask` with
+`position_ids`, the masks a decoder that passes them would build); then, on the transformers backend, linear
+attention run one sample at a time (linear_attention.py). Still leaking: the worker refuses the run with what to
+change (`refusal`, a PackedRowsLeak), or, for an SFT run whose config left training.batching unset, trains it
+sorted-pad instead (one log line).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from loguru import logger
 from HyperSloth.config import ConfigError
 from HyperSloth.train.collate import collate_packed
 from HyperSloth.train.packing.exactness import decoder_and_head
+from HyperSloth.train.packing.linear_attention import MIXER as LINEAR_MIXER
 from HyperSloth.train.packing.linear_attention import per_sample_linear_attention
 from HyperSloth.train.lora.install import decoder_layers
 
@@ -52,7 +55,7 @@ NOISE_FACTOR, LEAK_SHARE = 4.0, 0.05
 FIRST_TOKENS, SECOND_TOKENS = 32, 16  # the two samples: the second is the one that could see the first
 SEED = 20261203
 _MASK_TYPES = ("full_attention", "sliding_attention")  # the layer types `masks_from_positions` builds masks for
-MIXERS = ("self_attn", "linear_attn")  # a decoder layer's token mixer: attention, or linear attention (Qwen3.5)
+MIXERS = ("self_attn", LINEAR_MIXER)  # a decoder layer's token mixer: attention, or linear attention (Qwen3.5)
 
 
 @dataclass(frozen=True)
