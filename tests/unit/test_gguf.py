@@ -267,6 +267,9 @@ def test_a_multimodal_gemma3_is_written_as_its_language_model(tiny_model_dir, tm
                                   hf["language_model.model.layers.1.self_attn.q_proj.weight"])
     np.testing.assert_array_equal(values(tensors["blk.0.attn_norm.weight"]),
                                   hf["language_model.model.layers.0.input_layernorm.weight"] + 1)
+    config = json.loads((model / "config.json").read_text())  # a quantized one is refused, as a text model is
+    with pytest.raises(ExportError, match="quantization_config"):
+        architectures.architecture_of({**config, "quantization_config": {"quant_method": "bitsandbytes"}})
 
 
 def test_a_qwen35_moe_llama_cpp_cannot_run_is_refused(qwen35_dir):

@@ -83,6 +83,7 @@ ARCHITECTURES: dict[str, Architecture] = {
 # A multimodal model whose language model is written (llama.cpp's converter does the same; the vision tower would be
 # an mmproj file of its own): its class -> its language model's class.
 MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+_SUB_CONFIGS = ("text_config", "vision_config", "audio_config")  # a multimodal config.json's nested models
 SUPPORTED = ", ".join([*ARCHITECTURES, *MULTIMODAL])
 
 
@@ -92,7 +93,7 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
     names = config.get("architectures") or []
     if "text_config" not in config or not any(name in MULTIMODAL for name in names):
         return config
-    top = {key: value for key, value in config.items() if not key.endswith("_config")}
+    top = {key: value for key, value in config.items() if key not in _SUB_CONFIGS}  # quantization_config stays
     return {**top, **config["text_config"], "architectures": [MULTIMODAL.get(name, name) for name in names]}
 
 
