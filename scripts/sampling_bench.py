@@ -28,6 +28,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -120,8 +121,9 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown engines {unknown}; known: {', '.join(ENGINES)}")
     records, out = [], Path(a.out) if a.out else None
+    scratch = Path(tempfile.mkdtemp(prefix="sampling_bench_"))  # each engine's child writes its result here
     for engine in engines:
-        result = Path(f"/tmp/sampling_bench_{engine}.json")
+        result = scratch / f"{engine}.json"
         argv = [sys.executable, __file__, "--model", a.model, "--calls", str(a.calls), "--max-new", str(a.max_new),
                 "--prompt-tokens", str(a.prompt_tokens), "--width-step", str(a.width_step), "--device", a.device,
                 "--seed", str(a.seed), "--as-engine", engine, "--result", str(result)]
