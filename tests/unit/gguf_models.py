@@ -81,13 +81,21 @@ def build_arch_model(architecture: str, out: Path, tokenizer_dir: Path, seed: in
     config.architectures = [architecture]
     config.bos_token_id, config.eos_token_id, config.pad_token_id = special_ids
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # norms around 1 (Gemma's around 0: it scales by 1 + weight), so a wrong shift shows in the logits
+    return save_random(model, out, tokenizer_dir, norms_at=0.0 if architecture.startswith("Gemma") else 1.0)
+
+
+def save_random(model, out: Path, tokenizer_dir: Path, norms_at: float = 1.0, gated_norms_at: float | None = None
+                ) -> Path:
+    """`model` with every weight drawn around 0 (std 0.1), its norms around `norms_at` (Qwen3.5's gated norm inside
+    its linear attention around `gated_norms_at`, where given), GLM's routing correction (a buffer, zeros until
+    trained) random too; saved with the tokenizer of `tokenizer_dir` to `out`. The caller seeds torch."""
     with torch.no_grad():
         for name, param in model.named_parameters():
-            # norms around 1 (Gemma's around 0: it scales by 1 + weight), so a wrong shift shows in the logits
-            centre = 0.0 if "norm" not in name or architecture.startswith("Gemma") else 1.0
-            param.normal_(centre, 0.1)
+            gated = gated_norms_at is not None and "linear_attn.norm" in name
+            param.normal_(gated_norms_at if gated else norms_at if "norm" in name else 0.0, 0.1)
         for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # GLM's routing correction, a buffer: zeros until trained
+            if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, 0.1)
     model.save_pretrained(str(out), safe_serialization=True)
     AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(out))
@@ -166,12 +174,7 @@ def build_qwen35_from_multimodal(out: Path, tokenizer_dir: Path) -> Path:
     Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=text, vision_config=vision)).save_pretrained(
         str(out / "multimodal"))
     model = AutoModelForCausalLM.from_pretrained(str(out / "multimodal"), dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.normal_(1.0 if "norm" in name and "linear_attn.norm" not in name else 0.0, 0.1)
-    model.save_pretrained(str(out / "text"))
-    AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(out / "text"))
-    return out / "text"
+    return save_random(model, out / "text", tokenizer_dir, norms_at=1.0, gated_norms_at=0.0)
 
 
 def build_gemma3_multimodal(out: Path, tokenizer_dir: Path) -> Path:
@@ -186,10 +189,4 @@ def build_gemma3_multimodal(out: Path, tokenizer_dir: Path) -> Path:
     config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=5,
                           boi_token_index=6, eoi_token_index=7, eos_token_id=2, pad_token_id=0, bos_token_id=None)
     torch.manual_seed(0)
-    model = Gemma3ForConditionalGeneration(config)
-    with torch.no_grad():
-        for _, param in model.named_parameters():
-            param.normal_(0.0, 0.1)
-    model.save_pretrained(str(out))
-    AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(out))
-    return out
+    return save_random(Gemma3ForConditionalGeneration(config), out, tokenizer_dir, norms_at=0.0)

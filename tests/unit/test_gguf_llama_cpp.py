@@ -99,7 +99,7 @@ def test_llama_cpp_runs_phi3_longrope_with_its_factors(tiny_model_dir, tmp_path,
     written with the two swapped, llama.cpp's logits move away (the factors are read)."""
     from transformers import Phi3Config
 
-    from gguf_models import SHAPE
+    from gguf_models import SHAPE, save_random
     from HyperSloth.outputs.gguf import writer
 
     rng, pairs = np.random.default_rng(0), int(16 * rotary_share) // 2
@@ -108,12 +108,7 @@ def test_llama_cpp_runs_phi3_longrope_with_its_factors(tiny_model_dir, tmp_path,
         "long_factor": list(1 + 3 * rng.random(pairs)), "short_factor": list(1 + 0.5 * rng.random(pairs))})
     config.architectures, config.bos_token_id, config.eos_token_id, config.pad_token_id = ["Phi3ForCausalLM"], None, 2, 0
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.normal_(1.0 if "norm" in name else 0.0, 0.1)
-    model.save_pretrained(str(tmp_path / "longrope"))
-    AutoTokenizer.from_pretrained(str(tiny_model_dir)).save_pretrained(str(tmp_path / "longrope"))
+    save_random(AutoModelForCausalLM.from_config(config, dtype=torch.float32), tmp_path / "longrope", tiny_model_dir)
     measured = compare(tmp_path / "longrope", write_gguf(tmp_path / "longrope", tmp_path / "m.gguf", "f32"))
     print(f"Phi-3 LongRoPE, rotary share {rotary_share}: {measured}")
     check(measured, "f32")
