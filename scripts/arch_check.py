@@ -4,7 +4,7 @@
 passes and the graphs, what the packed-row check measured (train/packing/check.py), and how far the graphed losses
 are from eager's. One JSON record per architecture.
 
-    python scripts/arch_check.py --out $OUT/arch [--architectures qwen3,phi3,...] [--parallel 4] [--launch-blocking]
+    python scripts/arch_check.py --out $OUT/arch [--architectures qwen3,phi3,...] [--parallel 4] [--modes graphs,eager] [--launch-blocking]
 
 Runs where Unsloth and a GPU are; the tiny models are built here on the CPU (random weights, bf16 at load).
 """
@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -77,11 +78,14 @@ def run_one(work: Path, out_dir: Path, arch: str, graphs: bool, launch_blocking:
                            if any(key in ln for key in LINES)][:14]
         if done.returncode != 0:  # the traceback lives only in the rank's log (the launcher shows one line)
             record["traceback"] = [ln[:300] for ln in log.read_text().splitlines()[-TRACEBACK_LINES:]]
+            shutil.copy(log, out_dir / f"{name}.rank0.log")
     summary = out / "train_summary.json"
     if summary.is_file():
         s = json.loads(summary.read_text())
         record.update(losses=s.get("step_losses"), cuda_graphs=s.get("cuda_graphs"), step_seconds=s.get("step_seconds"),
                       lora_targets=s.get("lora_targets"), packing=s.get("packing"))
+    # each run's record as soon as it ends: a call that runs out of time keeps the runs that finished
+    (out_dir / f"{name}.json").write_text(json.dumps(record, indent=1))
     return record
 
 
@@ -100,17 +104,21 @@ def main() -> None:
     p.add_argument("--parallel", type=int, default=4)
     p.add_argument("--launch-blocking", action="store_true",
                    help="CUDA_LAUNCH_BLOCKING=1: a CUDA error's traceback names the kernel that raised it (slower)")
+    p.add_argument("--modes", default="graphs,eager", help="which runs per architecture: graphs, eager or both")
     a = p.parse_args()
+    modes = [m for m in a.modes.split(",") if m]
+    if not modes or set(modes) - {"graphs", "eager"}:
+        p.error(f"--modes takes graphs and/or eager, not {a.modes!r}")
     archs = [x for x in a.architectures.split(",") if x]
     work, out_dir = Path(a.work), Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     prepare(work, archs)
-    jobs = [(arch, graphs) for arch in archs for graphs in (True, False)]
+    jobs = [(arch, graphs) for arch in archs for graphs in (True, False) if ("graphs" if graphs else "eager") in modes]
     with ThreadPoolExecutor(a.parallel) as pool:
         results = dict(zip(jobs, pool.map(lambda job: run_one(work, out_dir, *job, a.launch_blocking), jobs)))
     records = []
     for arch in archs:
-        graphed, eager = results[(arch, True)], results[(arch, False)]
+        graphed, eager = results.get((arch, True), {}), results.get((arch, False), {})
         records.append({"architecture": arch, "graphed": graphed, "eager": eager, **compare(graphed, eager)})
         print(json.dumps(records[-1])[:1500], flush=True)
     (out_dir / "arch_check.json").write_text(json.dumps(records, indent=1))

@@ -270,6 +270,8 @@ class DecoderGraphs:
         self._told: set[str] = set()
         self._decoder = None
         self._original: Callable[..., Any] | None = None
+        # The decoder's own output class (a multimodal model's reads fields such as `image_hidden_states`, None here)
+        self._output_type: type | None = None
 
     def install(self, decoder: torch.nn.Module) -> None:
         """Route `decoder`'s forward (an instance attribute over the class's method) through the graphs."""
@@ -296,7 +298,7 @@ class DecoderGraphs:
         graph.fill(kwargs["input_ids"], kwargs["position_ids"], padded, cu)
         self.replays += 1
         hidden = _Replay.apply(self._anchor, graph, self.params)
-        return _output(hidden)
+        return _output(hidden, self._output_type)
 
     def _ineligible(self, args, kwargs) -> str | None:
         lengths = kwargs.get("packed_seq_lengths")
@@ -368,7 +370,9 @@ class DecoderGraphs:
 
     def _decoder_hidden(self, graph: _Graph, call: dict[str, Any]) -> torch.Tensor:
         with self.static_packed_info(graph.lengths, graph.cu_seqlens, graph.host_lengths, self.layout.max_seqlen):
-            return self._original(**call)[0]
+            output = self._original(**call)
+            self._output_type = type(output)
+            return output[0]
 
     def _tell(self, reason: str) -> None:
         if reason not in self._told:
@@ -381,7 +385,9 @@ class DecoderGraphs:
                 "disabled": self.disabled, **self.layout.as_dict()}
 
 
-def _output(hidden: torch.Tensor):
+def _output(hidden: torch.Tensor, output_type: type | None = None):
+    """The replayed hidden states in the decoder's own output class (its other fields None), so a caller that reads
+    a field of its model's class (Gemma 3's multimodal model: `image_hidden_states`) finds it."""
     from transformers.modeling_outputs import BaseModelOutputWithPast
 
-    return BaseModelOutputWithPast(last_hidden_state=hidden)
+    return (output_type or BaseModelOutputWithPast)(last_hidden_state=hidden)

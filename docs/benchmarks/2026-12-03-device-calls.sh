@@ -98,4 +98,26 @@ callT() {  # the tiny Qwen3.5-MoE through Unsloth stopped with an illegal memory
   pack
 }
 
+# The third session of 2026-12-03 (1800 s): callS, callR (its profiler never finished: timeout) and callT (its record
+# was lost to the call's timeout; arch_check.py now writes each run's record and a failed run's rank log as it ends)
+# ran first. callU: the two findings of callT and callG of 2026-12-02-device-calls.sh, in one call.
+callU() {  # gemma3_mm graphed after step_graph._output keeps the decoder's output class (callT: AttributeError
+  # image_hidden_states) and the tiny Qwen3.5-MoE eager with CUDA_LAUNCH_BLOCKING=1 and its rank log, side by side;
+  # then the grouped MoE experts alone on the 30B-A3B shape (callG) (~9.5 minutes)
+  timeout $(left 230) python3 scripts/arch_check.py --out $OUT/arch --architectures gemma3_mm --modes graphs \
+    > $L/arch-gemma.log 2>&1 &
+  timeout $(left 230) python3 scripts/arch_check.py --out $OUT/arch --work /tmp/hs_arch2 --architectures qwen3_5_moe \
+    --modes eager --launch-blocking > $L/arch-qwen35.log 2>&1 &
+  wait; el "arch checks done"
+  for f in $OUT/arch/*-graphs.json $OUT/arch/*-eager.json; do python3 -c "import json, sys; r = json.load(open(sys.argv[1])); \
+    print(r['run'], r['exit'], r.get('losses'), r.get('cuda_graphs'), '\n'.join(r.get('traceback') or [])[-2500:])" $f; done
+  tar czf $OUT/arch-logs.tgz -C $OUT arch && rm -rf $OUT/arch
+  bench --workloads moe-short --slots hypersloth-1-grouped-experts --token-budget 66816 --warmup 3 --steps 20 \
+    --tag moe-grouped2 --budget-s $(left 560) > $L/bench.log 2>&1
+  el "bench done"; show $L/bench.log
+  grep -h "expert LoRA\|LoRA projections\|eager decoder\|median step\|memory      peak\|Error\|error" \
+    $W/moe-short/out_hypersloth-1-grouped-experts/logs/rank0.log | cut -c1-400
+  pack
+}
+
 "$@"

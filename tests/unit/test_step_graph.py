@@ -205,3 +205,28 @@ def test_replay_glue_matches_autograd_over_micro_batches():
         (torch.tanh(x @ weight.T).square().sum() / 7).backward()
     torch.testing.assert_close(replayed, weight.grad, rtol=1e-6, atol=1e-6)
     assert anchor.grad is None
+
+
+def test_replayed_output_keeps_the_decoders_class_for_multimodal_gemma3():
+    """Gemma 3 4B+ (Gemma3ForConditionalGeneration) reads `image_hidden_states` from its inner model's output: the
+    graphed decoder's output must be that model's class, not BaseModelOutputWithPast (found on the GPU, callT)."""
+    import transformers
+
+    from HyperSloth.train.tiny_architectures import tiny_config
+
+    config = tiny_config("gemma3_mm", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                         num_kv_heads=1, head_dim=16, max_position_embeddings=64, initializer_range=0.02,
+                         pad_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    ids = torch.randint(2, 64, (1, 8))
+    inner, original = model.model, model.model.forward
+    output_type = type(original(input_ids=ids))
+    hidden = original(input_ids=ids)[0]
+    inner.forward = lambda *args, **kwargs: step_graph._output(hidden, output_type)
+    logits = model(input_ids=ids).logits  # the outer forward reads image_hidden_states of the replayed output
+    inner.forward = lambda *args, **kwargs: step_graph._output(hidden)
+    with pytest.raises(AttributeError, match="image_hidden_states"):
+        model(input_ids=ids)
+    inner.forward = original
+    torch.testing.assert_close(logits, model(input_ids=ids).logits)
