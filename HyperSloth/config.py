@@ -292,7 +292,8 @@ class TrainingConfig(BaseModel):
     profile: bool = Field(
         False,
         description="Time data, forward, backward, all-reduce, clip and optimizer per step (adds a CUDA sync "
-        "between phases; for finding bottlenecks), and run torch.profiler over steps 4-6 (no phase syncs there): "
+        "between phases; for finding bottlenecks), and run torch.profiler over steps 4-6 (GRPO: step 4, whose sampling "
+        "alone is tens of thousands of launches; no phase syncs there): "
         "the breakdown and the GPU's busy time against the wall land in train_summary.json, the operator tables "
         "and a Chrome/Perfetto trace with Python stacks in each rank's files in the run's logs folder "
         "(profile_kernels.txt, profile_trace.json.gz).",

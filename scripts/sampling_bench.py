@@ -19,6 +19,12 @@ bf16 some differ by rounding; fp32 on the CPU: all).
     python scripts/sampling_bench.py --model CKPT --out OUT.json [--engines unsloth,hf-dynamic,hf-static]
     python scripts/sampling_bench.py --model TINY --device cpu --engines hf-dynamic,hf-static --max-new 8 --calls 2
 
+With --profile-steps N, one more call per engine runs under torch.profiler for N token steps from --profile-from on
+(the sampler's call marks each token step; the same shapes as the timed calls, so nothing recompiles): the wall and
+the GPU's busy milliseconds per token step (is the decode host-bound?), kernels per step, and the operator tables by
+device and by host time in --profile-dir/ENGINE.txt. A whole GRPO step under the profiler holds 256 token steps of
+thousands of events each (docs/grpo.md); this is the view of a few.
+
 Only HyperSloth's own loading (train/model.py), sampling (train/grpo/rollout.py) and transformers are used.
 """
 
@@ -30,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -84,8 +91,68 @@ def run_engine(a: argparse.Namespace) -> dict:
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - started)
         completions.append([[c.tolist() for c in group] for group in groups])
-    return {"engine": a.as_engine, "seconds": seconds, "completions": completions,
-            "peak_gb": torch.cuda.max_memory_allocated() / 2**30 if a.device != "cpu" else None}
+    record = {"engine": a.as_engine, "seconds": seconds, "completions": completions,
+              "peak_gb": torch.cuda.max_memory_allocated() / 2**30 if a.device != "cpu" else None}
+    if a.profile_steps:
+        prompts = prompts_of_call(a.calls, vocab, a.seed, a.prompt_tokens)
+        seeds = [1000 * a.calls + k for k in range(PROMPTS)]
+        with profiled_token_steps(a, a.as_engine) as profiled:
+            with sampling_mode(model, backend):
+                sample_groups(model, prompts, seeds, grpo, config,
+                              width_multiple=a.width_step if a.as_engine == "hf-static" else 1)
+        record["profile"] = profiled
+    return record
+
+
+@contextmanager
+def profiled_token_steps(a: argparse.Namespace, engine: str):
+    """torch.profiler over token steps --profile-from .. + --profile-steps of the sampling inside: the sampler
+    (rollout.SeededSampler, called once per token step) steps the profiler's schedule and stamps the clock. Yields
+    the dict it fills: token steps, wall / GPU-busy ms per token step, kernels per token step."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from HyperSloth.train.grpo import rollout
+    from HyperSloth.train.profiling import busy_seconds
+
+    cuda = a.device != "cpu"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    prof = profile(activities=activities, schedule=schedule(wait=a.profile_from, warmup=2, active=a.profile_steps,
+                                                            repeat=1), record_shapes=False)
+    stamps: list[float] = []
+    plain = rollout.SeededSampler.__call__
+
+    def stepping(self, input_ids, scores):  # HF's loop syncs once per token step: stamp to stamp is a step's wall
+        stamps.append(time.perf_counter())
+        prof.step()
+        return plain(self, input_ids, scores)
+
+    result: dict = {}
+    rollout.SeededSampler.__call__ = stepping
+    prof.__enter__()
+    try:
+        yield result
+    finally:
+        prof.__exit__(None, None, None)
+        rollout.SeededSampler.__call__ = plain
+    first = a.profile_from + 1  # the call whose prof.step() began recording (schedule: wait, 2 warm-up, active)
+    window = stamps[first:first + a.profile_steps + 1]
+    steps = len(window) - 1
+    if steps < 1:
+        raise SystemExit(f"--profile-from {a.profile_from} + 2 + --profile-steps {a.profile_steps} is past the "
+                         f"{len(stamps)} token steps of a call: lower them or raise --max-new")
+    device = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    busy = busy_seconds([(e.time_range.start / 1e6, e.time_range.end / 1e6) for e in device])
+    result.update(token_steps=steps, wall_ms_per_token_step=round(1000 * (window[-1] - window[0]) / steps, 3),
+                  gpu_busy_ms_per_token_step=round(1000 * busy / steps, 3) if cuda else None,
+                  kernels_per_token_step=round(len(device) / steps, 1))
+    averages = prof.key_averages()
+    tables = [f"{json.dumps(result)}\n"]
+    if cuda:
+        tables.append("by device time\n" + averages.table(sort_by="self_device_time_total", row_limit=30))
+    tables.append("by host time\n" + averages.table(sort_by="self_cpu_time_total", row_limit=30))
+    Path(a.profile_dir).mkdir(parents=True, exist_ok=True)
+    (Path(a.profile_dir) / f"{engine}.txt").write_text("\n\n".join(tables) + "\n")
 
 
 def summary(record: dict, max_new: int, reference: dict | None) -> dict:
@@ -93,6 +160,8 @@ def summary(record: dict, max_new: int, reference: dict | None) -> dict:
     out = {"engine": record["engine"], "first_call_s": round(record["seconds"][0], 3),
            "median_s": round(float(np.median(later)), 3), "p90_s": round(float(np.percentile(later, 90)), 3),
            "ms_per_token_step": round(1000 * float(np.median(later)) / max_new, 2), "peak_gb": record["peak_gb"]}
+    if "profile" in record:
+        out["profile"] = record["profile"]
     if reference is not None:
         pairs = [(x, y) for a, b in zip(record["completions"], reference["completions"]) for x, y in zip(a, b)]
         out["same_completions_as_" + reference["engine"]] = sum(x == y for x, y in pairs) / len(pairs)
@@ -110,6 +179,10 @@ def main() -> None:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the records (with every call's seconds) here as JSON")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="one more call per engine, these many of its token steps under torch.profiler (0: none)")
+    p.add_argument("--profile-from", type=int, default=100, help="the token step the profiled ones start after")
+    p.add_argument("--profile-dir", default="sampling_profiles", help="where the operator tables go (ENGINE.txt)")
     p.add_argument("--as-engine", choices=ENGINES, help=argparse.SUPPRESS)  # one engine, in a child process
     p.add_argument("--result", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -126,7 +199,8 @@ def main() -> None:
         result = scratch / f"{engine}.json"
         argv = [sys.executable, __file__, "--model", a.model, "--calls", str(a.calls), "--max-new", str(a.max_new),
                 "--prompt-tokens", str(a.prompt_tokens), "--width-step", str(a.width_step), "--device", a.device,
-                "--seed", str(a.seed), "--as-engine", engine, "--result", str(result)]
+                "--seed", str(a.seed), "--profile-steps", str(a.profile_steps), "--profile-from", str(a.profile_from),
+                "--profile-dir", a.profile_dir, "--as-engine", engine, "--result", str(result)]
         done = subprocess.run(argv)
         if done.returncode != 0:
             print(json.dumps({"engine": engine, "error": f"exit {done.returncode}"}), flush=True)

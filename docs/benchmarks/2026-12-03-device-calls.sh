@@ -120,4 +120,27 @@ callU() {  # gemma3_mm graphed after step_graph._output keeps the decoder's outp
   pack
 }
 
+callV() {  # next: callU found the tiny Qwen3.5-MoE's illegal memory access in the packed-row check's first forward
+  # (one 16-token sample, no_grad, Unsloth's blocks forced eager), surfacing at the next block's fork_rng, so a Triton
+  # kernel (they do not check launches, CUDA_LAUNCH_BLOCKING or not): does training itself run, the check skipped
+  # (batching sorted-pad), and packed? (~3 min)
+  timeout $(left 200) python3 scripts/arch_check.py --out $OUT/arch --architectures qwen3_5_moe --modes eager \
+    --batching sorted-pad > $L/arch-sorted.log 2>&1
+  el "arch check done"
+  for f in $OUT/arch/*-eager.json; do python3 -c "import json, sys; r = json.load(open(sys.argv[1])); \
+    print(r['run'], r['exit'], r.get('losses'), '\n'.join(r.get('traceback') or [])[-2500:])" $f; done
+  tar czf $OUT/arch-logs.tgz -C $OUT arch && rm -rf $OUT/arch
+  pack
+}
+
+callW() {  # next: where GRPO's ~20 ms per token step goes (callS: Unsloth 20.6, HF static compiled 19.4, HF dynamic
+  # 92.6; a 0.6B decode at batch 64 reads ~2-3 GB, ~1 ms): token steps 101-108 of a sampling under torch.profiler,
+  # wall against GPU-busy per token step and the operator tables, Unsloth's decode and HF static (~6 min)
+  [ -f $W/ckpt_0.6b/config.json ] || python3 scripts/benchmark.py --as-system build --model 0.6b --checkpoint $W/ckpt_0.6b
+  timeout $(left 560) python3 scripts/sampling_bench.py --model $W/ckpt_0.6b --engines unsloth,hf-static --calls 4 \
+    --profile-steps 8 --profile-from 100 --profile-dir $OUT/profiles --out $OUT/sampling-profile.json > $L/sampling.log 2>&1
+  el "sampling profile done"; grep '^{' $L/sampling.log; head -c 3000 $OUT/profiles/unsloth.txt
+  pack
+}
+
 "$@"

@@ -120,6 +120,9 @@ class HyperSlothGRPOTrainer(HyperSlothTrainer):
     # The model card and the model's Hub tags name the method trained, as TRL's GRPOTrainer does (the SFT base named it SFT)
     _tag_names, _name, _paper = trl.GRPOTrainer._tag_names, trl.GRPOTrainer._name, trl.GRPOTrainer._paper
     step_sums_width = 1 + len(grpo_loss.LOSS_SUM_KEYS)
+    # One step holds a whole sampling (256 token steps of ~30 launches each, with Python stacks): three of them under
+    # torch.profiler did not finish their export within 268 s on an H200 (callR, 2026-12-03), one is enough to read.
+    profiled_steps = 1
 
     def __init__(self, *args, grpo: GrpoArgs, reward_funcs: Sequence[Callable[..., Any]], reference: ReferenceSwitch,
                  world_size: int, seed: int, backend: str, **kwargs):

@@ -154,6 +154,8 @@ class StepGarbageCollection(TrainerCallback):
 class HyperSlothTrainer(SFTTrainer):
     """SFTTrainer whose steps come from the plan and whose gradients are summed over ranks."""
 
+    profiled_steps = 3  # optimizer steps under torch.profiler with `training.profile` (from step 4)
+
     def __init__(self, *args, plan_steps: PlanSteps, grad_sync: GradientSync, rank: int = 0, profile: bool = False,
                  evaluator: Evaluator | None = None, description: RunDescription | None = None,
                  graphs: DecoderGraphs | None = None, graph_rows: list[int] | None = None, graphs_off: str | None = None,
@@ -171,12 +173,12 @@ class HyperSlothTrainer(SFTTrainer):
         self.grad_sync = grad_sync
         self.timer = PhaseTimer(profile)
         self.clock = StepClock(self.timer)
-        # With profile: torch.profiler over steps 4-6 (after the warm-up), after the clock among the callbacks.
+        # With profile: torch.profiler over steps 4-6 (GRPO: 4) (after the warm-up), after the clock among the callbacks.
         self.kernel_profile = None
         if profile:
             out = kwargs["args"].output_dir
             self.kernel_profile = KernelProfile(self.timer, self.clock, run_files.rank_file(out, rank, PROFILE_TABLE),
-                                                run_files.rank_file(out, rank, PROFILE_TRACE))
+                                                run_files.rank_file(out, rank, PROFILE_TRACE), count=self.profiled_steps)
         # With run_files.ENV_MEMORY_SNAPSHOT=N: the allocator's history over steps 1..N, for memory_viz.
         snapshot_steps = run_files.memory_snapshot_steps(os.environ)
         self.memory_snapshot = MemorySnapshot(
