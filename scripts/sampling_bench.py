@@ -10,6 +10,10 @@ step sampling (docs/grpo.md: ~22.7 ms per token step on Unsloth's decode, agains
                which HF compiles for the decode steps (torch.compile, CUDA graphs on a GPU); the prompt batch is
                left-padded to a multiple of --width-step tokens so the cache keeps few shapes between calls
 
+ENGINE-no-lora (e.g. unsloth-no-lora): the engine with the adapter switched off while sampling (PEFT's
+`disable_adapter`), the decode without its LoRA GEMMs: what sampling on merged weights could gain at most. The
+adapter is freshly initialised (B = 0), so the completions are the engine's own.
+
 Each engine runs in a process of its own (Unsloth patches transformers when imported) on the same seeded prompts:
 --calls calls, each over new prompts of random lengths as GRPO's steps are; the first call is reported apart
 (compiles, captures). Per engine: the first call's seconds, the median and p90 over the rest of seconds per call
@@ -36,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 ENGINES = ("unsloth", "hf-dynamic", "hf-static")
+NO_LORA = "-no-lora"  # an engine's variant with the adapter switched off while sampling
 PROMPTS, GENERATIONS = 8, 8
 
 
@@ -62,7 +67,8 @@ def run_engine(a: argparse.Namespace) -> dict:
     from HyperSloth.config import FastModelArgs, GrpoArgs, LoraArgs
     from HyperSloth.train import model as model_lib
 
-    backend = "unsloth" if a.as_engine == "unsloth" else "transformers"
+    engine = a.as_engine.removesuffix(NO_LORA)
+    backend = "unsloth" if engine == "unsloth" else "transformers"
     if backend == "unsloth":
         model_lib.import_backend("unsloth")  # before transformers is imported by what follows
     from HyperSloth.train.grpo.rollout import eos_ids, generation_config, sample_groups, sampling_mode
@@ -74,9 +80,10 @@ def run_engine(a: argparse.Namespace) -> dict:
     grpo = GrpoArgs(num_generations=GENERATIONS, max_completion_length=a.max_new, temperature=1.0)
     config = generation_config(grpo, loaded.tokenizer.pad_token_id, eos_ids(model, loaded.tokenizer))
     config.min_new_tokens = a.max_new  # no completion ends early: every call generates --max-new tokens
-    if a.as_engine == "hf-static":
+    if engine == "hf-static":
         config.cache_implementation, config.disable_compile = "static", False
     vocab = model.get_input_embeddings().weight.shape[0]
+    adapter = model.disable_adapter if a.as_engine.endswith(NO_LORA) else nullcontext
     seconds, completions = [], []
     for call in range(a.calls):
         prompts = prompts_of_call(call, vocab, a.seed, a.prompt_tokens)
@@ -84,9 +91,9 @@ def run_engine(a: argparse.Namespace) -> dict:
         if a.device != "cpu":
             torch.cuda.synchronize()
         started = time.perf_counter()
-        with sampling_mode(model, backend):
+        with adapter(), sampling_mode(model, backend):
             groups = sample_groups(model, prompts, seeds, grpo, config,
-                                   width_multiple=a.width_step if a.as_engine == "hf-static" else 1)
+                                   width_multiple=a.width_step if engine == "hf-static" else 1)
         if a.device != "cpu":
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - started)
@@ -97,9 +104,9 @@ def run_engine(a: argparse.Namespace) -> dict:
         prompts = prompts_of_call(a.calls, vocab, a.seed, a.prompt_tokens)
         seeds = [1000 * a.calls + k for k in range(PROMPTS)]
         with profiled_token_steps(a, a.as_engine) as profiled:
-            with sampling_mode(model, backend):
+            with adapter(), sampling_mode(model, backend):
                 sample_groups(model, prompts, seeds, grpo, config,
-                              width_multiple=a.width_step if a.as_engine == "hf-static" else 1)
+                              width_multiple=a.width_step if engine == "hf-static" else 1)
         record["profile"] = profiled
     return record
 
@@ -171,7 +178,7 @@ def summary(record: dict, max_new: int, reference: dict | None) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="a local checkpoint folder (config, weights, tokenizer)")
-    p.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {', '.join(ENGINES)}")
+    p.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {', '.join(ENGINES)}, each also as ENGINE{NO_LORA}")
     p.add_argument("--calls", type=int, default=6, help="sampling calls per engine; the first is reported apart")
     p.add_argument("--max-new", type=int, default=256, help="tokens per completion (none ends early)")
     p.add_argument("--prompt-tokens", type=int, default=100, help="median prompt length")
@@ -183,16 +190,16 @@ def main() -> None:
                    help="one more call per engine, these many of its token steps under torch.profiler (0: none)")
     p.add_argument("--profile-from", type=int, default=100, help="the token step the profiled ones start after")
     p.add_argument("--profile-dir", default="sampling_profiles", help="where the operator tables go (ENGINE.txt)")
-    p.add_argument("--as-engine", choices=ENGINES, help=argparse.SUPPRESS)  # one engine, in a child process
+    p.add_argument("--as-engine", help=argparse.SUPPRESS)  # one engine, in a child process
     p.add_argument("--result", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.as_engine:
         Path(a.result).write_text(json.dumps(run_engine(a)))
         return
     engines = [e for e in a.engines.split(",") if e]
-    unknown = sorted(set(engines) - set(ENGINES))
+    unknown = sorted(e for e in engines if e.removesuffix(NO_LORA) not in ENGINES)
     if unknown:
-        raise SystemExit(f"unknown engines {unknown}; known: {', '.join(ENGINES)}")
+        raise SystemExit(f"unknown engines {unknown}; known: {', '.join(ENGINES)}, each also as ENGINE{NO_LORA}")
     records, out = [], Path(a.out) if a.out else None
     scratch = Path(tempfile.mkdtemp(prefix="sampling_bench_"))  # each engine's child writes its result here
     for engine in engines:
