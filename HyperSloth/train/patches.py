@@ -37,6 +37,19 @@ replaces and the versions it was checked against, and returns whether it applied
     `_tiled_layout`'s rows and reads only the chunk's rows of them). `run_files.ENV_PAD_LOSS_ROWS` = 0 turns it off;
     a no-op when any of the four functions is missing.
 
+`enable_unsloth_packed_sink_attention`
+    Replaces: `unsloth_zoo.flex_attention.flex_attention_with_sink` (a package attribute), with a wrapper that calls
+    it unchanged unless the packed-row check switched document masks on (train/packing/sink_attention.py).
+    Why: Unsloth's gpt-oss attention patch binds that function when the model loads and trains gpt-oss's attention
+    with sinks through it; it builds a causal BlockMask over the whole row and takes no mask, so the samples of a
+    packed row attend to each other (measured on an H200, docs/models.md). The wrapper gives the same flex attention
+    and sink scaling a mask that keeps each sample to itself, with Unsloth's own compiled flex attention, block-mask
+    builder, kernel options and logsumexp convention.
+    Checked with: unsloth_zoo 2026.10.9 (`patch_GptOssAttention` imports the function from the package inside the
+    patch, at load; `flex_attention_with_sink(self_attn, query, key, value, attention_mask=None, ...)`). A no-op when
+    the function or the helpers are missing; inert until the check installs its pre-hook, and kept by the check only
+    where packing then measures exact.
+
 `unsloth_static_packed_rows` (a context manager, used only while a CUDA graph is captured)
     Replaces: the entries of `unsloth.utils.packing._PACKED_INFO_CACHE` and `_PACKED_HOST_LENGTHS_CACHE`
     for the row's device (module-level dicts Unsloth fills on every packed forward), for the duration of
@@ -108,6 +121,27 @@ def enable_unsloth_hf_packed_attention() -> bool:
     except ImportError:
         return False
     return bool(enable_hf_packed_attention())
+
+
+def enable_unsloth_packed_sink_attention() -> bool:
+    """Wrap Unsloth's gpt-oss sink attention so packed rows can keep their samples apart (see module docstring)."""
+    try:
+        import unsloth_zoo.flex_attention as zoo_flex
+        from unsloth_zoo.flex_attention import utils as zoo_utils
+    except ImportError:
+        return False
+    from HyperSloth.train.packing.sink_attention import packed_sink_attention
+
+    original = getattr(zoo_flex, "flex_attention_with_sink", None)
+    helpers = [getattr(zoo_utils, name, None) for name in ("flex_attention", "compiled_create_block_mask",
+                                                           "FLEX_LSE_KWARGS", "flex_output_and_lse")]
+    if original is None or getattr(original, "hypersloth_packed", False) or any(h is None for h in helpers):
+        return False
+    flex, create_block_mask, lse_kwargs, output_and_lse = helpers
+    zoo_flex.flex_attention_with_sink = packed_sink_attention(
+        original, flex=flex, create_block_mask=create_block_mask, lse_kwargs=lse_kwargs, output_and_lse=output_and_lse,
+        kernel_options=getattr(zoo_utils, "PREFILL_KERNEL_OPTIONS", None))
+    return True
 
 
 def _switched_off(variable: str) -> bool:

@@ -144,4 +144,16 @@ callW() {  # next: where GRPO's ~20 ms per token step goes (callS: Unsloth 20.6,
   pack
 }
 
+callX() {  # next: gpt-oss through Unsloth with the sink attention's per-sample masks (train/packing/sink_attention.py,
+  # the packed-row check's third fix on Unsloth): does the check now measure it exact and train it packed, graphed
+  # and eager the same losses (callO: leaked 1.32 against 1.30, sorted-pad) (~3 min)
+  timeout $(left 200) python3 scripts/arch_check.py --out $OUT/arch --architectures gpt_oss > $L/arch-gptoss.log 2>&1
+  el "arch check done"
+  for f in $OUT/arch/*-graphs.json $OUT/arch/*-eager.json; do python3 -c "import json, sys; r = json.load(open(sys.argv[1])); \
+    print(r['run'], r['exit'], r.get('packing'), r.get('losses'), '\n'.join(r.get('lines') or [])[-1500:], \
+    '\n'.join(r.get('traceback') or [])[-2500:])" $f; done
+  tar czf $OUT/arch-logs.tgz -C $OUT arch && rm -rf $OUT/arch
+  pack
+}
+
 "$@"

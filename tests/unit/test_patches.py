@@ -165,3 +165,28 @@ def test_unsloths_varlen_routing_for_transformers_attention_is_installed_when_un
     assert patches.enable_unsloth_hf_packed_attention() is True and calls == [1]
     monkeypatch.setitem(sys.modules, "unsloth.utils.hf_packed_attention", None)  # an Unsloth without it
     assert patches.enable_unsloth_hf_packed_attention() is False
+
+
+def test_unsloths_sink_attention_is_wrapped_once_and_only_with_its_helpers(monkeypatch):
+    """gpt-oss's attention with sinks (train/packing/sink_attention.py): the wrapper replaces the package attribute
+    Unsloth's gpt-oss patch imports at load, once, and not where a helper it calls is missing."""
+    import types
+
+    package = types.ModuleType("unsloth_zoo.flex_attention")
+    utils = types.ModuleType("unsloth_zoo.flex_attention.utils")
+    original = package.flex_attention_with_sink = lambda *args, **kwargs: "unsloth's"
+    utils.flex_attention, utils.compiled_create_block_mask = object(), object()
+    utils.FLEX_LSE_KWARGS, utils.flex_output_and_lse = {"return_lse": True}, object()
+    package.utils = utils
+    monkeypatch.setitem(sys.modules, "unsloth_zoo", types.ModuleType("unsloth_zoo"))
+    monkeypatch.setitem(sys.modules, "unsloth_zoo.flex_attention", package)
+    monkeypatch.setitem(sys.modules, "unsloth_zoo.flex_attention.utils", utils)
+    del utils.flex_output_and_lse
+    assert patches.enable_unsloth_packed_sink_attention() is False and package.flex_attention_with_sink is original
+    utils.flex_output_and_lse = object()
+    assert patches.enable_unsloth_packed_sink_attention() is True
+    wrapped = package.flex_attention_with_sink
+    assert wrapped is not original and wrapped.hypersloth_packed
+    assert patches.enable_unsloth_packed_sink_attention() is False and package.flex_attention_with_sink is wrapped
+    attn = torch.nn.Linear(1, 1)
+    assert wrapped(attn, torch.zeros(1, 1, 2, 1), torch.zeros(1, 1, 2, 1), torch.zeros(1, 1, 2, 1)) == "unsloth's"

@@ -22,7 +22,8 @@ carries state across the boundary; fixed below).
 (`_fixes`) and measures again after it: the masks transformers builds from the position ids handed to the decoder
 (`masks_from_positions`, a forward pre-hook: `create_causal_mask` / `create_sliding_window_causal_mask` with
 `position_ids`, the masks a decoder that passes them would build); then, on the transformers backend, linear
-attention run one sample at a time (linear_attention.py). Still leaking: the worker refuses the run with what to
+attention run one sample at a time (linear_attention.py), and on Unsloth, gpt-oss's flex attention with sinks given
+a mask per sample (sink_attention.py; Unsloth's builds one causal mask over the row). Still leaking: the worker refuses the run with what to
 change (`refusal`, a PackedRowsLeak), or, for an SFT run whose config left training.batching unset, trains it
 sorted-pad instead (one log line).
 """
@@ -44,6 +45,7 @@ from HyperSloth.train.collate import collate_packed
 from HyperSloth.train.packing.exactness import decoder_and_head
 from HyperSloth.train.packing.linear_attention import MIXER as LINEAR_MIXER
 from HyperSloth.train.packing.linear_attention import per_sample_linear_attention
+from HyperSloth.train.packing.sink_attention import document_masks_for_sink_attention
 from HyperSloth.train.lora.install import decoder_layers
 
 # Packing is exact when the packed difference is within NOISE_FACTOR x the rounding difference of a row that cannot
@@ -302,8 +304,13 @@ def _fixes(model, backend: str, check: PackingCheck) -> list[tuple[Callable[[Any
                   lambda fixed: f"packed rows: {arch}'s linear attention carries its state from one sample of a packed "
                                 f"row to the next on the {backend} backend ({check.packed:.0%} off); HyperSloth runs "
                                 f"it one sample at a time (checked: within {fixed.packed:.1e})")
-    # Not on Unsloth: its compiled decoder blocks would trace the per-sample split, one graph per set of spans
-    return [masks] if backend == "unsloth" else [masks, per_sample]
+    documents = (document_masks_for_sink_attention, "attention with sinks gets a mask per sample",
+                 lambda fixed: f"packed rows: Unsloth's flex attention with sinks builds one causal mask over a packed "
+                               f"row of {arch} ({check.packed:.0%} off); HyperSloth gives it a mask per sample from the "
+                               f"position ids (checked: within {fixed.packed:.1e})")
+    # Per-sample linear attention not on Unsloth: its compiled decoder blocks would trace the split, one graph per
+    # set of spans. The sinks' document masks only there: the transformers backend takes the masks of the first fix.
+    return [masks, documents] if backend == "unsloth" else [masks, per_sample]
 
 
 def ensure_exact_packing(model, backend: str, method: str = "sft") -> PackingCheck:
