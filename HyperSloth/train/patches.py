@@ -128,7 +128,7 @@ def enable_unsloth_packed_sink_attention() -> bool:
     try:
         import unsloth_zoo.flex_attention as zoo_flex
         from unsloth_zoo.flex_attention import utils as zoo_utils
-    except ImportError:
+    except Exception:  # noqa: BLE001 - absent, or failing on this machine: Unsloth's own path stays as it is
         return False
     from HyperSloth.train.packing.sink_attention import packed_sink_attention
 
