@@ -95,7 +95,7 @@ def document_masks_for_sink_attention(model) -> Callable[[], None] | None:
     None where the model has no attention with sinks or Unsloth's function is not wrapped."""
     try:
         import unsloth_zoo.flex_attention as zoo_flex
-    except ImportError:
+    except Exception:  # noqa: BLE001 - no Unsloth (the transformers backend), or one failing here: nothing wrapped
         return None
     if not getattr(zoo_flex.flex_attention_with_sink, "hypersloth_packed", False):
         return None
