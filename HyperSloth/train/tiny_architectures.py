@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-ARCHITECTURES = ("qwen3", "qwen3_moe", "gpt_oss", "qwen3_5_moe", "glm4_moe_lite", "phi3", "llama", "mistral", "qwen2",
-                 "gemma3", "gemma3_mm")
+ARCHITECTURES = ("qwen3", "qwen3_moe", "gpt_oss", "qwen3_5_moe", "qwen3_5_moe_mm", "glm4_moe_lite", "phi3", "llama",
+                 "mistral", "qwen2", "gemma3", "gemma3_mm")
 # Experts of the tiny MoE and how many are active per token.
 TINY_EXPERTS, TINY_ACTIVE_EXPERTS = 4, 2
 
@@ -49,6 +49,20 @@ def tiny_config(architecture: str, *, vocab_size: int, hidden_size: int, interme
                                          eoi_token_index=vocab_size + 2, tie_word_embeddings=True,
                                          pad_token_id=pad_token_id, eos_token_id=eos_token_id, bos_token_id=None,
                                          initializer_range=initializer_range, dtype="float32")
+    if architecture == "qwen3_5_moe_mm":  # Qwen3.5-MoE as published (35B-A3B): a vision tower around the text model
+        text = tiny_config("qwen3_5_moe", vocab_size=vocab_size, hidden_size=hidden_size,
+                           intermediate_size=intermediate_size, num_layers=num_layers, num_heads=num_heads,
+                           num_kv_heads=num_kv_heads, head_dim=head_dim, max_position_embeddings=max_position_embeddings,
+                           initializer_range=initializer_range, pad_token_id=pad_token_id, eos_token_id=eos_token_id)
+        vision = transformers.Qwen3_5MoeVisionConfig(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                                     patch_size=8, out_hidden_size=hidden_size,
+                                                     num_position_embeddings=16, initializer_range=initializer_range)
+        # the image and video tokens lie past the vocabulary: text never holds them
+        return transformers.Qwen3_5MoeConfig(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                             image_token_id=vocab_size, video_token_id=vocab_size + 1,
+                                             vision_start_token_id=vocab_size + 2, vision_end_token_id=vocab_size + 3,
+                                             tie_word_embeddings=True, pad_token_id=pad_token_id,
+                                             eos_token_id=eos_token_id, bos_token_id=None, dtype="float32")
     common: dict[str, Any] = dict(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
@@ -99,7 +113,10 @@ def tiny_config(architecture: str, *, vocab_size: int, hidden_size: int, interme
 
 
 def tiny_causal_lm(config):
-    """A random-weight causal LM of `config` (the caller seeds torch)."""
-    from transformers import AutoModelForCausalLM
+    """A random-weight model of `config` (the caller seeds torch): a multimodal config's whole model, as such
+    checkpoints are published (AutoModelForCausalLM would build Qwen3.5-MoE's text model alone)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    if getattr(config, "vision_config", None) is not None:
+        return AutoModelForImageTextToText.from_config(config)
     return AutoModelForCausalLM.from_config(config)

@@ -13,6 +13,7 @@ unset in every run.
   the uninterrupted run's losses.
 - A tiny GLM-4.7-Flash (latent attention, a dense first layer) trains at defaults, 1 and 2 workers agreeing.
 - A tiny multimodal Gemma 3 (Gemma3ForConditionalGeneration, as Gemma 3 4B+ is) trains its language model only.
+- A tiny Qwen3.5-MoE as Qwen3.5-35B-A3B is published (Qwen3_5MoeForConditionalGeneration) trains its text model.
 - A tiny Phi-3 gets its fused qkv_proj / gate_up_proj."""
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ SPECS = [
             unfixable_packing=True),
     RunSpec("leaky-resume", batching=None, model_subdir="qwen3_5_moe", default_targets=True, resume_from="leaky-2w",
             unfixable_packing=True),
+    RunSpec("qwen35-mm-2w", batching=None, model_subdir="qwen3_5_moe_mm", default_targets=True),
     RunSpec("gemma-mm-2w", model_subdir="gemma3_mm", default_targets=True),
     RunSpec("gemma-mm-1w", gpus=1, per_device=8, model_subdir="gemma3_mm", default_targets=True),
     RunSpec("glm-2w", model_subdir="glm4_moe_lite", default_targets=True),
@@ -70,7 +72,7 @@ def build_models(workdir: Path, tiny_model_dir: Path) -> Path:
     from HyperSloth.train.tiny_model import build_tiny_model
 
     models = workdir / "models"
-    for architecture in ("qwen3_moe", "phi3", "gpt_oss", "qwen3_5_moe", "glm4_moe_lite", "gemma3_mm"):
+    for architecture in ("qwen3_moe", "phi3", "gpt_oss", "qwen3_5_moe", "qwen3_5_moe_mm", "glm4_moe_lite", "gemma3_mm"):
         build_tiny_model(models / architecture, architecture=architecture)
     source = workdir / "chat.jsonl"
     with SAMPLE_CHAT.open() as lines:
@@ -168,6 +170,19 @@ def test_qwen3_5_moe_trains_packed_with_its_linear_attention_per_sample_on_one_o
     assert_workers_agree(multi, single)
     assert any("linear_attn.in_proj_qkv" in name for name in multi.adapter())
     assert any("experts" in name for name in multi.adapter())
+
+
+@needs("qwen35-mm-2w")
+def test_qwen3_5_moe_as_published_trains_its_text_model_at_defaults(runs, dataset, workdir, model_dir):
+    """Qwen3.5-35B-A3B's checkpoint is the multimodal Qwen3_5MoeForConditionalGeneration; AutoModelForCausalLM
+    loads its text model (the vision tower is not loaded), which trains packed as the text-only checkpoint does."""
+    run = runs.get("qwen35-mm-2w").check_ok()
+    assert run.summary["batching"] == "packed"
+    packing = json.loads((run.out / "run_resolved.json").read_text())["packing"]
+    assert packing["exact"] and packing["fix"] == "linear attention runs one sample at a time", packing
+    assert_step_one_is_every_sample_alone(run, workdir, model_dir, dataset)
+    adapter = run.adapter()
+    assert any("experts" in name for name in adapter) and not any("visual" in name for name in adapter)
 
 
 @needs("leaky-packed", "leaky-2w", "leaky-1w")

@@ -3,8 +3,9 @@ random, so the merge changes the model): OUT/adapter, OUT/merged, OUT/gguf/<run>
 the GGUF holds the *merged* weights; a wrong type or an architecture llama.cpp cannot run writes nothing. The same
 for a tiny Qwen3-MoE and a tiny gpt-oss whose experts carry adapters (merged into every expert, stacked in the GGUF
 per layer; gpt-oss's tied embeddings written as its output too), a tiny Phi-3 with adapters on its fused
-projections, a tiny Qwen3.5-MoE with adapters on its linear attention and experts, and a tiny GLM-4.7-Flash with
-adapters on its latent attention.
+projections, a tiny Qwen3.5-MoE with adapters on its linear attention and experts (also as Qwen3.5-35B-A3B is
+published, a vision tower around it: its language model is written), and a tiny GLM-4.7-Flash with adapters on its
+latent attention.
 With llama-cpp-python importable, llama.cpp also runs the exported files against the merged models."""
 
 from __future__ import annotations
@@ -143,6 +144,31 @@ def test_the_qwen35_gguf_holds_the_merged_linear_attention_and_experts(exported_
 
 def test_llama_cpp_agrees_with_the_merged_qwen35(exported_qwen35):
     assert_llama_cpp_agrees(exported_qwen35[1], "qwen35-run-f32.gguf", "Qwen3.5-MoE LoRA run f32")
+
+
+@pytest.fixture(scope="module")
+def exported_qwen35_mm(tmp_path_factory) -> tuple[Path, Path]:
+    """(base, OUT): the same for a tiny Qwen3.5-MoE as it is published (Qwen3_5MoeForConditionalGeneration: a
+    vision tower around the text model), trained as its text model (AutoModelForCausalLM loads that part)."""
+    return export_tiny(tmp_path_factory, "qwen3_5_moe_mm", "qwen35-mm")
+
+
+def test_a_run_on_the_published_qwen35_layout_exports_its_language_model(exported_qwen35_mm):
+    """Before, --gguf refused such a run by the base model's class name; the merge keeps the checkpoint's own
+    names (`model.language_model.layers...`) and leaves the vision tower out, and the GGUF is the text model."""
+    base, out = exported_qwen35_mm
+    tensors, merged, before = read_export(base, out, "qwen35-mm-run-f32.gguf", "qwen35moe")
+    assert any(name.startswith("model.visual.") for name in before) and not any("visual" in name for name in merged)
+    assert not any(name.startswith(("v.", "mm.")) for name in tensors)  # llama.cpp's vision tensors: an mmproj's
+    z = "model.language_model.layers.0.linear_attn.in_proj_z.weight"
+    assert np.abs(merged[z] - before[z]).max() > 1e-3  # the adapters were folded in
+    np.testing.assert_array_equal(tensors["token_embd.weight"], merged["model.language_model.embed_tokens.weight"])
+    down = [f"model.language_model.layers.0.mlp.experts.{e}.down_proj.weight" for e in range(4)]
+    np.testing.assert_array_equal(tensors["blk.0.ffn_down_exps.weight"], np.stack([merged[name] for name in down]))
+
+
+def test_llama_cpp_agrees_with_the_merged_published_qwen35(exported_qwen35_mm):
+    assert_llama_cpp_agrees(exported_qwen35_mm[1], "qwen35-mm-run-f32.gguf", "Qwen3.5-MoE (published layout) f32")
 
 
 @pytest.fixture(scope="module")

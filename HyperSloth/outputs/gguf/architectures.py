@@ -82,7 +82,8 @@ ARCHITECTURES: dict[str, Architecture] = {
 }
 # A multimodal model whose language model is written (llama.cpp's converter does the same; the vision tower would be
 # an mmproj file of its own): its class -> its language model's class.
-MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+              "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}  # Qwen3.5-35B-A3B as published
 _SUB_CONFIGS = ("text_config", "vision_config", "audio_config")  # a multimodal config.json's nested models
 SUPPORTED = ", ".join([*ARCHITECTURES, *MULTIMODAL])
 
