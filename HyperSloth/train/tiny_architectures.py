@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-ARCHITECTURES = ("qwen3", "qwen3_moe", "gpt_oss", "qwen3_5_moe", "qwen3_5_moe_mm", "glm4_moe_lite", "phi3", "llama",
-                 "mistral", "qwen2", "gemma3", "gemma3_mm")
+ARCHITECTURES = ("qwen3", "qwen3_moe", "gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_mm", "glm4_moe_lite", "phi3",
+                 "llama", "mistral", "qwen2", "gemma3", "gemma3_mm")
 # Experts of the tiny MoE and how many are active per token.
 TINY_EXPERTS, TINY_ACTIVE_EXPERTS = 4, 2
 
@@ -84,13 +84,14 @@ def tiny_config(architecture: str, *, vocab_size: int, hidden_size: int, interme
                                       "rope_theta": 150000.0},
                      output_router_logits=False)
         common["intermediate_size"] = intermediate_size // 2  # gpt-oss's intermediate_size is the expert width
-    elif architecture == "qwen3_5_moe":  # the text model of Qwen3.5-MoE: linear-attention layers, the last one full
+    elif architecture in ("qwen3_5", "qwen3_5_moe"):  # Qwen3.5's text model: linear-attention layers, the last full
         width = intermediate_size // 2  # the experts' and the shared expert's
-        extra = dict(num_experts=TINY_EXPERTS, num_experts_per_tok=TINY_ACTIVE_EXPERTS, moe_intermediate_size=width,
-                     shared_expert_intermediate_size=width,
+        experts = dict(num_experts=TINY_EXPERTS, num_experts_per_tok=TINY_ACTIVE_EXPERTS, moe_intermediate_size=width,
+                       shared_expert_intermediate_size=width, output_router_logits=False)
+        extra = dict(**(experts if architecture == "qwen3_5_moe" else {}),
                      layer_types=["linear_attention"] * (num_layers - 1) + ["full_attention"],
                      linear_num_key_heads=num_kv_heads, linear_num_value_heads=num_heads, linear_key_head_dim=head_dim,
-                     linear_value_head_dim=head_dim, linear_conv_kernel_dim=4, output_router_logits=False,
+                     linear_value_head_dim=head_dim, linear_conv_kernel_dim=4,
                      # Qwen3.5's MRoPE sections [11, 11, 10] are the 32 frequencies of its rotated 64 dims (0.25 of
                      # 256); scaled to this head's, so llama.cpp (which asserts they fit) runs its GGUF too
                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
@@ -107,7 +108,7 @@ def tiny_config(architecture: str, *, vocab_size: int, hidden_size: int, interme
         extra = dict(query_pre_attn_scalar=head_dim, sliding_window=max_position_embeddings,
                      hidden_activation="gelu_pytorch_tanh")
     classes = {"qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig", "phi3": "Phi3Config",
-               "gpt_oss": "GptOssConfig", "qwen3_5_moe": "Qwen3_5MoeTextConfig", "glm4_moe_lite": "Glm4MoeLiteConfig",
+               "gpt_oss": "GptOssConfig", "qwen3_5": "Qwen3_5TextConfig", "qwen3_5_moe": "Qwen3_5MoeTextConfig", "glm4_moe_lite": "Glm4MoeLiteConfig",
                "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "gemma3": "Gemma3TextConfig"}
     return getattr(transformers, classes[architecture])(**common, **extra)
 

@@ -135,7 +135,7 @@ def test_a_reload_for_checkpointing_puts_the_first_probe_between_the_two_loads(m
                                         expert_lora="auto", batching="packed", method="dpo")
     timeline = StartupTimeline(time.time())
     load = worker._loader(description, timeline)
-    assert load(None).packing == {"packed": 0.0, "rounding": 0.0, "leaked": 1.0, "layers": 2, "fix": None,
+    assert load(None).packing == {"packed": 0.0, "rounding": 0.0, "leaked": 1.0, "layers": 2, "leaking": 0, "fix": None,
                                   "exact": True}
     load(True)
     assert loads == [False, True]
@@ -167,7 +167,7 @@ def _leaking_run(monkeypatch, method: str, from_config: bool):
         settled.append(description.batching)
         return description, load(None), "decision"
 
-    leaking = packing_check.PackingCheck(packed=0.9, rounding=0.0, leaked=1.0, layers=2)
+    leaking = packing_check.PackingCheck(packed=0.9, rounding=0.0, leaked=1.0, layers=2, leaking=2)
     monkeypatch.setattr(model_lib, "load_model", fake_load)
     monkeypatch.setattr(packing_check, "settle_packing", lambda model, backend: leaking)
     monkeypatch.setattr(budget_settle, "settle", fake_settle)
@@ -187,7 +187,7 @@ def test_an_sft_run_with_batching_unset_trains_sorted_pad_on_the_model_already_l
     description, loaded, decision = settle()
     assert description.batching == "sorted-pad" and decision == "decision"
     assert settled == ["packed", "sorted-pad"] and loads == [False]  # loaded once, kept for the sorted-pad run
-    assert loaded.packing == {"packed": 0.9, "rounding": 0.0, "leaked": 1.0, "layers": 2, "fix": None,
+    assert loaded.packing == {"packed": 0.9, "rounding": 0.0, "leaked": 1.0, "layers": 2, "leaking": 2, "fix": None,
                               "exact": False, "switched_to": "sorted-pad"}
 
 
