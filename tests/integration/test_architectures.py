@@ -13,7 +13,8 @@ unset in every run.
   the uninterrupted run's losses.
 - A tiny GLM-4.7-Flash (latent attention, a dense first layer) trains at defaults, 1 and 2 workers agreeing.
 - A tiny multimodal Gemma 3 (Gemma3ForConditionalGeneration, as Gemma 3 4B+ is) trains its language model only.
-- A tiny Qwen3.5-MoE as Qwen3.5-35B-A3B is published (Qwen3_5MoeForConditionalGeneration) trains its text model.
+- A tiny Qwen3.5-MoE as Qwen3.5-35B-A3B is published (Qwen3_5MoeForConditionalGeneration) trains its text model,
+  and a tiny dense Qwen3.5 trains packed with the same per-sample linear attention.
 - A tiny Phi-3 gets its fused qkv_proj / gate_up_proj."""
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ SPECS = [
     RunSpec("leaky-resume", batching=None, model_subdir="qwen3_5_moe", default_targets=True, resume_from="leaky-2w",
             unfixable_packing=True),
     RunSpec("qwen35-mm-2w", batching=None, model_subdir="qwen3_5_moe_mm", default_targets=True),
+    RunSpec("qwen35-dense-2w", batching=None, model_subdir="qwen3_5", default_targets=True),
     RunSpec("gemma-mm-2w", model_subdir="gemma3_mm", default_targets=True),
     RunSpec("gemma-mm-1w", gpus=1, per_device=8, model_subdir="gemma3_mm", default_targets=True),
     RunSpec("glm-2w", model_subdir="glm4_moe_lite", default_targets=True),
@@ -72,7 +74,8 @@ def build_models(workdir: Path, tiny_model_dir: Path) -> Path:
     from HyperSloth.train.tiny_model import build_tiny_model
 
     models = workdir / "models"
-    for architecture in ("qwen3_moe", "phi3", "gpt_oss", "qwen3_5_moe", "qwen3_5_moe_mm", "glm4_moe_lite", "gemma3_mm"):
+    for architecture in ("qwen3_moe", "phi3", "gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_mm", "glm4_moe_lite",
+                         "gemma3_mm"):
         build_tiny_model(models / architecture, architecture=architecture)
     source = workdir / "chat.jsonl"
     with SAMPLE_CHAT.open() as lines:
@@ -183,6 +186,16 @@ def test_qwen3_5_moe_as_published_trains_its_text_model_at_defaults(runs, datase
     assert_step_one_is_every_sample_alone(run, workdir, model_dir, dataset)
     adapter = run.adapter()
     assert any("experts" in name for name in adapter) and not any("visual" in name for name in adapter)
+
+
+@needs("qwen35-dense-2w")
+def test_dense_qwen3_5_trains_packed_with_its_linear_attention_per_sample(runs, dataset, workdir, model_dir):
+    run = runs.get("qwen35-dense-2w").check_ok()
+    assert run.summary["batching"] == "packed"
+    packing = json.loads((run.out / "run_resolved.json").read_text())["packing"]
+    assert packing["exact"] and packing["fix"] == "linear attention runs one sample at a time", packing
+    assert_step_one_is_every_sample_alone(run, workdir, model_dir, dataset)
+    assert any("linear_attn.in_proj_qkv" in name for name in run.adapter())
 
 
 @needs("leaky-packed", "leaky-2w", "leaky-1w")

@@ -4,7 +4,7 @@ the GGUF holds the *merged* weights; a wrong type or an architecture llama.cpp c
 for a tiny Qwen3-MoE and a tiny gpt-oss whose experts carry adapters (merged into every expert, stacked in the GGUF
 per layer; gpt-oss's tied embeddings written as its output too), a tiny Phi-3 with adapters on its fused
 projections, a tiny Qwen3.5-MoE with adapters on its linear attention and experts (also as Qwen3.5-35B-A3B is
-published, a vision tower around it: its language model is written), and a tiny GLM-4.7-Flash with adapters on its
+published, a vision tower around it: its language model is written), a tiny dense Qwen3.5, and a tiny GLM-4.7-Flash with adapters on its
 latent attention.
 With llama-cpp-python importable, llama.cpp also runs the exported files against the merged models."""
 
@@ -144,6 +144,27 @@ def test_the_qwen35_gguf_holds_the_merged_linear_attention_and_experts(exported_
 
 def test_llama_cpp_agrees_with_the_merged_qwen35(exported_qwen35):
     assert_llama_cpp_agrees(exported_qwen35[1], "qwen35-run-f32.gguf", "Qwen3.5-MoE LoRA run f32")
+
+
+@pytest.fixture(scope="module")
+def exported_qwen35_dense(tmp_path_factory) -> tuple[Path, Path]:
+    """(base, OUT): the same for a tiny dense Qwen3.5 (Qwen3.5-0.8B to 27B), adapters on its linear attention,
+    attention and MLP."""
+    return export_tiny(tmp_path_factory, "qwen3_5", "qwen35-dense")
+
+
+def test_the_dense_qwen35_gguf_holds_the_merged_linear_attention_and_mlp(exported_qwen35_dense):
+    base, out = exported_qwen35_dense
+    tensors, merged, before = read_export(base, out, "qwen35-dense-run-f32.gguf", "qwen35")
+    for hf, name in (("linear_attn.out_proj", None), ("mlp.down_proj", "ffn_down")):
+        weight = merged[f"model.layers.0.{hf}.weight"]
+        assert np.abs(weight - before[f"model.layers.0.{hf}.weight"]).max() > 1e-3  # the adapters were folded in
+        if name:
+            np.testing.assert_array_equal(tensors[f"blk.0.{name}.weight"], weight)
+
+
+def test_llama_cpp_agrees_with_the_merged_dense_qwen35(exported_qwen35_dense):
+    assert_llama_cpp_agrees(exported_qwen35_dense[1], "qwen35-dense-run-f32.gguf", "Qwen3.5 dense LoRA run f32")
 
 
 @pytest.fixture(scope="module")

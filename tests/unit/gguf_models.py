@@ -42,22 +42,21 @@ def tiny_config(architecture: str):
                                              "rope_theta": 150000.0})
     if architecture == "Phi3ForCausalLM":  # fused qkv_proj and gate_up_proj
         return Phi3Config(**SHAPE)
-    if architecture == "Qwen3_5MoeForCausalLM":  # gated-delta-rule layers, then a full one; 2 key heads, 4 value heads
-        from transformers import Qwen3_5MoeTextConfig
+    if architecture in ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"):  # gated-delta-rule layers, then a full one;
+        from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig  # 2 key heads, 4 value heads
 
-        config = Qwen3_5MoeTextConfig(**{**SHAPE, "num_hidden_layers": 3}, num_experts=TINY_EXPERTS,
-                                      num_experts_per_tok=TINY_ACTIVE_EXPERTS, moe_intermediate_size=96,
-                                      shared_expert_intermediate_size=96, linear_num_key_heads=2,
-                                      linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-                                      linear_conv_kernel_dim=4,
-                                      layer_types=["linear_attention", "linear_attention", "full_attention"],
-                                      # half of each head rotated, its 4 frequencies in MRoPE sections of 2, 1, 1
-                                      # (llama.cpp asserts the sections fit the head; Qwen3.5's own [11, 11, 10]
-                                      # are the 32 frequencies of its 256-wide heads' 0.25)
-                                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                       "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
-                                                       "mrope_interleaved": True})
-        return config
+        linear = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                      linear_conv_kernel_dim=4, layer_types=["linear_attention", "linear_attention", "full_attention"],
+                      # half of each head rotated, its 4 frequencies in MRoPE sections of 2, 1, 1 (llama.cpp asserts
+                      # the sections fit the head; Qwen3.5's own [11, 11, 10] are the 32 frequencies of its 256-wide
+                      # heads' 0.25)
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                       "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+        if architecture == "Qwen3_5ForCausalLM":  # the dense Qwen3.5 (0.8B to 27B)
+            return Qwen3_5TextConfig(**{**SHAPE, "num_hidden_layers": 3}, **linear)
+        return Qwen3_5MoeTextConfig(**{**SHAPE, "num_hidden_layers": 3}, num_experts=TINY_EXPERTS,
+                                    num_experts_per_tok=TINY_ACTIVE_EXPERTS, moe_intermediate_size=96,
+                                    shared_expert_intermediate_size=96, **linear)
     if architecture == "Glm4MoeLiteForCausalLM":  # latent attention (kv rank 32, q rank 32); a dense layer first
         from transformers import Glm4MoeLiteConfig
 

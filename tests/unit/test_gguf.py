@@ -236,6 +236,24 @@ def test_qwen35_moe_values_a_norms_and_the_value_heads_tiled(qwen35_dir, tmp_pat
     np.testing.assert_array_equal(values(tensors["blk.0.ssm_conv1d.weight"]), want)
 
 
+def test_dense_qwen35_is_written_as_llama_cpps_qwen35(tiny_model_dir, tmp_path):
+    """Qwen3.5 dense (0.8B to 27B): the MoE's linear attention and norms, its MLP as ffn_gate / ffn_up / ffn_down."""
+    model = build_arch_model("Qwen3_5ForCausalLM", tmp_path / "dense", tiny_model_dir)
+    fields, tensors = read(write_gguf(model, tmp_path / "m.gguf", "f32"))
+    assert fields["general.architecture"] == "qwen35"
+    assert list(fields["qwen35.attention.recurrent_layers"]) == [True, True, False]
+    assert fields["qwen35.feed_forward_length"] == 128 and "qwen35.expert_count" not in fields
+    hf = load_file(str(model / "model.safetensors"))
+    for layer in range(3):
+        for proj, name in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
+            np.testing.assert_array_equal(values(tensors[f"blk.{layer}.{name}.weight"]),
+                                          hf[f"model.layers.{layer}.mlp.{proj}.weight"])
+    np.testing.assert_array_equal(values(tensors["blk.0.attn_norm.weight"]), hf["model.layers.0.input_layernorm.weight"] + 1)
+    tiled = [0, 2, 1, 3]  # value heads from grouped by key head to tiled, as for the MoE
+    np.testing.assert_allclose(values(tensors["blk.0.ssm_a"]), -np.exp(hf["model.layers.0.linear_attn.A_log"][tiled]),
+                               rtol=1e-6)
+
+
 def test_a_qwen35_text_model_saved_under_the_multimodal_names_is_written(tiny_model_dir, tmp_path):
     """A fine-tune of Qwen3.5-35B-A3B (published multimodal) merges into `model.language_model.*` names: written
     under llama.cpp's names as the text model's."""
@@ -568,8 +586,9 @@ def test_an_unsupported_architecture_is_refused_by_name(tiny_model_dir, tmp_path
     with pytest.raises(ExportError, match="Qwen3NextForCausalLM.*Qwen3ForCausalLM, Qwen2ForCausalLM, "
                                           "LlamaForCausalLM, MistralForCausalLM, Gemma3ForCausalLM, "
                                           "Qwen3MoeForCausalLM, GptOssForCausalLM, Phi3ForCausalLM, "
-                                          "Qwen3_5MoeForCausalLM, Glm4MoeLiteForCausalLM, "
-                                          "Gemma3ForConditionalGeneration"):
+                                          "Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Glm4MoeLiteForCausalLM, "
+                                          "Gemma3ForConditionalGeneration, Qwen3_5ForConditionalGeneration, "
+                                          "Qwen3_5MoeForConditionalGeneration"):
         write_gguf(model, tmp_path / "out" / "m.gguf", "f16")
     assert not (tmp_path / "out").exists()
 

@@ -132,6 +132,15 @@ def test_llama_cpp_runs_qwen35_moe(tiny_model_dir, tmp_path, gguf_type):
         assert measured["max_diff_over_range"] <= 2e-2 and measured["argmax_agreement"] >= 0.95, measured
 
 
+@pytest.mark.parametrize("gguf_type", ["f32", "f16"])
+def test_llama_cpp_runs_dense_qwen35(tiny_model_dir, tmp_path, gguf_type):
+    """Qwen3.5 dense (llama.cpp's qwen35): the gated-delta-rule layers, a full-attention layer, a dense MLP."""
+    model = build_arch_model("Qwen3_5ForCausalLM", tmp_path / "tiny-dense-linear", tiny_model_dir)
+    measured = compare(model, write_gguf(model, tmp_path / "m.gguf", gguf_type))
+    print(f"Qwen3.5 dense {gguf_type}: {measured}")
+    check(measured, gguf_type)
+
+
 def test_llama_cpp_runs_a_multimodal_gemma3s_language_model(tiny_model_dir, tmp_path):
     """Gemma3ForConditionalGeneration (Gemma 3 4B+) written as its language model (measured: 0.035% of the range,
     argmax 100%)."""

@@ -21,6 +21,7 @@ the table below, checked against llama.cpp's conversion/{qwen,llama,gemma}.py (l
   short factors as two tensors plus the attention factor.
 - Qwen3.5-MoE (conversion/qwen.py, Qwen3_5MoeTextModel): its linear-attention layers (linear_attention.py), the
   experts as Qwen3-MoE's, the shared expert and its gate, every norm + 1 but the linear attention's gated one.
+  Qwen3.5 dense (Qwen3_5TextModel, llama.cpp's qwen35): the same without experts.
 - GLM-4.7-Flash (conversion/glm.py, Glm4MoeLiteModel, a DeepseekV2Model): its latent attention's kv_b_proj split in
   two, the router's score correction, sigmoid gating, the dense first layers (latent_attention.py).
 Anything else is refused by name, with the supported list.
@@ -76,14 +77,16 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("Qwen3MoeForCausalLM", "QWEN3MOE", moe=True),
         Architecture("GptOssForCausalLM", "GPT_OSS", moe=True, experts_layout="gpt_oss", output_required=True),
         Architecture("Phi3ForCausalLM", "PHI3"),
+        Architecture("Qwen3_5ForCausalLM", "QWEN35", norm_shift=1.0, linear_attention=True),
         Architecture("Qwen3_5MoeForCausalLM", "QWEN35MOE", norm_shift=1.0, moe=True, linear_attention=True),
         Architecture("Glm4MoeLiteForCausalLM", "DEEPSEEK2", moe=True, latent_attention=True),
     )
 }
 # A multimodal model whose language model is written (llama.cpp's converter does the same; the vision tower would be
 # an mmproj file of its own): its class -> its language model's class.
-MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
-              "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}  # Qwen3.5-35B-A3B as published
+MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",  # Qwen3.5 is published so, dense and MoE:
+              "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+              "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
 _SUB_CONFIGS = ("text_config", "vision_config", "audio_config")  # a multimodal config.json's nested models
 SUPPORTED = ", ".join([*ARCHITECTURES, *MULTIMODAL])
 
