@@ -25,10 +25,24 @@ def num_experts(config: Any) -> int:
     return 0
 
 
-def attention_heads(config: Any) -> tuple[int, int, int]:
-    """Query heads, key-value heads and head_dim of a config's text model (key-value heads default to the query
-    heads, head_dim to hidden_size / heads)."""
+def layer_attention_heads(config: Any) -> list[tuple[int, int, int]]:
+    """Query heads, key-value heads and head_dim of every decoder layer of a config's text model (key-value heads
+    default to the query heads, head_dim to hidden_size / heads). A heterogeneous config (transformers 5's per-layer
+    configs: Gemma 4's full-attention layers have heads of 512 where its sliding ones have 256) is read layer by
+    layer; reading `head_dim` on it whole raises."""
     text = text_config(config)
+    if getattr(text, "is_heterogeneous", False):
+        return [_heads(layer) for layer in text.per_layer_config]
+    return [_heads(text)] * max(1, int(getattr(text, "num_hidden_layers", 1) or 1))
+
+
+def attention_heads(config: Any) -> tuple[int, int, int]:
+    """Query heads, key-value heads and head_dim of a config's text model; where its layers differ, the widest
+    layer's (the largest key-value heads x head_dim)."""
+    return max(layer_attention_heads(config), key=lambda heads: (heads[1] * heads[2], heads[2]))
+
+
+def _heads(text: Any) -> tuple[int, int, int]:
     heads = int(text.num_attention_heads)
     kv_heads, head_dim = getattr(text, "num_key_value_heads", None), getattr(text, "head_dim", None)
     return (heads, int(kv_heads) if isinstance(kv_heads, int) and kv_heads > 0 else heads,

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 ARCHITECTURES = ("qwen3", "qwen3_moe", "gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_mm", "glm4_moe_lite", "phi3",
-                 "llama", "mistral", "qwen2", "gemma3", "gemma3_mm")
+                 "llama", "mistral", "qwen2", "gemma3", "gemma3_mm", "gemma4", "gemma4_moe")
 # Experts of the tiny MoE and how many are active per token.
 TINY_EXPERTS, TINY_ACTIVE_EXPERTS = 4, 2
 
@@ -63,6 +63,11 @@ def tiny_config(architecture: str, *, vocab_size: int, hidden_size: int, interme
                                              vision_start_token_id=vocab_size + 2, vision_end_token_id=vocab_size + 3,
                                              tie_word_embeddings=True, pad_token_id=pad_token_id,
                                              eos_token_id=eos_token_id, bos_token_id=None, dtype="float32")
+    if architecture in ("gemma4", "gemma4_moe"):  # Gemma 4 as published: a vision tower around the text model
+        return _gemma4(architecture == "gemma4_moe", vocab_size=vocab_size, hidden_size=hidden_size,
+                       intermediate_size=intermediate_size, num_layers=num_layers, num_heads=num_heads,
+                       num_kv_heads=num_kv_heads, head_dim=head_dim, max_position_embeddings=max_position_embeddings,
+                       initializer_range=initializer_range, pad_token_id=pad_token_id, eos_token_id=eos_token_id)
     common: dict[str, Any] = dict(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
@@ -111,6 +116,35 @@ def tiny_config(architecture: str, *, vocab_size: int, hidden_size: int, interme
                "gpt_oss": "GptOssConfig", "qwen3_5": "Qwen3_5TextConfig", "qwen3_5_moe": "Qwen3_5MoeTextConfig", "glm4_moe_lite": "Glm4MoeLiteConfig",
                "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "gemma3": "Gemma3TextConfig"}
     return getattr(transformers, classes[architecture])(**common, **extra)
+
+
+def _gemma4(moe: bool, *, vocab_size: int, hidden_size: int, intermediate_size: int, num_layers: int, num_heads: int,
+            num_kv_heads: int, head_dim: int, max_position_embeddings: int, initializer_range: float,
+            pad_token_id: int, eos_token_id: int):
+    """Gemma 4 (31B; 26B-A4B with `moe`: an expert block beside each layer's MLP) at this shape: sliding layers
+    of `head_dim`, the last layer full attention with heads twice as wide (a heterogeneous config, as Gemma 4's
+    256 / 512), a SigLIP-like tower of one layer; no per-layer embeddings (the E2B / E4B models' own)."""
+    import transformers
+
+    experts = dict(enable_moe_block=True, num_experts=TINY_EXPERTS, top_k_experts=TINY_ACTIVE_EXPERTS,
+                   moe_intermediate_size=intermediate_size // 2) if moe else {}
+    text = transformers.Gemma4TextConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        head_dim=head_dim, global_head_dim=2 * head_dim, sliding_window=max_position_embeddings // 8,
+        layer_types=["sliding_attention"] * (num_layers - 1) + ["full_attention"], hidden_size_per_layer_input=0,
+        max_position_embeddings=max_position_embeddings, initializer_range=initializer_range,
+        pad_token_id=pad_token_id, eos_token_id=eos_token_id, bos_token_id=None, tie_word_embeddings=True, **experts)
+    vision = transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=2, head_dim=16, patch_size=8,
+                                             position_embedding_size=16,
+                                             initializer_range=initializer_range)
+    # the image and video tokens lie past the vocabulary: text never holds them
+    return transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None,
+                                     image_token_id=vocab_size, boi_token_id=vocab_size + 1,
+                                     eoi_token_id=vocab_size + 2, video_token_id=vocab_size + 3,
+                                     tie_word_embeddings=True, pad_token_id=pad_token_id, eos_token_id=eos_token_id,
+                                     bos_token_id=None, initializer_range=initializer_range)
 
 
 def tiny_causal_lm(config):

@@ -15,6 +15,8 @@ unset in every run.
 - A tiny multimodal Gemma 3 (Gemma3ForConditionalGeneration, as Gemma 3 4B+ is) trains its language model only.
 - A tiny Qwen3.5-MoE as Qwen3.5-35B-A3B is published (Qwen3_5MoeForConditionalGeneration) trains its text model,
   and a tiny dense Qwen3.5 trains packed with the same per-sample linear attention.
+- Tiny Gemma 4 and Gemma 4 MoE (26B-A4B's expert block), as published (Gemma4ForConditionalGeneration; their
+  full-attention layers' heads twice as wide as the sliding ones': a per-layer config) train their language model.
 - A tiny Phi-3 gets its fused qkv_proj / gate_up_proj."""
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ SPECS = [
     RunSpec("qwen35-dense-2w", batching=None, model_subdir="qwen3_5", default_targets=True),
     RunSpec("gemma-mm-2w", model_subdir="gemma3_mm", default_targets=True),
     RunSpec("gemma-mm-1w", gpus=1, per_device=8, model_subdir="gemma3_mm", default_targets=True),
+    RunSpec("gemma4-2w", model_subdir="gemma4", default_targets=True),
+    RunSpec("gemma4-moe-2w", model_subdir="gemma4_moe", default_targets=True),
+    RunSpec("gemma4-moe-1w", gpus=1, per_device=8, model_subdir="gemma4_moe", default_targets=True),
     RunSpec("glm-2w", model_subdir="glm4_moe_lite", default_targets=True),
     RunSpec("glm-1w", gpus=1, per_device=8, model_subdir="glm4_moe_lite", default_targets=True),
 ]
@@ -75,7 +80,7 @@ def build_models(workdir: Path, tiny_model_dir: Path) -> Path:
 
     models = workdir / "models"
     for architecture in ("qwen3_moe", "phi3", "gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_mm", "glm4_moe_lite",
-                         "gemma3_mm"):
+                         "gemma3_mm", "gemma4", "gemma4_moe"):
         build_tiny_model(models / architecture, architecture=architecture)
     source = workdir / "chat.jsonl"
     with SAMPLE_CHAT.open() as lines:
@@ -229,6 +234,23 @@ def test_a_multimodal_gemma3_trains_its_language_model_at_defaults_and_two_worke
     assert multi.adapter() and not any("vision" in name for name in multi.adapter())
     assert_step_one_is_every_sample_alone(multi, workdir, model_dir, dataset)
     assert_workers_agree(multi, single)
+
+
+@needs("gemma4-2w", "gemma4-moe-2w", "gemma4-moe-1w")
+def test_gemma4_and_its_moe_train_their_language_model_at_defaults(runs, dataset, workdir, model_dir):
+    """Gemma 4's config is heterogeneous (transformers raises on reading `head_dim` whole: it differs between the
+    sliding and the full-attention layers); before 2026-12-05 the attention setting read it so and every run failed
+    at start."""
+    for name in ("gemma4-2w", "gemma4-moe-2w"):
+        run = runs.get(name).check_ok()
+        resolved = json.loads((run.out / "run_resolved.json").read_text())
+        assert resolved["packing"]["exact"] and resolved["packing"]["fix"] is None, resolved["packing"]
+        assert resolved["lora_targets"]["excluded_modules"], resolved["lora_targets"]  # the vision tower's
+        assert run.adapter() and not any("vision" in key for key in run.adapter())
+        assert_step_one_is_every_sample_alone(run, workdir, model_dir, dataset)
+    moe = runs.get("gemma4-moe-2w")
+    assert any("experts" in key for key in moe.adapter()) and not any("router" in key for key in moe.adapter())
+    assert_workers_agree(moe, runs.get("gemma4-moe-1w").check_ok())
 
 
 @needs("glm-2w", "glm-1w")

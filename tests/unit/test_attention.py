@@ -152,6 +152,20 @@ def test_model_head_dims_from_the_config():
     assert att.model_head_dims(derived) == ((128,), 0.1)
 
 
+def test_a_per_layer_config_is_read_layer_by_layer():
+    """Gemma 4's sliding layers have heads of head_dim, its full-attention ones twice that (a heterogeneous config,
+    whose `head_dim` transformers refuses to read whole)."""
+    from HyperSloth.train.model_config import attention_heads, layer_attention_heads
+    from HyperSloth.train.tiny_architectures import tiny_config
+
+    config = tiny_config("gemma4", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
+                         num_kv_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.02,
+                         pad_token_id=0, eos_token_id=1)
+    assert layer_attention_heads(config) == [(4, 2, 16), (4, 2, 16), (4, 2, 32)]
+    assert attention_heads(config) == (4, 2, 32)  # the widest layer's
+    assert att.model_head_dims(config) == ((16, 32), 0.0)
+
+
 def test_fa4_installed_finds_flash_attn_cute_without_importing_it(monkeypatch, tmp_path):
     monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
     fa2 = tmp_path / "fa2" / "flash_attn"

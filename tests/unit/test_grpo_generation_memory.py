@@ -44,6 +44,14 @@ def test_a_rows_bytes_come_from_the_text_config_and_the_dtype():
                                               prefill_per_token=(3 * 4 * 256 + 2 * 256) * 4, logits=40_000)
     assert row_cost(SimpleNamespace(hidden_size=256), 2) is None
 
+    # Layers whose heads differ (Gemma 4: the full-attention layer's twice as wide): each layer's own cache.
+    from HyperSloth.train.tiny_architectures import tiny_config
+
+    gemma4 = tiny_config("gemma4", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
+                         num_kv_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.02,
+                         pad_token_id=0, eos_token_id=1)
+    assert row_cost(gemma4, 2).kv_per_token == 2 * (2 * 16 + 2 * 16 + 2 * 32) * 2
+
 
 def test_prompts_are_cut_into_consecutive_chunks_of_whole_prompts_under_the_limit():
     cost = RowCost(kv_per_token=1, prefill_per_token=0, logits=0)  # a row of width w costs w + 10 bytes (C = 10)

@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 from loguru import logger
 
-from HyperSloth.train.model_config import attention_heads, text_config
+from HyperSloth.train.model_config import attention_heads, layer_attention_heads, text_config
 
 ATTENTION_SETTINGS = ("auto", "fa4", "flash", "sdpa")
 # Compute capabilities torch's FA4 registration accepts (torch/nn/attention/_fa4.py, `_fa4_common_support_error`).
@@ -170,9 +170,11 @@ def has_sliding_window(config: Any) -> bool:
 
 
 def model_head_dims(config: Any) -> tuple[tuple[int, ...], float]:
-    """The attention head dims and attention dropout of a transformers config (its text config where it has one)."""
+    """The attention head dims (every layer's, where they differ) and attention dropout of a transformers config
+    (its text config where it has one)."""
     dropout = getattr(text_config(config), "attention_dropout", 0.0)
-    return (attention_heads(config)[2],), float(dropout) if isinstance(dropout, (int, float)) else 0.0
+    head_dims = tuple(sorted({head_dim for _, _, head_dim in layer_attention_heads(config)}))
+    return head_dims, float(dropout) if isinstance(dropout, (int, float)) else 0.0
 
 
 class FlashImplRegistry(Protocol):

@@ -8,8 +8,8 @@ stay in one call; the completions are those of one call, up to padding: `rollout
 within the memory the GPU has at that moment. One call when everything fits, as before.
 
 What a generated row costs (`RowCost`, from the model's text config and dtype; an estimate from above):
-- the KV cache: 2 (key, value) x layers x kv heads x head_dim x dtype bytes per token, over the chunk's longest
-  prompt (rows are left-padded to it) + max_completion_length tokens, at the end of the call;
+- the KV cache: 2 (key, value) x the sum over layers of kv heads x head_dim x dtype bytes per token, over the
+  chunk's longest prompt (rows are left-padded to it) + max_completion_length tokens, at the end of the call;
 - the prefill, at the start: the prompt's KV cache, plus one layer's MLP at work (gate, up and their product,
   3 x intermediate_size, and two hidden-size copies) per prompt token. A row costs the larger of the two;
 - the logits of a step: `LOGIT_COPIES` fp32 vectors of the vocabulary (generate's fp32 copy, then
@@ -37,7 +37,7 @@ from loguru import logger
 
 from HyperSloth.config import GrpoArgs
 from HyperSloth.train.budget.choice import SAFETY_FRACTION
-from HyperSloth.train.model_config import attention_heads, text_config
+from HyperSloth.train.model_config import layer_attention_heads, text_config
 
 LOGIT_COPIES = 10  # fp32 vocabulary vectors live per row at a sampling step (module docstring)
 GIB = 2**30
@@ -66,9 +66,9 @@ def row_cost(config: Any, dtype_bytes: int) -> RowCost | None:
                                                               "hidden_size"))
     if not all(isinstance(v, int) and v > 0 for v in (layers, heads, hidden)):
         return None
-    _, kv_heads, head_dim = attention_heads(config)
+    kv_width = sum(kv_heads * head_dim for _, kv_heads, head_dim in layer_attention_heads(config))
     intermediate = getattr(text, "intermediate_size", None) or 4 * hidden
-    return RowCost(kv_per_token=2 * layers * kv_heads * head_dim * dtype_bytes,
+    return RowCost(kv_per_token=2 * kv_width * dtype_bytes,
                    prefill_per_token=(3 * intermediate + 2 * hidden) * dtype_bytes,
                    logits=LOGIT_COPIES * 4 * int(getattr(text, "vocab_size", 0) or 0))
 
