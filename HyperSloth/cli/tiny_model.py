@@ -78,8 +78,9 @@ ChatML tokenizer in OUT_DIR, for offline runs and tests, and print what is there
         Flag("force", "replace a non-empty OUT_DIR that holds something else"),
         Flag("architecture", f"the architecture at the tiny shape: {', '.join(ARCHITECTURES)} (default qwen3; "
              "qwen3_moe has 4 fused experts, 2 active; qwen3_5_moe is Qwen3.5-MoE's linear-attention hybrid, "
-             "glm4_moe_lite GLM-4.7-Flash; gemma3_mm and qwen3_5_moe_mm are multimodal, as Gemma 3 4B+ and "
-             "Qwen3.5-35B-A3B are published)", value="NAME"),
+             "glm4_moe_lite GLM-4.7-Flash, granite4_h Granite 4.0-H's Mamba-2 hybrid; gemma3_mm, qwen3_5_moe_mm, "
+             "gemma4 and gemma4_moe are multimodal, as Gemma 3 4B+, Qwen3.5-35B-A3B and Gemma 4 are published)",
+             value="NAME"),
     ),
     examples=("hypersloth-tiny-model                             # build/tiny-qwen3",
               "hypersloth-tiny-model models/tiny --data_path my_chats.jsonl",

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 ARCHITECTURES = ("qwen3", "qwen3_moe", "gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_mm", "glm4_moe_lite", "phi3",
-                 "llama", "mistral", "qwen2", "gemma3", "gemma3_mm", "gemma4", "gemma4_moe")
+                 "llama", "mistral", "qwen2", "gemma3", "gemma3_mm", "gemma4", "gemma4_moe", "granite4_h")
 # Experts of the tiny MoE and how many are active per token.
 TINY_EXPERTS, TINY_ACTIVE_EXPERTS = 4, 2
 
@@ -102,6 +102,15 @@ def tiny_config(architecture: str, *, vocab_size: int, hidden_size: int, interme
                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                                       "mrope_interleaved": True,
                                       "mrope_section": _mrope_sections(int(head_dim * 0.25) // 2)})
+    elif architecture == "granite4_h":  # Granite 4.0-H: Mamba-2 layers, the last attention (no RoPE), MoE + shared MLP
+        width = intermediate_size // 2
+        extra = dict(num_local_experts=TINY_EXPERTS, num_experts_per_tok=TINY_ACTIVE_EXPERTS,
+                     shared_intermediate_size=width, position_embedding_type="nope",
+                     layer_types=["mamba"] * (num_layers - 1) + ["attention"], mamba_n_heads=num_heads,
+                     mamba_d_head=2 * hidden_size // num_heads, mamba_d_state=head_dim, mamba_chunk_size=head_dim,
+                     output_router_logits=False)
+        common.pop("head_dim", None)
+        common["intermediate_size"] = width  # the experts' width
     elif architecture == "glm4_moe_lite":  # MLA: heads of nope + rope dims for q/k, v of head_dim; layer 0 dense
         extra = dict(n_routed_experts=TINY_EXPERTS, num_experts_per_tok=TINY_ACTIVE_EXPERTS, n_shared_experts=1,
                      moe_intermediate_size=intermediate_size // 2, kv_lora_rank=2 * head_dim, q_lora_rank=2 * head_dim,
@@ -112,9 +121,10 @@ def tiny_config(architecture: str, *, vocab_size: int, hidden_size: int, interme
     elif architecture == "gemma3":
         extra = dict(query_pre_attn_scalar=head_dim, sliding_window=max_position_embeddings,
                      hidden_activation="gelu_pytorch_tanh")
-    classes = {"qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig", "phi3": "Phi3Config",
-               "gpt_oss": "GptOssConfig", "qwen3_5": "Qwen3_5TextConfig", "qwen3_5_moe": "Qwen3_5MoeTextConfig", "glm4_moe_lite": "Glm4MoeLiteConfig",
-               "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "gemma3": "Gemma3TextConfig"}
+    classes = {"qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig", "phi3": "Phi3Config", "gpt_oss": "GptOssConfig",
+               "qwen3_5": "Qwen3_5TextConfig", "qwen3_5_moe": "Qwen3_5MoeTextConfig",
+               "glm4_moe_lite": "Glm4MoeLiteConfig", "granite4_h": "GraniteMoeHybridConfig", "llama": "LlamaConfig",
+               "mistral": "MistralConfig", "qwen2": "Qwen2Config", "gemma3": "Gemma3TextConfig"}
     return getattr(transformers, classes[architecture])(**common, **extra)
 
 

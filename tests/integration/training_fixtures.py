@@ -69,14 +69,14 @@ if _os.environ.get("HYPERSLOTH_RANK") == "1":
     _Trainer._save_rng_state = _killed_while_saving
 '''
 
-# Every worker runs without HyperSloth's per-sample linear attention (train/packing/linear_attention.py): a tiny
+# Every worker runs without HyperSloth's per-sample linear attention (train/packing/recurrent.py): a tiny
 # Qwen3.5-MoE's packed rows then stay leaky on the CPU, as a model HyperSloth cannot make exact would, so the
 # fallback to sorted-pad and the refusal are run end to end.
 UNFIXABLE_PACKING_INJECTION = '''
 import os as _os
 if _os.environ.get("HYPERSLOTH_RANK") is not None:
     import HyperSloth.train.packing.check as _check
-    _check.per_sample_linear_attention = lambda model: None
+    _check.per_sample_recurrent_mixers = lambda model: None
 '''
 
 

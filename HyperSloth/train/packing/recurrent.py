@@ -1,0 +1,106 @@
+"""Recurrent token mixers run one sample at a time inside a packed row, where the model's own kernels would carry
+state across the samples.
+
+Two kinds of decoder layer keep a running state over the sequence, each behind a short causal convolution that looks
+back a few tokens:
+- linear attention: Qwen3.5's and Qwen3-Next's gated delta rule (`linear_attn`). transformers 5.17 hands its kernels
+  the packed row's boundaries (`cu_seqlens`), but the PyTorch fallbacks (`torch_chunk_gated_delta_rule`,
+  `causal_conv1d_fn`: what runs without the fla / causal-conv1d kernels, so on every CPU) ignore them;
+- Mamba layers of hybrid models (`mamba`: Granite 4.0-H, Bamba, Falcon-H1, Jamba; Nemotron-H's `mixer` where its
+  block type says so). Their kernels take a `seq_idx` the packed batch does not carry, and the PyTorch fallbacks
+  take none.
+Either way the second sample of a row starts from the first one's state (train/packing/check.py measures it). Run
+per sample, each starts from zero state and zero padding, as it does alone.
+
+`per_sample_recurrent_mixers(model)` records each packed training row's sample spans (from the restarting position
+ids) in a forward pre-hook on the decoder, and has every recurrent mixer (`recurrent_mixers`) run its forward once
+per span of a row that holds more than one sample; anything else (a cache, a batch of several rows, no position ids)
+runs as before. Returns the function that undoes it, or None where the model has no such module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from HyperSloth.train.lora.install import decoder_layers
+from HyperSloth.train.packing.exactness import decoder_and_head
+
+LINEAR_ATTENTION, MAMBA = "linear_attn", "mamba"  # the recurrent mixers' names in a decoder layer, beside self_attn
+
+
+def layer_mixers(layer) -> list[tuple[str, torch.nn.Module]]:
+    """(kind, module) of a decoder layer's recurrent mixers: linear attention or a Mamba layer (Nemotron-H calls every
+    block's module `mixer` and says which it is in `block_type`: "linear_attention" for its Mamba blocks)."""
+    found = [(kind, getattr(layer, name)) for kind, name in (("linear attention", LINEAR_ATTENTION),
+                                                               ("Mamba layers", MAMBA))
+             if isinstance(getattr(layer, name, None), torch.nn.Module)]
+    if getattr(layer, "block_type", None) in ("mamba", "linear_attention") \
+            and isinstance(getattr(layer, "mixer", None), torch.nn.Module):
+        found.append(("Mamba layers", layer.mixer))
+    return found
+
+
+def recurrent_mixers(model) -> list[torch.nn.Module]:
+    """Every decoder layer's recurrent token mixers."""
+    return [module for layer in decoder_layers(model) or [] for _, module in layer_mixers(layer)]
+
+
+def kind_of(model) -> str:
+    """What the model's recurrent mixers are, for the log: "linear attention", "Mamba layers" or both."""
+    kinds = {kind for layer in decoder_layers(model) or [] for kind, _ in layer_mixers(layer)}
+    return " and ".join(sorted(kinds, key=("linear attention", "Mamba layers").index))
+
+
+def sample_spans(position_ids: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, end) of each sample of a one-row packed batch: a sample starts where its position is 0."""
+    starts = torch.nonzero(position_ids[0] == 0).flatten().tolist()
+    if not starts or starts[0] != 0:
+        starts = [0, *starts]
+    return list(zip(starts, [*starts[1:], position_ids.shape[1]]))
+
+
+def per_sample_recurrent_mixers(model) -> Callable[[], None] | None:
+    mixers = recurrent_mixers(model)
+    if not mixers:
+        return None
+    spans: list[list[tuple[int, int]] | None] = [None]
+
+    def record(_module, args, kwargs):
+        positions = kwargs.get("position_ids")
+        packed = (positions is not None and not args and kwargs.get("past_key_values") is None
+                  and positions.dim() == 2 and positions.shape[0] == 1)
+        found = sample_spans(positions) if packed else None
+        spans[0] = found if found and len(found) > 1 else None
+
+    # The spans stay until the decoder's next call: gradient checkpointing recomputes a layer inside the backward,
+    # after the decoder's forward returned, and the recompute must split the row as the forward did.
+    def per_sample(original):
+        def forward(hidden_states, cache_params=None, attention_mask=None, **kwargs):
+            if (spans[0] is None or cache_params is not None or hidden_states.shape[0] != 1
+                    or spans[0][-1][1] != hidden_states.shape[1]):
+                return original(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+            kwargs = {k: v for k, v in kwargs.items() if not k.startswith(("cu_seq_lens", "max_length", "seq_idx"))}
+            return torch.cat([original(hidden_states[:, a:b], cache_params=None,
+                                       attention_mask=None if attention_mask is None else attention_mask[:, a:b],
+                                       **kwargs)
+                              for a, b in spans[0]], dim=1)
+        return forward
+
+    decoder = decoder_and_head(model)[0]
+    handles = [decoder.register_forward_pre_hook(record, with_kwargs=True)]
+    own = [mixer.__dict__.get("forward") for mixer in mixers]  # a forward set on the instance (a patch) stays
+    for mixer in mixers:
+        mixer.forward = per_sample(mixer.forward)
+
+    def remove() -> None:
+        for handle in handles:
+            handle.remove()
+        for mixer, forward in zip(mixers, own):
+            if forward is None:
+                del mixer.forward  # the class's forward again
+            else:
+                mixer.forward = forward
+
+    return remove
