@@ -166,8 +166,8 @@ def test_a_small_state_carry_is_a_leak_in_its_own_layer(architecture, seed):
 
 
 def _hybrid(name: str):
-    """Tiny hybrid Mamba-2 models of transformers 5.17 (fp32, CPU: its PyTorch fallbacks, which take no sample
-    boundaries)."""
+    """Tiny hybrid models of transformers 5.17, Mamba-2 or delta-rule layers beside attention (fp32, CPU: the
+    PyTorch fallbacks, which take no sample boundaries)."""
     import transformers
 
     base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -189,6 +189,12 @@ def _hybrid(name: str):
             **base, head_dim=16, layers_block_type=["mamba", "attention", "moe"], mamba_num_heads=4, mamba_head_dim=32,
             ssm_state_size=16, chunk_size=16, n_routed_experts=4, moe_intermediate_size=32,
             moe_shared_expert_intermediate_size=32, use_mamba_kernels=False, n_groups=1),
+        # Kimi-Linear: delta-rule linear attention under `self_attn` in its "linear_attention" layers, then MLA
+        "kimi-linear": lambda: transformers.KimiLinearConfig(
+            **{**base, "num_key_value_heads": 4}, num_hidden_layers=2, head_dim=16, kv_lora_rank=32,
+            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, layer_types=["linear_attention", "full_attention"],
+            mlp_layer_types=["dense", "sparse"]),
     }
     torch.manual_seed(0)
     return tiny_causal_lm(configs[name]())
@@ -201,12 +207,14 @@ def _hybrid(name: str):
     ("bamba", "Mamba layers run one sample at a time"),
     ("falcon-h1", "Mamba layers run one sample at a time"),
     ("jamba", "Mamba layers run one sample at a time"),
-    ("nemotron-h", "Mamba layers run one sample at a time")])
-def test_hybrid_mamba_models_train_packed_rows_as_the_samples_alone(name, fix):
+    ("nemotron-h", "Mamba layers run one sample at a time"),
+    pytest.param("kimi-linear", "linear attention runs one sample at a time", marks=pytest.mark.slow)])  # 8 s
+def test_hybrid_models_train_packed_rows_as_the_samples_alone(name, fix):
     """A Mamba layer carries its state (and its convolution's last tokens) from one sample of a packed row into the
     next. Before 2026-12-05 the check compared attention only: Falcon-H1 and Jamba passed as exact with their losses
-    8e-6 and 3e-5 off and gradients 0.2-0.9% off; Granite 4.0-H, Bamba and Nemotron-H were refused. Granite 4.0-H
-    also builds its masks without the position ids, so it needs both fixes together."""
+    8e-6 and 3e-5 off and gradients 0.2-0.9% off; Granite 4.0-H, Bamba, Nemotron-H and Kimi-Linear (its delta rule
+    kept under `self_attn`) were refused. Granite 4.0-H also builds its masks without the position ids, so it needs
+    both fixes together."""
     model = _hybrid(name)
     sample, others = np.arange(2, 42) % VOCAB, [np.arange(50, 80) % VOCAB, np.arange(90, 99)]
     before = packed_vs_alone(model, sample, others)

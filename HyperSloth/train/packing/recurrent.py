@@ -3,7 +3,8 @@ state across the samples.
 
 Two kinds of decoder layer keep a running state over the sequence, each behind a short causal convolution that looks
 back a few tokens:
-- linear attention: Qwen3.5's and Qwen3-Next's gated delta rule (`linear_attn`). transformers 5.17 hands its kernels
+- linear attention: Qwen3.5's and Qwen3-Next's gated delta rule (`linear_attn`; Kimi-Linear's delta attention, under
+  `self_attn` in its "linear_attention" layers). transformers 5.17 hands its kernels
   the packed row's boundaries (`cu_seqlens`), but the PyTorch fallbacks (`torch_chunk_gated_delta_rule`,
   `causal_conv1d_fn`: what runs without the fla / causal-conv1d kernels, so on every CPU) ignore them;
 - Mamba layers of hybrid models (`mamba`: Granite 4.0-H, Bamba, Falcon-H1, Jamba; Nemotron-H's `mixer` where its
@@ -31,14 +32,19 @@ LINEAR_ATTENTION, MAMBA = "linear_attn", "mamba"  # the recurrent mixers' names 
 
 
 def layer_mixers(layer) -> list[tuple[str, torch.nn.Module]]:
-    """(kind, module) of a decoder layer's recurrent mixers: linear attention or a Mamba layer (Nemotron-H calls every
-    block's module `mixer` and says which it is in `block_type`: "linear_attention" for its Mamba blocks)."""
+    """(kind, module) of a decoder layer's recurrent mixers: linear attention or a Mamba layer. Some layers say what
+    they are in `block_type` and keep any mixer under one name: Nemotron-H's `mixer` (a Mamba block's type is
+    "linear_attention"), Kimi-Linear's `self_attn` (its delta-rule layers' type is "linear_attention")."""
     found = [(kind, getattr(layer, name)) for kind, name in (("linear attention", LINEAR_ATTENTION),
                                                                ("Mamba layers", MAMBA))
              if isinstance(getattr(layer, name, None), torch.nn.Module)]
-    if getattr(layer, "block_type", None) in ("mamba", "linear_attention") \
-            and isinstance(getattr(layer, "mixer", None), torch.nn.Module):
-        found.append(("Mamba layers", layer.mixer))
+    block = getattr(layer, "block_type", None)  # a layer that says it is recurrent, whatever it calls its mixer
+    if block in ("mamba", "linear_attention") and not found:
+        for name in ("mixer", "self_attn"):
+            if isinstance(getattr(layer, name, None), torch.nn.Module):
+                found.append(("Mamba layers" if block == "mamba" or name == "mixer" else "linear attention",
+                              getattr(layer, name)))
+                break
     return found
 
 
