@@ -261,6 +261,17 @@ def test_a_forward_that_bypasses_the_mixer_modules_is_measured_on_the_decoder_ou
     assert measure(_tiny("qwen3")).exact
 
 
+def test_a_check_that_sees_no_deliberate_leak_vouches_for_nothing(monkeypatch):
+    """Where the hooked modules do not move under a deliberate leak (here the embeddings, standing in for a layer
+    kind the check does not know), packed 0 proves nothing: the run is refused or falls back, saying so."""
+    model = _tiny("qwen3")
+    monkeypatch.setattr(packing_check, "_token_mixers", lambda m: [m.model.embed_tokens])
+    check = measure(model)
+    assert check.blind and not check.exact and check.packed == check.leaked == 0.0, check
+    with pytest.raises(ConfigError, match="HyperSloth cannot check that qwen3 on the transformers backend keeps"):
+        ensure_exact_packing(model, "transformers")
+
+
 def test_reentrant_gradient_checkpointing_measures_quietly():
     """Under no_grad, reentrant checkpointing warns once per layer that gradients will be None: not in the log."""
     import warnings
