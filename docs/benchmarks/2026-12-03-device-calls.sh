@@ -8,6 +8,9 @@
 #   callT  the tiny Qwen3.5-MoE on Unsloth with CUDA_LAUNCH_BLOCKING=1 and its traceback, and gemma3_mm (~3 min)
 #   then callG of 2026-12-02-device-calls.sh (the leaner grouped MoE pass) and callA + callM of
 #   2026-12-02-fa4-device-calls.sh (long-0.6b FA4 profile).
+# Ran in the third session: callS, callR, callT, callU. Next (2026-12-05 had no device time): callW (GRPO's sampling
+#   profiled), callX (gpt-oss packed on Unsloth), callV (Qwen3.5-MoE sorted-pad on Unsloth), callY (the architectures
+#   added 2026-12-05), then callA + callM of 2026-12-02-fa4-device-calls.sh.
 source scripts/device_calls_lib.sh  # the GPU environment, $W / $L, el, left, bench, show, pack, ...
 
 callN() {  # GRPO (issue 34 item 8) with the brief's 20 timed steps (callI / callK timed 8): HyperSloth at defaults
@@ -152,6 +155,20 @@ callX() {  # next: gpt-oss through Unsloth with the sink attention's per-sample 
   for f in $OUT/arch/*-graphs.json $OUT/arch/*-eager.json; do python3 -c "import json, sys; r = json.load(open(sys.argv[1])); \
     print(r['run'], r['exit'], r.get('packing'), r.get('losses'), '\n'.join(r.get('lines') or [])[-1500:], \
     '\n'.join(r.get('traceback') or [])[-2500:])" $f; done
+  tar czf $OUT/arch-logs.tgz -C $OUT arch && rm -rf $OUT/arch
+  pack
+}
+
+
+callY() {  # next (written 2026-12-05, a session without device time): the architectures added on the CPU that day
+  # through Unsloth at defaults, graphed and eager: dense Qwen3.5 and Qwen3.5-MoE as published (multimodal), Gemma 4
+  # and its MoE (per-layer head widths), Granite 4.0-H (Mamba-2 hybrid: on Unsloth the per-sample Mamba fix is not
+  # installed, so expect sorted-pad unless Unsloth's kernels keep samples apart) (~5 min)
+  timeout $(left 320) python3 scripts/arch_check.py --out $OUT/arch \
+    --architectures qwen3_5,qwen3_5_moe_mm,gemma4,gemma4_moe,granite4_h --parallel 10 > $L/arch-new.log 2>&1
+  el "arch check done"
+  for f in $OUT/arch/*-graphs.json $OUT/arch/*-eager.json; do python3 -c "import json, sys; r = json.load(open(sys.argv[1])); \
+    print(r['run'], r['exit'], r.get('packing'), r.get('losses'), '\n'.join(r.get('traceback') or [])[-1500:])" $f; done
   tar czf $OUT/arch-logs.tgz -C $OUT arch && rm -rf $OUT/arch
   pack
 }
