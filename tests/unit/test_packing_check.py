@@ -189,6 +189,9 @@ def _hybrid(name: str):
             **base, head_dim=16, layers_block_type=["mamba", "attention", "moe"], mamba_num_heads=4, mamba_head_dim=32,
             ssm_state_size=16, chunk_size=16, n_routed_experts=4, moe_intermediate_size=32,
             moe_shared_expert_intermediate_size=32, use_mamba_kernels=False, n_groups=1),
+        # LFM2: short convolutions (no state: each token reads the 2 before it) beside attention
+        "lfm2": lambda: transformers.Lfm2Config(**base, num_hidden_layers=3,
+                                                layer_types=["conv", "full_attention", "conv"]),
         # Kimi-Linear: delta-rule linear attention under `self_attn` in its "linear_attention" layers, then MLA
         "kimi-linear": lambda: transformers.KimiLinearConfig(
             **{**base, "num_key_value_heads": 4}, num_hidden_layers=2, head_dim=16, kv_lora_rank=32,
@@ -208,12 +211,14 @@ def _hybrid(name: str):
     ("falcon-h1", "Mamba layers run one sample at a time"),
     ("jamba", "Mamba layers run one sample at a time"),
     ("nemotron-h", "Mamba layers run one sample at a time"),
+    ("lfm2", "short convolutions run one sample at a time"),
     pytest.param("kimi-linear", "linear attention runs one sample at a time", marks=pytest.mark.slow)])  # 8 s
 def test_hybrid_models_train_packed_rows_as_the_samples_alone(name, fix):
     """A Mamba layer carries its state (and its convolution's last tokens) from one sample of a packed row into the
     next. Before 2026-12-05 the check compared attention only: Falcon-H1 and Jamba passed as exact with their losses
-    8e-6 and 3e-5 off and gradients 0.2-0.9% off; Granite 4.0-H, Bamba, Nemotron-H and Kimi-Linear (its delta rule
-    kept under `self_attn`) were refused. Granite 4.0-H also builds its masks without the position ids, so it needs
+    8e-6 and 3e-5 off and gradients 0.2-0.9% off, and so did LFM2 (its short convolutions read the previous
+    sample's last tokens: 9e-6 and 0.3%); Granite 4.0-H, Bamba, Nemotron-H and Kimi-Linear (its delta rule kept
+    under `self_attn`) were refused. Granite 4.0-H also builds its masks without the position ids, so it needs
     both fixes together."""
     model = _hybrid(name)
     sample, others = np.arange(2, 42) % VOCAB, [np.arange(50, 80) % VOCAB, np.arange(90, 99)]

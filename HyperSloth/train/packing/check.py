@@ -348,12 +348,13 @@ def _fixes(model, backend: str, check: PackingCheck) -> list[tuple[Callable[[Any
              lambda fixed: f"packed rows: {arch}'s decoder builds its attention mask without the position ids (samples "
                            f"would see each other: {check.packed:.0%} off); HyperSloth passes it the block-diagonal "
                            f"masks transformers builds from them (checked: within {fixed.packed:.1e})")
-    kind = kind_of(model)  # "linear attention", "Mamba layers"
+    kind = kind_of(model)  # "linear attention", "Mamba layers", "short convolutions" (and combinations)
     one = kind == "linear attention"
+    carry = ("read the last tokens of one sample of a packed row in the next" if kind == "short convolutions" else
+             f"{'carries its' if one else 'carry their'} state from one sample of a packed row to the next")
     per_sample = (per_sample_recurrent_mixers, f"{kind} {'runs' if one else 'run'} one sample at a time",
-                  lambda fixed: f"packed rows: {arch}'s {kind} {'carries its' if one else 'carry their'} state from one "
-                                f"sample of a packed row to the next on the {backend} backend ({check.packed:.0%} off); "
-                                f"HyperSloth runs {'it' if one else 'them'} one sample at a time (checked: within "
+                  lambda fixed: f"packed rows: {arch}'s {kind} {carry} on the {backend} backend ({check.packed:.0%} "
+                                f"off); HyperSloth runs {'it' if one else 'them'} one sample at a time (checked: within "
                                 f"{fixed.packed:.1e})")
     documents = (document_masks_for_sink_attention, "attention with sinks gets a mask per sample",
                  lambda fixed: f"packed rows: Unsloth's flex attention with sinks builds one causal mask over a packed "

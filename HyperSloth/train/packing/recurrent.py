@@ -4,14 +4,17 @@ state across the samples.
 Two kinds of decoder layer keep a running state over the sequence, each behind a short causal convolution that looks
 back a few tokens:
 - linear attention: Qwen3.5's and Qwen3-Next's gated delta rule (`linear_attn`; Kimi-Linear's delta attention, under
-  `self_attn` in its "linear_attention" layers). transformers 5.17 hands its kernels
-  the packed row's boundaries (`cu_seqlens`), but the PyTorch fallbacks (`torch_chunk_gated_delta_rule`,
-  `causal_conv1d_fn`: what runs without the fla / causal-conv1d kernels, so on every CPU) ignore them;
+  `self_attn` in its "linear_attention" layers). transformers 5.17 hands its kernels the packed row's boundaries
+  when the batch carries `cu_seq_lens_q` (HyperSloth's packed batches carry position ids), and the PyTorch fallbacks
+  (`torch_chunk_gated_delta_rule`, `causal_conv1d_fn`: what runs without the fla / causal-conv1d kernels, so on
+  every CPU) ignore them anyway;
 - Mamba layers of hybrid models (`mamba`: Granite 4.0-H, Bamba, Falcon-H1, Jamba; Nemotron-H's `mixer` where its
   block type says so). Their kernels take a `seq_idx` the packed batch does not carry, and the PyTorch fallbacks
   take none.
-Either way the second sample of a row starts from the first one's state (train/packing/check.py measures it). Run
-per sample, each starts from zero state and zero padding, as it does alone.
+And LFM2's short convolutions (`conv`) keep no state, but each token reads the few tokens before it.
+Either way the second sample of a row starts from the first one's state, or reads its last tokens
+(train/packing/check.py measures it). Run per sample, each starts from zero state and zero padding, as it does
+alone.
 
 `per_sample_recurrent_mixers(model)` records each packed training row's sample spans (from the restarting position
 ids) in a forward pre-hook on the decoder, and has every recurrent mixer (`recurrent_mixers`) run its forward once
@@ -28,15 +31,16 @@ import torch
 from HyperSloth.train.lora.install import decoder_layers
 from HyperSloth.train.packing.exactness import decoder_and_head
 
-LINEAR_ATTENTION, MAMBA = "linear_attn", "mamba"  # the recurrent mixers' names in a decoder layer, beside self_attn
+LINEAR_ATTENTION, MAMBA, SHORT_CONV = "linear_attn", "mamba", "conv"  # recurrent mixers' names in a decoder layer
+CACHES = ("cache_params", "past_key_values")  # how a recurrent mixer is handed the generation cache
+KINDS = ("linear attention", "Mamba layers", "short convolutions")  # in the log's order
 
 
 def layer_mixers(layer) -> list[tuple[str, torch.nn.Module]]:
     """(kind, module) of a decoder layer's recurrent mixers: linear attention or a Mamba layer. Some layers say what
     they are in `block_type` and keep any mixer under one name: Nemotron-H's `mixer` (a Mamba block's type is
     "linear_attention"), Kimi-Linear's `self_attn` (its delta-rule layers' type is "linear_attention")."""
-    found = [(kind, getattr(layer, name)) for kind, name in (("linear attention", LINEAR_ATTENTION),
-                                                               ("Mamba layers", MAMBA))
+    found = [(kind, getattr(layer, name)) for kind, name in zip(KINDS, (LINEAR_ATTENTION, MAMBA, SHORT_CONV))
              if isinstance(getattr(layer, name, None), torch.nn.Module)]
     block = getattr(layer, "block_type", None)  # a layer that says it is recurrent, whatever it calls its mixer
     if block in ("mamba", "linear_attention") and not found:
@@ -54,9 +58,10 @@ def recurrent_mixers(model) -> list[torch.nn.Module]:
 
 
 def kind_of(model) -> str:
-    """What the model's recurrent mixers are, for the log: "linear attention", "Mamba layers" or both."""
+    """What the model's recurrent mixers are, for the log ("linear attention", "Mamba layers", "short
+    convolutions", joined by "and")."""
     kinds = {kind for layer in decoder_layers(model) or [] for kind, _ in layer_mixers(layer)}
-    return " and ".join(sorted(kinds, key=("linear attention", "Mamba layers").index))
+    return " and ".join(sorted(kinds, key=KINDS.index))
 
 
 def sample_spans(position_ids: torch.Tensor) -> list[tuple[int, int]]:
@@ -83,13 +88,13 @@ def per_sample_recurrent_mixers(model) -> Callable[[], None] | None:
     # The spans stay until the decoder's next call: gradient checkpointing recomputes a layer inside the backward,
     # after the decoder's forward returned, and the recompute must split the row as the forward did.
     def per_sample(original):
-        def forward(hidden_states, cache_params=None, attention_mask=None, **kwargs):
-            if (spans[0] is None or cache_params is not None or hidden_states.shape[0] != 1
-                    or spans[0][-1][1] != hidden_states.shape[1]):
-                return original(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+        def forward(hidden_states, *args, **kwargs):  # the cache comes as cache_params or past_key_values
+            if (spans[0] is None or args or any(kwargs.get(name) is not None for name in CACHES)
+                    or hidden_states.shape[0] != 1 or spans[0][-1][1] != hidden_states.shape[1]):
+                return original(hidden_states, *args, **kwargs)
+            mask = kwargs.pop("attention_mask", None)
             kwargs = {k: v for k, v in kwargs.items() if not k.startswith(("cu_seq_lens", "max_length", "seq_idx"))}
-            return torch.cat([original(hidden_states[:, a:b], cache_params=None,
-                                       attention_mask=None if attention_mask is None else attention_mask[:, a:b],
+            return torch.cat([original(hidden_states[:, a:b], attention_mask=None if mask is None else mask[:, a:b],
                                        **kwargs)
                               for a, b in spans[0]], dim=1)
         return forward
