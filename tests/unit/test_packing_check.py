@@ -129,7 +129,7 @@ def test_qwen3_5_linear_attention_leaks_until_it_runs_one_sample_at_a_time():
     model = _tiny_qwen3_5()
     raw = measure(model)
     assert raw.layers == 4 and raw.rounding < 1e-5  # the three linear-attention mixers are compared too
-    assert not raw.exact and raw.leaking == 4, raw  # the three linear layers, and the full one after them
+    assert not raw.exact and raw.leaking == 5, raw  # the three linear layers, the full one, the decoder's output
     sample, others = np.arange(2, 42) % VOCAB, [np.arange(50, 80) % VOCAB, np.arange(90, 99)]
     assert packed_vs_alone(model, sample, others).loss_diff > 1e-4
     check = ensure_exact_packing(model, "transformers")
@@ -267,14 +267,50 @@ def test_a_forward_that_bypasses_the_mixer_modules_is_measured_on_the_decoder_ou
 
 
 def test_a_check_that_sees_no_deliberate_leak_vouches_for_nothing(monkeypatch):
-    """Where the hooked modules do not move under a deliberate leak (here the embeddings, standing in for a layer
-    kind the check does not know), packed 0 proves nothing: the run is refused or falls back, saying so."""
+    """Where the hooked modules do not move under a deliberate leak (here the embeddings, standing in for the
+    mixers and the decoder of a model the check does not know how to read), packed 0 proves nothing: the run is
+    refused or falls back, saying so."""
     model = _tiny("qwen3")
     monkeypatch.setattr(packing_check, "_token_mixers", lambda m: [m.model.embed_tokens])
+    monkeypatch.setattr(packing_check, "decoder_and_head", lambda m: (m.model.embed_tokens, None))
+    monkeypatch.setattr(packing_check, "_fixes", lambda *args: [])  # nothing to try: the verdict alone
     check = measure(model)
     assert check.blind and not check.exact and check.packed == check.leaked == 0.0, check
     with pytest.raises(ConfigError, match="HyperSloth cannot check that qwen3 on the transformers backend keeps"):
         ensure_exact_packing(model, "transformers")
+
+
+def _transformers_tiny(name: str):
+    import transformers
+
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    config = {"doge": lambda: transformers.DogeConfig(**base),
+              "inkling": lambda: transformers.InklingTextConfig(**base, head_dim=16)}[name]()
+    torch.manual_seed(0)
+    return tiny_causal_lm(config)
+
+
+def test_a_sample_that_moves_without_a_sample_before_it_is_not_vouched_for():
+    """Doge's attention reads the whole row: first in its row, a sample's outputs already differ from it alone by
+    100%, which hid its leak (packed 1.0 within 4 x that); it passed as exact with its loss 5e-3 off."""
+    model = _transformers_tiny("doge")
+    check = measure(model)
+    assert check.noisy and not check.exact and check.rounding > 0.5, check
+    with pytest.raises(ConfigError, match="a sample first in its row already differs from itself alone by"):
+        ensure_exact_packing(model, "transformers")
+
+
+@pytest.mark.slow  # 10 s: Inkling's PyTorch convolution fallback
+def test_in_float32_a_small_attention_leak_is_a_leak():
+    """Inkling's short convolutions over its keys and values reach 3 tokens back across a sample boundary: its
+    attention outputs move by 2% of a deliberate leak's, within the 5% bf16 needs but far above float32's rounding
+    (0 here); it passed as exact with its gradients 0.8% off."""
+    model = _transformers_tiny("inkling")
+    sample, others = np.arange(2, 42) % VOCAB, [np.arange(50, 80) % VOCAB, np.arange(90, 99)]
+    assert packed_vs_alone(model, sample, others).grad_rel_diff > 1e-3  # a real leak
+    check = measure(model)
+    assert check.packed < packing_check.LEAK_SHARE * check.leaked and not check.exact, check
 
 
 def test_reentrant_gradient_checkpointing_measures_quietly():
