@@ -225,8 +225,7 @@ def measure(model, *, with_lengths: bool = False) -> PackingCheck:
         raise ConfigError("packed rows cannot be checked on this model: no decoder layers found "
                           "(model.model.layers); set training.batching='sorted-pad'")
     # The decoder's output too, judged as attention's: a leak in a part of a layer the mixers do not cover shows
-    # there (transformers' GPT-NeoX-Japanese, Doge and Emu3 passed on their attention outputs with losses 5e-4 to
-    # 7e-3 off)
+    # there (ProphetNet's attention outputs looked exact)
     decoder = decoder_and_head(model)[0]
     last, head = slice(-SECOND_TOKENS, None), slice(0, SECOND_TOKENS)
     with _quiet_dropout(model), _eager(model), warnings.catch_warnings():
