@@ -76,12 +76,14 @@ def attention_coef(model_name: str) -> float | None:
 
     Per token and layer the linear layers cost 2 x P FLOP (P = weights of q, k, v, o and the gated MLP)
     and causal attention 2 x d_attn x L, so c = d_attn / P: about 1.3e-4 for Qwen3-0.6B, 2.1e-5 for
-    Qwen3-8B. None (the planner's default) when the model is not a local folder with a config.json:
-    the preview and the trainer read the same file, so they always plan the same dealing.
+    Qwen3-8B. A multimodal model's config.json is read for its language model (`text_config`). None (the
+    planner's default) when the model is not a local folder with a config.json: the preview and the trainer read
+    the same file, so they always plan the same dealing.
     """
     path = Path(model_name).expanduser() / "config.json"
     try:
         cfg = json.loads(path.read_text())
+        cfg = {**cfg, **cfg["text_config"]} if isinstance(cfg.get("text_config"), dict) else cfg
         d, ff = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
         head_dim = int(cfg.get("head_dim") or d // int(cfg["num_attention_heads"]))
         attn = int(cfg["num_attention_heads"]) * head_dim

@@ -26,6 +26,15 @@ def test_attention_coef_is_attention_width_over_linear_weights_per_layer(tmp_pat
     assert attention_coef(str(_model_dir(tmp_path, shape))) == pytest.approx(expected)
 
 
+def test_attention_coef_of_a_multimodal_model_is_its_language_models(tmp_path):
+    """Gemma 3 4B+, Gemma 4, Qwen3.5 are published with the language model's shape under text_config."""
+    folder = tmp_path / "mm"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["X"], "text_config": QWEN3["8b"],
+                                                    "vision_config": {"hidden_size": 32}}))
+    assert attention_coef(str(folder)) == pytest.approx(4096 / 192_937_984)
+
+
 def test_attention_coef_unknown_for_hub_ids_and_broken_configs(tmp_path):
     assert attention_coef("unsloth/Qwen3-8B") is None
     (tmp_path / "config.json").write_text("{not json")
