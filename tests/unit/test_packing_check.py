@@ -313,6 +313,24 @@ def test_in_float32_a_small_attention_leak_is_a_leak():
     assert check.packed < packing_check.LEAK_SHARE * check.leaked and not check.exact, check
 
 
+def test_a_causal_lm_that_is_its_own_decoder_is_measured_on_its_body():
+    """transformers 5.17's Llama4ForCausalLM.get_decoder() returns the causal LM itself: its body (`model`) is the
+    decoder whose output is measured beside the mixers (its logits, 128 wide, once broke the check's stacking)."""
+    import transformers
+
+    from HyperSloth.train.packing.exactness import decoder_and_head
+
+    config = transformers.Llama4TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                           intermediate_size_mlp=128, num_hidden_layers=2, num_attention_heads=4,
+                                           num_key_value_heads=2, head_dim=16, num_local_experts=4, pad_token_id=0,
+                                           eos_token_id=1, bos_token_id=None)
+    torch.manual_seed(0)
+    model = tiny_causal_lm(config)
+    assert model.get_decoder() is model and decoder_and_head(model)[0] is model.model
+    check = ensure_exact_packing(model, "transformers")
+    assert check.exact and check.layers == 2 and check.leaked > 0.5, check
+
+
 def test_reentrant_gradient_checkpointing_measures_quietly():
     """Under no_grad, reentrant checkpointing warns once per layer that gradients will be None: not in the log."""
     import warnings

@@ -147,9 +147,9 @@ def _quiet_dropout(model):
 
 
 def _outputs(model, modules: Sequence[torch.nn.Module], batch: dict[str, torch.Tensor],
-             rows: slice) -> torch.Tensor | None:
+             rows: slice) -> list[torch.Tensor] | None:
     """Positions `rows` of every module's output (its first tensor, or a model output's last hidden state) in one
-    forward: [modules, tokens, width], fp32; None where a module's hook did not run (a forward that bypasses them).
+    forward: per module [tokens, width], fp32; None where a module's hook did not run (a forward that bypasses them).
     A module called more than once in the forward keeps its last output: Unsloth's compiled decoder blocks run a
     gradient-mode trial of a block before its first call without gradients (same inputs, same outputs)."""
     kept: dict[int, torch.Tensor] = {}
@@ -157,6 +157,8 @@ def _outputs(model, modules: Sequence[torch.nn.Module], batch: dict[str, torch.T
     def keeper(index: int):
         def keep(_module, _args, output):
             tensor = getattr(output, "last_hidden_state", None)
+            if tensor is None:  # a causal LM as its own decoder (Llama 4's get_decoder) gives its logits
+                tensor = getattr(output, "logits", None)
             if tensor is None:
                 tensor = output[0] if isinstance(output, (tuple, list)) else output
             kept[index] = tensor.detach().reshape(-1, tensor.shape[-1])[rows].float().cpu()
@@ -171,7 +173,7 @@ def _outputs(model, modules: Sequence[torch.nn.Module], batch: dict[str, torch.T
     finally:
         for hook in hooks:
             hook.remove()
-    return torch.stack([kept[i] for i in range(len(modules))]) if len(kept) == len(modules) else None
+    return [kept[i] for i in range(len(modules))] if len(kept) == len(modules) else None
 
 
 # Unsloth's block compile (unsloth/models/_block_compile.py) remembers per decoder layer which gradient modes it has
@@ -197,14 +199,14 @@ def _eager(model):
             layer.__dict__.update(state)
 
 
-def _difference(x: torch.Tensor, reference: torch.Tensor, recurrent: torch.Tensor) -> torch.Tensor:
+def _difference(x: list[torch.Tensor], reference: list[torch.Tensor], recurrent: torch.Tensor) -> torch.Tensor:
     """Per module, the median over tokens of |x - reference| / |reference| (each token's vector); the largest where
     `recurrent`. An attention leak moves every token of the sample, and a token whose MoE routing a rounding flips
     moves alone. A recurrent mixer's carried state moves the sample's first tokens most (its convolution looks back
     a few tokens, its state decays): on a tiny Granite 4.0-H the median showed 1.6e-7 where the loss was 3e-3 off."""
-    per_token = torch.linalg.vector_norm(x - reference, dim=-1) / torch.linalg.vector_norm(reference, dim=-1).clamp_min(
-        1e-30)
-    return torch.where(recurrent, per_token.max(dim=1).values, per_token.median(dim=1).values)
+    per_token = [torch.linalg.vector_norm(a - b, dim=-1) / torch.linalg.vector_norm(b, dim=-1).clamp_min(1e-30)
+                 for a, b in zip(x, reference)]  # modules of different widths: a decoder's output, a mixer's
+    return torch.stack([t.max() if worst else t.median() for t, worst in zip(per_token, recurrent.tolist())])
 
 
 def measure(model, *, with_lengths: bool = False) -> PackingCheck:

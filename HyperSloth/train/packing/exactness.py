@@ -177,7 +177,10 @@ def decoder_and_head(model):
     """The transformer body (hidden states after the final norm) and the output projection of a causal LM,
     under PEFT's wrapper or not."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return base.get_decoder(), base.get_output_embeddings()
+    decoder = base.get_decoder()
+    if decoder is base and isinstance(getattr(base, "model", None), torch.nn.Module):  # Llama 4's get_decoder
+        decoder = base.model
+    return decoder, base.get_output_embeddings()
 
 
 @torch.no_grad()
