@@ -10,21 +10,23 @@ pass them on; the rows of a DPO pair (prompt + chosen, prompt + rejected) would 
 `measure` runs two short random samples through the model four ways, in training mode without gradients and with
 dropout off: the second sample alone; packed after the first (as training packs them); first in its row with the
 first sample after it (nothing to leak: only the longer row's rounding); and after the first as one causal
-sequence (a deliberate leak, positions running on). It compares the second sample's token-mixer outputs (every
-layer's attention, and linear attention where a hybrid model has it) with the alone ones: per layer the median over
-its tokens of each token's relative difference. Packing is exact when, in every layer, the packed difference is
-within `NOISE_FACTOR` times that layer's rounding one plus `LEAK_SHARE` of that layer's leak. Measured on the CPU
-(fp32 and bf16): 0 for Mixtral and every tiny architecture HyperSloth ships but two; a leak 0.98-1.27; gpt-oss
-1.27 (its whole leak, fixed below); Qwen3.5 and Qwen3-Next (their linear attention, in transformers' PyTorch
-fallback, carries state across the boundary; fixed below) 0.02-1.13 as the largest over the layers, but in the
-linear-attention layer itself as large as that layer's deliberate leak (linear attention reads no positions).
+sequence (a deliberate leak, positions running on). It compares the second sample's outputs with the alone ones in
+every token mixer (attention; linear attention, Mamba and short convolutions: recurrent.py) and at the decoder's
+output: per module the median over its tokens of each token's relative difference (a recurrent mixer's at its worst
+token). Packing is exact when every module's packed difference is within `NOISE_FACTOR` times its rounding one plus
+a share of its leak's (`LEAK_SHARE` in 16-bit, `FP32_LEAK_SHARE` in float32, none for a recurrent mixer), and the
+check can judge at all: a deliberate leak that moves nothing (`BLIND`) or a rounding control that moves a lot
+(`NOISY`) vouches for nothing. The constants below say what each was measured against. Every causal-LM architecture
+of transformers 5.17 that built at tiny shapes was run through it on the CPU (2026-12-05): where it says exact, a packed
+sample's loss and gradients are the sample's alone (docs/models.md).
 
 `settle_packing` runs it once per load (worker.py, packed runs only). Where packing leaks it tries each fix
 (`_fixes`) and measures again after it: the masks transformers builds from the position ids handed to the decoder
 (`masks_from_positions`, a forward pre-hook: `create_causal_mask` / `create_sliding_window_causal_mask` with
 `position_ids`, the masks a decoder that passes them would build); then, on the transformers backend, linear
 attention and Mamba layers run one sample at a time (recurrent.py), and on Unsloth, gpt-oss's flex attention with
-sinks given a mask per sample (sink_attention.py; Unsloth's builds one causal mask over the row). Still leaking: the
+sinks given a mask per sample (sink_attention.py; Unsloth's builds one causal mask over the row); where none works
+alone, all that apply together (Granite 4.0-H needs the masks and its Mamba layers per sample). Still leaking: the
 worker refuses the run with what to change (`refusal`, a PackedRowsLeak), or, for an SFT run whose config left
 training.batching unset, trains it sorted-pad instead (one log line).
 """
@@ -83,14 +85,14 @@ ATTENTION = ("self_attn", "mixer")  # a decoder layer's attention (Nemotron-H na
 
 @dataclass(frozen=True)
 class PackingCheck:
-    """The second sample's token-mixer outputs against it alone: per layer, the median over its tokens of each
-    token's relative L2 difference; the largest over the layers, and how many layers leak (`leaking`)."""
+    """The second sample's outputs against it alone, per measured module (`measure`); the largest over the modules,
+    and how many leak (`leaking`)."""
 
     packed: float  # packed after the first sample, positions restarting (how training packs)
     rounding: float  # first in the row, the first sample after it: nothing to leak, only the longer row's rounding
     leaked: float  # after the first sample as one causal sequence (a deliberate leak)
-    layers: int  # token mixers compared
-    leaking: int = 0  # token mixers whose packed difference is past NOISE_FACTOR x rounding + LEAK_SHARE x leak
+    layers: int  # token mixers compared (1: the decoder's output alone, where no mixer runs as a module)
+    leaking: int = 0  # modules whose packed difference is past NOISE_FACTOR x rounding + their share of the leak
     fix: str | None = None  # what was done to make packing exact, None where the model needed nothing
 
     @property
