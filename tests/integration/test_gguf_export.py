@@ -4,8 +4,9 @@ the GGUF holds the *merged* weights; a wrong type or an architecture llama.cpp c
 for a tiny Qwen3-MoE and a tiny gpt-oss whose experts carry adapters (merged into every expert, stacked in the GGUF
 per layer; gpt-oss's tied embeddings written as its output too), a tiny Phi-3 with adapters on its fused
 projections, a tiny Qwen3.5-MoE with adapters on its linear attention and experts (also as Qwen3.5-35B-A3B is
-published, a vision tower around it: its language model is written), a tiny dense Qwen3.5, and a tiny GLM-4.7-Flash with adapters on its
-latent attention.
+published, a vision tower around it: its language model is written), a tiny dense Qwen3.5, a tiny GLM-4.7-Flash
+with adapters on its latent attention, and a tiny Gemma 4 and Gemma 4 MoE as published (multimodal; their language
+model is written).
 With llama-cpp-python importable, llama.cpp also runs the exported files against the merged models."""
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def make_run(run_dir: Path, base: Path, *, experts: bool = False) -> Path:
     if experts:
         targets = resolve_targets(model, None)
         lora = LoraConfig(r=4, lora_alpha=8, target_modules=list(targets.modules),
-                          target_parameters=list(targets.parameters))
+                          target_parameters=list(targets.parameters),
+                          exclude_modules=list(targets.excluded) or None)  # a multimodal model's tower
     else:
         lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
     model = get_peft_model(model, lora)
@@ -190,6 +192,59 @@ def test_a_run_on_the_published_qwen35_layout_exports_its_language_model(exporte
 
 def test_llama_cpp_agrees_with_the_merged_published_qwen35(exported_qwen35_mm):
     assert_llama_cpp_agrees(exported_qwen35_mm[1], "qwen35-mm-run-f32.gguf", "Qwen3.5-MoE (published layout) f32")
+
+
+@pytest.fixture(scope="module")
+def exported_gemma4(tmp_path_factory) -> tuple[Path, Path]:
+    """(base, OUT): the same for a tiny Gemma 4 as it is published (Gemma4ForConditionalGeneration: a vision tower
+    around the text model), adapters on its attention and MLP (the tower's own linears excluded, as training does)."""
+    return export_tiny(tmp_path_factory, "gemma4", "gemma4")
+
+
+def test_a_run_on_the_published_gemma4_layout_exports_its_language_model(exported_gemma4):
+    """Before, --gguf refused a run on Gemma 4 by the base model's class name. The merge keeps the tower (and the
+    `model.language_model.*` names); the GGUF is llama.cpp's gemma4, the language model alone."""
+    base, out = exported_gemma4
+    tensors, merged, before = read_export(base, out, "gemma4-run-f32.gguf", "gemma4")
+    assert any(name.startswith("model.vision_tower.") for name in merged)
+    assert not any(name.startswith(("v.", "mm.")) for name in tensors)  # llama.cpp's vision tensors: an mmproj's
+    for layer in (0, 1):  # a sliding layer, then a full-attention one with heads twice as wide
+        for hf, name in (("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"), ("mlp.down_proj", "ffn_down")):
+            weight = merged[f"model.language_model.layers.{layer}.{hf}.weight"]
+            assert np.abs(weight - before[f"model.language_model.layers.{layer}.{hf}.weight"]).max() > 1e-3
+            np.testing.assert_array_equal(tensors[f"blk.{layer}.{name}.weight"], weight)
+        np.testing.assert_array_equal(tensors[f"blk.{layer}.layer_output_scale.weight"],
+                                      merged[f"model.language_model.layers.{layer}.layer_scalar"])
+    assert tensors["blk.1.attn_q.weight"].shape == (2 * tensors["blk.0.attn_q.weight"].shape[0], 64)
+
+
+def test_llama_cpp_agrees_with_the_merged_published_gemma4(exported_gemma4):
+    assert_llama_cpp_agrees(exported_gemma4[1], "gemma4-run-f32.gguf", "Gemma 4 (published layout) LoRA run f32")
+
+
+@pytest.fixture(scope="module")
+def exported_gemma4_moe(tmp_path_factory) -> tuple[Path, Path]:
+    """(base, OUT): the same for a tiny Gemma 4 MoE as published (26B-A4B's layout), adapters on its experts too."""
+    return export_tiny(tmp_path_factory, "gemma4_moe", "gemma4-moe")
+
+
+def test_the_gemma4_moe_gguf_holds_the_merged_fused_experts(exported_gemma4_moe):
+    base, out = exported_gemma4_moe
+    tensors, merged, before = read_export(base, out, "gemma4-moe-run-f32.gguf", "gemma4")
+    for layer in (0, 1):
+        stem = f"model.language_model.layers.{layer}"
+        for hf, name in (("experts.gate_up_proj", "ffn_gate_up_exps.weight"),
+                         ("experts.down_proj", "ffn_down_exps.weight")):
+            assert np.abs(merged[f"{stem}.{hf}"] - before[f"{stem}.{hf}"]).max() > 1e-3  # the adapters were folded in
+            np.testing.assert_array_equal(tensors[f"blk.{layer}.{name}"], merged[f"{stem}.{hf}"])
+        np.testing.assert_array_equal(tensors[f"blk.{layer}.ffn_gate_inp.scale"], merged[f"{stem}.router.scale"])
+        np.testing.assert_array_equal(tensors[f"blk.{layer}.ffn_down_exps.scale"],
+                                      merged[f"{stem}.router.per_expert_scale"])
+
+
+def test_llama_cpp_agrees_with_the_merged_gemma4_moe(exported_gemma4_moe):
+    assert_llama_cpp_agrees(exported_gemma4_moe[1], "gemma4-moe-run-f32.gguf",
+                            "Gemma 4 MoE (published layout) LoRA run f32")
 
 
 @pytest.fixture(scope="module")

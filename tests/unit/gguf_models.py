@@ -18,10 +18,10 @@ CHAT = [{"role": "system", "content": "You are a helpful assistant."},
         {"role": "assistant", "content": "It is 42 -- done."}]
 
 
-def tiny_config(architecture: str):
+def tiny_config(architecture: str, **changes):
     """A transformers config of `architecture` at the tiny shape (Gemma 3 with one sliding-window layer; Qwen3-MoE
     with the tiny MoE's 4 experts, 2 active, each 96 wide; gpt-oss likewise, its first layer sliding; Phi-3 with its
-    fused projections)."""
+    fused projections; Gemma 4 with `changes` to its config: `gemma4_config`)."""
     from transformers import (Gemma3TextConfig, GptOssConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
                               Qwen3Config, Qwen3MoeConfig)
 
@@ -30,6 +30,8 @@ def tiny_config(architecture: str):
     if architecture == "Gemma3ForCausalLM":
         return Gemma3TextConfig(**SHAPE, query_pre_attn_scalar=16, sliding_window=8,
                                 layer_types=["sliding_attention", "full_attention"])
+    if architecture == "Gemma4ForCausalLM":
+        return gemma4_config(**changes)
     if architecture == "Qwen3MoeForCausalLM":  # expert rows of 96: unlike the hidden 64, and whole 32-blocks
         return Qwen3MoeConfig(**SHAPE, num_experts=TINY_EXPERTS, num_experts_per_tok=TINY_ACTIVE_EXPERTS,
                               moe_intermediate_size=96, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
@@ -71,31 +73,64 @@ def tiny_config(architecture: str):
     return classes[architecture](**SHAPE)
 
 
+def gemma4_config(moe: bool = False, **changes):
+    """A tiny Gemma 4 text model (Gemma4TextConfig, as 31B's; with `moe`, 26B-A4B's expert block beside each
+    layer's MLP: 4 experts of 96, 2 active): a sliding layer of heads 16 wide and window 8, then a full-attention
+    layer of heads 32 wide (Gemma 4's 256 / 512) with proportional RoPE on a quarter of it; final logits soft-capped
+    at 30; no per-layer embeddings. `changes`: other Gemma4TextConfig arguments (attention_k_eq_v, ...)."""
+    from transformers import Gemma4TextConfig
+
+    from HyperSloth.train.tiny_architectures import TINY_ACTIVE_EXPERTS, TINY_EXPERTS
+
+    experts = dict(enable_moe_block=True, num_experts=TINY_EXPERTS, top_k_experts=TINY_ACTIVE_EXPERTS,
+                   moe_intermediate_size=96) if moe else {}
+    return Gemma4TextConfig(**{**SHAPE, "global_head_dim": 32, "sliding_window": 8,
+                               "layer_types": ["sliding_attention", "full_attention"], "final_logit_softcapping": 30.0,
+                               "hidden_size_per_layer_input": 0, **experts, **changes})
+
+
+# The tiny Gemma 4 as transformers builds it by default (dense, a KV projection in every layer), with
+# attention_k_eq_v (the full layer's keys are its values, over num_global_key_value_heads 1), as 26B-A4B (the same,
+# with the expert block), and as E2B / E4B (4 layers: per-layer embeddings 8 wide, the last 2 layers reusing the KV
+# of the first 2, their MLPs twice as wide): build_arch_model(GEMMA4, ..., **GEMMA4_VARIANTS[name]). k_eq_v at
+# seed 1: at seed 0 one of the chat's positions is a near tie (top-2 margin 0.02% of the range) llama.cpp flips.
+GEMMA4 = "Gemma4ForCausalLM"
+GEMMA4_VARIANTS = {"dense": {}, "k_eq_v": {"attention_k_eq_v": True, "num_global_key_value_heads": 1, "seed": 1},
+                   "moe": {"moe": True, "attention_k_eq_v": True, "num_global_key_value_heads": 1},
+                   "e2b": {"num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2,
+                           "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 512,
+                           "num_kv_shared_layers": 2, "use_double_wide_mlp": True}}
+
+
 def build_arch_model(architecture: str, out: Path, tokenizer_dir: Path, seed: int = 0,
-                     special_ids: tuple[int | None, int, int | None] = (None, 2, 0)) -> Path:
+                     special_ids: tuple[int | None, int, int | None] = (None, 2, 0), **changes) -> Path:
     """Save a random `architecture` model (std 0.1, biases and norms random too) + the tokenizer to `out`;
-    `special_ids`: the tokenizer's BOS, EOS, PAD (the tiny tokenizer's by default)."""
+    `special_ids`: the tokenizer's BOS, EOS, PAD (the tiny tokenizer's by default); `changes`: tiny_config's."""
     torch.manual_seed(seed)
-    config = tiny_config(architecture)
+    config = tiny_config(architecture, **changes)
     config.architectures = [architecture]
     config.bos_token_id, config.eos_token_id, config.pad_token_id = special_ids
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # norms around 1 (Gemma's around 0: it scales by 1 + weight), so a wrong shift shows in the logits
-    return save_random(model, out, tokenizer_dir, norms_at=0.0 if architecture.startswith("Gemma") else 1.0)
+    # norms around 1 (Gemma 3's around 0: it scales by 1 + weight), so a wrong shift shows in the logits
+    return save_random(model, out, tokenizer_dir, norms_at=0.0 if architecture.startswith("Gemma3") else 1.0)
 
 
 def save_random(model, out: Path, tokenizer_dir: Path, norms_at: float = 1.0, gated_norms_at: float | None = None
                 ) -> Path:
     """`model` with every weight drawn around 0 (std 0.1), its norms around `norms_at` (Qwen3.5's gated norm inside
-    its linear attention around `gated_norms_at`, where given), GLM's routing correction (a buffer, zeros until
-    trained) random too; saved with the tokenizer of `tokenizer_dir` to `out`. The caller seeds torch."""
+    its linear attention around `gated_norms_at`, where given), Gemma 4's router scales around 1, GLM's routing
+    correction and Gemma 4's layer scalars (buffers: zeros and ones until trained) random too; saved with the
+    tokenizer of `tokenizer_dir` to `out`. The caller seeds torch."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             gated = gated_norms_at is not None and "linear_attn.norm" in name
-            param.normal_(gated_norms_at if gated else norms_at if "norm" in name else 0.0, 0.1)
+            scale = name.endswith(("router.scale", "router.per_expert_scale"))
+            param.normal_(gated_norms_at if gated else norms_at if "norm" in name else 1.0 if scale else 0.0, 0.1)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, 0.1)
+            if name.endswith("layer_scalar"):
+                buffer.normal_(1.0, 0.1)
     model.save_pretrained(str(out), safe_serialization=True)
     AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(out))
     return out

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf_models import SPM_IDS, SPM_SPECIALS, build_arch_model, build_spm_tokenizer
+from gguf_models import GEMMA4, GEMMA4_VARIANTS, SPM_IDS, SPM_SPECIALS, build_arch_model, build_spm_tokenizer
 from safetensors.numpy import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -288,6 +288,127 @@ def test_a_multimodal_gemma3_is_written_as_its_language_model(tiny_model_dir, tm
     config = json.loads((model / "config.json").read_text())  # a quantized one is refused, as a text model is
     with pytest.raises(ExportError, match="quantization_config"):
         architectures.architecture_of({**config, "quantization_config": {"quant_method": "bitsandbytes"}})
+
+
+# Every Hugging Face tensor of a Gemma 4 text model -> llama.cpp's gemma4 name (conversion/gemma.py Gemma4Model,
+# llama-arch.cpp), each written as it is (Gemma4RMSNorm scales by its weight: no + 1)
+GEMMA4_MODEL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight", "model.embed_tokens_per_layer.weight": "per_layer_token_embd.weight",
+                "model.per_layer_model_projection.weight": "per_layer_model_proj.weight",
+                "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight"}
+GEMMA4_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight", "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight", "layer_scalar": "layer_output_scale.weight",
+    # 26B-A4B's expert block: the router, its two scales, the fused experts (gate rows first, as llama.cpp splits them)
+    "router.proj.weight": "ffn_gate_inp.weight", "router.scale": "ffn_gate_inp.scale",
+    "router.per_expert_scale": "ffn_down_exps.scale", "experts.gate_up_proj": "ffn_gate_up_exps.weight",
+    "experts.down_proj": "ffn_down_exps.weight", "pre_feedforward_layernorm_2.weight": "pre_ffw_norm_2.weight",
+    "post_feedforward_layernorm_1.weight": "post_ffw_norm_1.weight",
+    "post_feedforward_layernorm_2.weight": "post_ffw_norm_2.weight",
+    # E2B's and E4B's per-layer embeddings
+    "per_layer_input_gate.weight": "inp_gate.weight", "per_layer_projection.weight": "proj.weight",
+    "post_per_layer_input_norm.weight": "post_norm.weight"}
+
+
+@pytest.fixture(scope="module")
+def gemma4_dirs(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gemma4")
+    return {name: build_arch_model(GEMMA4, root / name, tiny_model_dir, **changes)
+            for name, changes in GEMMA4_VARIANTS.items()}
+
+
+@pytest.mark.parametrize("variant", list(GEMMA4_VARIANTS))
+def test_every_gemma4_tensor_lands_under_llama_cpps_name_as_it_is(gemma4_dirs, tmp_path, variant):
+    """Each tensor under its gemma4 name with the model's values (no norm shift, the layer scalars and the router's
+    scales too), plus `rope_freqs`: 1 for the 4 pairs of the full layers' 32-wide heads proportional RoPE rotates (a
+    quarter), 1e30 for the other 12."""
+    model = gemma4_dirs[variant]
+    _, tensors = read(write_gguf(model, tmp_path / "m.gguf", "f32"))
+    expected = {}
+    for hf_name, data in load_file(str(model / "model.safetensors")).items():
+        layer = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf_name)
+        expected[f"blk.{layer[1]}.{GEMMA4_LAYER[layer[2]]}" if layer else GEMMA4_MODEL[hf_name]] = data
+    assert sorted(tensors) == sorted([*expected, "rope_freqs.weight"])
+    for name, want in expected.items():
+        np.testing.assert_array_equal(values(tensors[name]), want.astype(np.float32), err_msg=name)
+    np.testing.assert_array_equal(values(tensors["rope_freqs.weight"]), np.float32([1.0] * 4 + [1e30] * 12))
+
+
+def test_gemma4_keys_llama_cpp_reads_heads_per_layer_kind(gemma4_dirs, tmp_path):
+    """The MoE: the full layer's heads 32 wide over 1 KV head (attention_k_eq_v: no v_proj), the sliding
+    layer's 16 wide over 2; each kind's RoPE base and dimensions; the window and which layer slides; the experts."""
+    fields, tensors = read(write_gguf(gemma4_dirs["moe"], tmp_path / "m.gguf", "q8_0"))
+    assert fields["general.architecture"] == "gemma4"
+    keys = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count", "attention.head_count_kv",
+            "attention.key_length", "attention.value_length", "attention.key_length_swa", "attention.value_length_swa",
+            "rope.dimension_count", "rope.dimension_count_swa", "rope.freq_base", "rope.freq_base_swa",
+            "attention.sliding_window", "attention.sliding_window_pattern", "final_logit_softcapping",
+            "attention.shared_kv_layers", "embedding_length_per_layer_input", "expert_count", "expert_used_count",
+            "expert_feed_forward_length")
+    assert {key: fields[f"gemma4.{key}"] for key in keys} == {
+        "block_count": 2, "embedding_length": 64, "feed_forward_length": 128, "attention.head_count": 4,
+        "attention.head_count_kv": [2, 1], "attention.key_length": 32, "attention.value_length": 32,
+        "attention.key_length_swa": 16, "attention.value_length_swa": 16, "rope.dimension_count": 32,
+        "rope.dimension_count_swa": 16, "rope.freq_base": 1e6, "rope.freq_base_swa": 1e4, "attention.sliding_window": 8,
+        "attention.sliding_window_pattern": [True, False], "final_logit_softcapping": 30.0,
+        "attention.shared_kv_layers": 0, "embedding_length_per_layer_input": 0, "expert_count": 4,
+        "expert_used_count": 2, "expert_feed_forward_length": 96}
+    assert "blk.1.attn_v.weight" not in tensors and "blk.0.attn_v.weight" in tensors  # keys as values: llama.cpp too
+    shape = lambda name: [int(n) for n in tensors[name].shape]  # noqa: E731  (ggml order)
+    assert shape("blk.1.attn_q.weight") == [64, 128] and shape("blk.1.attn_k.weight") == [64, 32]
+    assert shape("blk.0.ffn_gate_up_exps.weight") == [64, 192, 4] and shape("blk.0.ffn_down_exps.weight") == [96, 64, 4]
+    f32, q8 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0
+    assert tensors["blk.0.ffn_gate_up_exps.weight"].tensor_type == q8
+    for name in ("ffn_gate_inp.weight", "ffn_gate_inp.scale", "ffn_down_exps.scale", "layer_output_scale.weight"):
+        assert tensors[f"blk.0.{name}"].tensor_type == f32, name
+    e2b, _ = read(write_gguf(gemma4_dirs["e2b"], tmp_path / "e2b.gguf", "f32"))
+    assert {key: e2b[f"gemma4.{key}"] for key in ("attention.shared_kv_layers", "embedding_length_per_layer_input",
+                                                  "feed_forward_length", "attention.sliding_window_pattern")} == {
+        "attention.shared_kv_layers": 2, "embedding_length_per_layer_input": 8,
+        "feed_forward_length": [128, 128, 256, 256], "attention.sliding_window_pattern": [True, False, True, False]}
+
+
+def test_gemma4_heads_read_from_a_published_config_as_from_transformers_5_17s(gemma4_dirs):
+    """The published configs name the full layers' heads `global_head_dim` / `num_global_key_value_heads` (the
+    latter with attention_k_eq_v only, as transformers reads it); transformers 5.17 saves them as per_layer_config."""
+    from HyperSloth.outputs.gguf import gemma4
+
+    saved = json.loads((gemma4_dirs["moe"] / "config.json").read_text())
+    assert saved["per_layer_config"] == {"1": {"head_dim": 32, "num_key_value_heads": 1}}
+    published = {key: value for key, value in saved.items() if key != "per_layer_config"}
+    published.update(global_head_dim=32, num_global_key_value_heads=1)
+    assert gemma4.layer_heads(saved) == gemma4.layer_heads(published) == [(2, 16), (1, 32)]
+    assert gemma4.layer_heads({**published, "attention_k_eq_v": False}) == [(2, 16), (2, 32)]
+    default = {key: value for key, value in published.items() if key not in ("global_head_dim", "layer_types")}
+    default.update(num_hidden_layers=7)  # five sliding layers to one full, the last full; global heads 512 wide
+    assert gemma4.layer_types(default) == ["sliding_attention"] * 5 + ["full_attention", "full_attention"]
+    assert gemma4.head_lengths(default) == ([2] * 5 + [1, 1], 512, 512, 512)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"attention_bias": True}, "no attention biases"),
+    ({"use_bidirectional_attention": "all"}, "attends causally"),
+    ({"per_layer_config": {"1": {"head_dim": 32, "intermediate_size": 64}}}, r"changes \['intermediate_size'\]"),
+    ({"per_layer_config": {"0": {"head_dim": 8}, "2": {"head_dim": 32}}, "num_hidden_layers": 3,
+      "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]},
+     r"sliding_attention layers.*\[8, 16\]"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "proportional", "rope_theta": 1e6},
+                          "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
+     "sliding layers' RoPE is 'linear'"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e6},
+                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+     "full-attention layers' RoPE is 'yarn'"),
+    ({"hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 256}, "vocab_size_per_layer_input 256"),
+])
+def test_a_gemma4_llama_cpp_would_compute_otherwise_is_refused(gemma4_dirs, change, message):
+    config = json.loads((gemma4_dirs["moe"] / "config.json").read_text())
+    with pytest.raises(ExportError, match=message):
+        architectures.architecture_of({**config, **change})
 
 
 def test_a_qwen35_moe_llama_cpp_cannot_run_is_refused(qwen35_dir):
@@ -585,9 +706,10 @@ def test_an_unsupported_architecture_is_refused_by_name(tiny_model_dir, tmp_path
     (model / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3NextForCausalLM"]}))
     with pytest.raises(ExportError, match="Qwen3NextForCausalLM.*Qwen3ForCausalLM, Qwen2ForCausalLM, "
                                           "LlamaForCausalLM, MistralForCausalLM, Gemma3ForCausalLM, "
-                                          "Qwen3MoeForCausalLM, GptOssForCausalLM, Phi3ForCausalLM, "
-                                          "Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Glm4MoeLiteForCausalLM, "
-                                          "Gemma3ForConditionalGeneration, Qwen3_5ForConditionalGeneration, "
+                                          "Gemma4ForCausalLM, Qwen3MoeForCausalLM, GptOssForCausalLM, "
+                                          "Phi3ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, "
+                                          "Glm4MoeLiteForCausalLM, Gemma3ForConditionalGeneration, "
+                                          "Gemma4ForConditionalGeneration, Qwen3_5ForConditionalGeneration, "
                                           "Qwen3_5MoeForConditionalGeneration"):
         write_gguf(model, tmp_path / "out" / "m.gguf", "f16")
     assert not (tmp_path / "out").exists()

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf_models import CHAT, SPM_IDS, SPM_SPECIALS, build_arch_model, build_spm_tokenizer, gemma_style
+from gguf_models import (CHAT, GEMMA4, GEMMA4_VARIANTS, SPM_IDS, SPM_SPECIALS, build_arch_model, build_spm_tokenizer,
+                         gemma_style)
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 llama_cpp = pytest.importorskip("llama_cpp")
@@ -150,6 +151,44 @@ def test_llama_cpp_runs_a_multimodal_gemma3s_language_model(tiny_model_dir, tmp_
     measured = compare(model, write_gguf(model, tmp_path / "m.gguf", "f32"))
     print(f"Gemma 3 multimodal, its language model f32: {measured}")
     check(measured, "f32")
+
+
+@pytest.mark.parametrize("variant, gguf_type", [("dense", "f32"), ("dense", "f16"), ("k_eq_v", "f32"), ("moe", "f32"),
+                                                ("e2b", "f32")])
+def test_llama_cpp_runs_gemma4(tiny_model_dir, tmp_path, variant, gguf_type):
+    """The tiny Gemma 4 (gguf_models.GEMMA4_VARIANTS: a sliding layer of window 8, past which the chat runs, then a
+    full-attention layer with heads twice as wide and proportional RoPE on a quarter of them; final logits soft-capped;
+    keys as values (attention_k_eq_v), 26B-A4B's expert block; E2B's per-layer embeddings and shared KV layers).
+    The MoE not in f16: its near-uniform random router ties on this text closer than f16 rounding moves it (smallest
+    gap between the 2nd and 3rd expert 7.9e-5, f16 shift 1.4e-4; measured 29% of the range off at that one token)."""
+    model = build_arch_model(GEMMA4, tmp_path / variant, tiny_model_dir, **GEMMA4_VARIANTS[variant])
+    measured = compare(model, write_gguf(model, tmp_path / "m.gguf", gguf_type))
+    print(f"Gemma 4 {variant} {gguf_type}: {measured}")
+    check(measured, gguf_type)
+
+
+@pytest.mark.parametrize("tensor", ["rope_freqs", "layer_scalar", "router.scale", "router.per_expert_scale"])
+def test_llama_cpp_reads_what_gemma4_writes_beyond_the_weights(tiny_model_dir, tmp_path, monkeypatch, tensor):
+    """Each of Gemma 4's own tensors is load-bearing: written as ones (rope_freqs: every pair rotated, as NeoX RoPE
+    over the whole head would), llama.cpp's logits move away from transformers' by more than 10x the export's
+    difference (measured: 27%, 17%, 30%, 13% of the range)."""
+    from HyperSloth.outputs.gguf import gemma4, writer
+
+    model = build_arch_model(GEMMA4, tmp_path / "moe", tiny_model_dir, **GEMMA4_VARIANTS["moe"])
+    measured = compare(model, write_gguf(model, tmp_path / "m.gguf", "f32"))
+    if tensor == "rope_freqs":
+        monkeypatch.setattr(gemma4, "rope_factors", lambda config: np.ones(16, dtype=np.float32))
+    else:
+        loader = writer._loader
+
+        def ones(files, part, config, arch):
+            load = loader(files, part, config, arch)
+            return (lambda: np.ones_like(load())) if part.name.endswith(tensor) else load
+
+        monkeypatch.setattr(writer, "_loader", ones)
+    changed = compare(model, write_gguf(model, tmp_path / "ones.gguf", "f32"))
+    print(f"Gemma 4 MoE with {tensor} written as ones: {changed} (as written: {measured})")
+    assert changed["max_diff_over_range"] > 10 * measured["max_diff_over_range"], (changed, measured)
 
 
 def test_llama_cpp_runs_a_qwen35_text_model_saved_from_the_multimodal_checkpoint(tiny_model_dir, tmp_path):
@@ -314,14 +353,15 @@ def test_llama_cpp_runs_a_sentencepiece_style_tokenizer(tmp_path):
     check(measured, "f16")
 
 
-def test_llama_cpp_tokenizes_a_gemma_style_tokenizer_as_hf(tmp_path):
-    """Gemma 3's kind (no "▁" prepended: add_space_prefix false): llama.cpp's tokens equal HF's on the chat too.
-    Logits are not compared here: the Gemma 3 mapping is checked above, and on this text one position of 77 is
-    a near tie (top-2 margin 0.001% of the range) that f16 flips (docs/export.md)."""
+@pytest.mark.parametrize("arch", ["Gemma3ForCausalLM", GEMMA4])
+def test_llama_cpp_tokenizes_a_gemma_style_tokenizer_as_hf(tmp_path, arch):
+    """Gemma 3's kind (no "▁" prepended: add_space_prefix false), Gemma 4's too: llama.cpp's tokens equal HF's on
+    the chat too. Logits are not compared here: the Gemma 3 and 4 mappings are checked above, and on this text one
+    position of 77 of the Gemma 3 is a near tie (top-2 margin 0.001% of the range) that f16 flips (docs/export.md)."""
     import gguf
 
     tokenizer_dir = gemma_style(build_spm_tokenizer(tmp_path / "spm"))
-    model = build_arch_model("Gemma3ForCausalLM", tmp_path / "gemma", tokenizer_dir, special_ids=SPM_IDS)
+    model = build_arch_model(arch, tmp_path / "gemma", tokenizer_dir, special_ids=SPM_IDS)
     gguf_file = write_gguf(model, tmp_path / "m.gguf", "f16")
     assert gguf.GGUFReader(str(gguf_file)).fields["tokenizer.ggml.add_space_prefix"].contents() is False
     tokenizer = AutoTokenizer.from_pretrained(str(model))

@@ -8,6 +8,11 @@ the table below, checked against llama.cpp's conversion/{qwen,llama,gemma}.py (l
   pairs), the `permute` of conversion/llama.py;
 - Gemma 3: every `*norm.weight` + 1 (Gemma3RMSNorm scales by 1 + weight, llama.cpp by weight), the sliding
   window and its per-layer pattern, the local RoPE base;
+- Gemma 4 (conversion/gemma.py, Gemma4Model): no norm shift (Gemma4RMSNorm scales by weight); the heads of the
+  sliding and the full-attention layers apart (their widths, KV heads per layer), the full layers' proportional
+  RoPE as a `rope_freqs` tensor, the window and its pattern, `layer_scalar` as `layer_output_scale`; for the MoE
+  (26B-A4B) the fused experts as they are and the router's two scales as `.scale` tensors; for E2B / E4B the
+  per-layer embeddings' width and the count of layers sharing KV (gemma4.py);
 - Qwen3-MoE (conversion/qwen.py, Qwen3MoeModel): the expert keys; the experts become llama.cpp's three stacked
   tensors per layer (experts.py); every layer must be an MoE layer with its top-k weights renormalised
   (llama.cpp's qwen3moe graph has no dense layer and always renormalises);
@@ -36,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from HyperSloth.outputs.export import ExportError
-from HyperSloth.outputs.gguf import latent_attention, linear_attention
+from HyperSloth.outputs.gguf import gemma4, latent_attention, linear_attention
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("LlamaForCausalLM", "LLAMA", permute_qk=True),
         Architecture("MistralForCausalLM", "LLAMA", permute_qk=True),
         Architecture("Gemma3ForCausalLM", "GEMMA3", norm_shift=1.0),
+        Architecture("Gemma4ForCausalLM", "GEMMA4"),  # dense and MoE alike (gemma4.py)
         Architecture("Qwen3MoeForCausalLM", "QWEN3MOE", moe=True),
         Architecture("GptOssForCausalLM", "GPT_OSS", moe=True, experts_layout="gpt_oss", output_required=True),
         Architecture("Phi3ForCausalLM", "PHI3"),
@@ -84,8 +90,9 @@ ARCHITECTURES: dict[str, Architecture] = {
 }
 # A multimodal model whose language model is written (llama.cpp's converter does the same; the vision tower would be
 # an mmproj file of its own): its class -> its language model's class.
-MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",  # Qwen3.5 is published so, dense and MoE:
-              "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+              "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",  # Gemma 4 and Qwen3.5 are published so,
+              "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",  # the latter dense and MoE
               "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
 _SUB_CONFIGS = ("text_config", "vision_config", "audio_config")  # a multimodal config.json's nested models
 SUPPORTED = ", ".join([*ARCHITECTURES, *MULTIMODAL])
@@ -120,6 +127,8 @@ def _check_config(arch: Architecture, config: dict[str, Any], where: str) -> Non
                           "the merged 16/32-bit weights (--merge writes them)")
     if arch.gguf_arch == "GEMMA3":
         _check_gemma3(config, where)
+    if arch.gguf_arch == "GEMMA4":
+        gemma4.check(config, where)
     if arch.gguf_arch == "QWEN3MOE":
         _check_moe(config, where)
     if arch.gguf_arch == "GPT_OSS":
@@ -197,9 +206,10 @@ def rope_kind(config: dict[str, Any]) -> str:
 
 def _check_rope(config: dict[str, Any], arch: Architecture, where: str) -> None:
     """ExportError for a RoPE scaling llama.cpp would not reproduce: 'default', 'linear', 'yarn', 'llama3' are
-    written; Phi-3 takes 'default' and 'longrope' only."""
+    written; Phi-3 takes 'default' and 'longrope' only; Gemma 4 'default' and 'proportional' (gemma4.check)."""
     kind = rope_kind(config)
-    known = ("default", "linear", "yarn", "llama3", *(("longrope",) if arch.gguf_arch == "PHI3" else ()))
+    known = ("default", "linear", "yarn", "llama3", *(("longrope",) if arch.gguf_arch == "PHI3" else ()),
+             *(("proportional",) if arch.gguf_arch == "GEMMA4" else ()))
     if kind not in known:
         raise ExportError(f"--gguf cannot write RoPE scaling {kind!r} (rope_parameters of config.json) for this "
                           f"architecture; supported: {', '.join(known)}")
@@ -215,14 +225,19 @@ def head_dim(config: dict[str, Any]) -> int:
 def add_hyperparameters(writer, config: dict[str, Any], arch: Architecture) -> None:
     """The `{arch}.*` keys llama.cpp reads for these architectures."""
     heads = config["num_attention_heads"]
-    kv_heads, key_length, value_length, rope_dims = (
-        latent_attention.head_lengths(config) if arch.latent_attention
-        else (config.get("num_key_value_heads") or heads, head_dim(config), head_dim(config), rotary_dims(config)))
+    if arch.latent_attention:
+        kv_heads, key_length, value_length, rope_dims = latent_attention.head_lengths(config)
+    elif arch.gguf_arch == "GEMMA4":  # the full-attention layers' (the sliding ones' in gemma4.add_hyperparameters)
+        kv_heads, key_length, value_length, rope_dims = gemma4.head_lengths(config)
+    else:
+        kv_heads, key_length, value_length, rope_dims = (
+            config.get("num_key_value_heads") or heads, head_dim(config), head_dim(config), rotary_dims(config))
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     if "intermediate_size" in config:  # Qwen3.5-MoE has experts only (their width below)
-        writer.add_feed_forward_length(config["intermediate_size"])
+        writer.add_feed_forward_length(gemma4.feed_forward_length(config) if arch.gguf_arch == "GEMMA4"
+                                       else config["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     writer.add_key_length(key_length)
@@ -233,6 +248,8 @@ def add_hyperparameters(writer, config: dict[str, Any], arch: Architecture) -> N
     _add_rope(writer, config)
     if arch.gguf_arch == "GEMMA3":
         _add_gemma3(writer, config)
+    if arch.gguf_arch == "GEMMA4":
+        gemma4.add_hyperparameters(writer, config)
     if arch.moe:
         writer.add_expert_count(expert_count(config))
         writer.add_expert_used_count(config.get("num_experts_per_tok") or config["experts_per_token"])

@@ -24,7 +24,7 @@ from loguru import logger
 
 from HyperSloth.outputs import run_files
 from HyperSloth.outputs.export import ExportError
-from HyperSloth.outputs.gguf import latent_attention, linear_attention
+from HyperSloth.outputs.gguf import gemma4, latent_attention, linear_attention
 from HyperSloth.outputs.gguf.architectures import (
     Architecture,
     add_hyperparameters,
@@ -106,6 +106,10 @@ def plan_tensors(model_dir: Path, config: dict[str, Any], arch: Architecture, qt
     if (factors := llama3_rope_factors(config)) is not None:
         yield PlannedTensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", factors.shape,
                             gguf.GGMLQuantizationType.F32, lambda: factors)
+    if arch.gguf_arch == "GEMMA4":  # read by the full-attention layers only
+        gemma4_factors = gemma4.rope_factors(config)
+        yield PlannedTensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", gemma4_factors.shape,
+                            gguf.GGMLQuantizationType.F32, lambda: gemma4_factors)
     if arch.gguf_arch == "PHI3" and (longrope := phi3_longrope_factors(config)) is not None:
         for kind, data in zip((gguf.MODEL_TENSOR.ROPE_FACTORS_LONG, gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT), longrope):
             yield PlannedTensor(gguf.TENSOR_NAMES[kind] + ".weight", data.shape, gguf.GGMLQuantizationType.F32,
@@ -123,7 +127,8 @@ def plan_tensors(model_dir: Path, config: dict[str, Any], arch: Architecture, qt
             lookup, shape = linear_attention.lookup_name(lookup), linear_attention.stored_shape(lookup, shape)
         if arch.latent_attention:
             lookup = latent_attention.lookup_name(lookup)
-        gguf_name = names.get_name(lookup, try_suffixes=(".weight", ".bias"))
+        gguf_name = (gemma4.gguf_name(lookup, names) if arch.gguf_arch == "GEMMA4"
+                     else names.get_name(lookup, try_suffixes=(".weight", ".bias")))
         if gguf_name is None:
             raise ExportError(f"tensor {part.sources[0]} of {model_dir} has no name in llama.cpp's {arch.arch_name} "
                               f"architecture: this {arch.hf_name} variant is not supported")
@@ -133,7 +138,8 @@ def plan_tensors(model_dir: Path, config: dict[str, Any], arch: Architecture, qt
 # Where a language model's tensors lie inside a multimodal checkpoint -> where a text-only model holds them
 _TEXT_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.", "language_model.lm_head.":
                   "lm_head."}
-_NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "visual.", "audio_tower.")  # the multimodal parts
+# the multimodal parts (Gemma 4's projections of image and audio features into the text model: embed_vision/_audio)
+_NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "visual.", "audio_tower.", "embed_vision.", "embed_audio.")
 
 
 def text_model_name(name: str) -> str:
