@@ -138,10 +138,11 @@ callV() {  # next: callU found the tiny Qwen3.5-MoE's illegal memory access in t
 
 callW() {  # next: where GRPO's ~20 ms per token step goes (callS: Unsloth 20.6, HF static compiled 19.4, HF dynamic
   # 92.6; a 0.6B decode at batch 64 reads ~2-3 GB, ~1 ms): token steps 101-108 of a sampling under torch.profiler,
+  # and Unsloth's decode with HF's per-token-step host sync deferred (unsloth-deferred: what that sync costs),
   # wall against GPU-busy per token step and the operator tables, Unsloth's decode with and without its LoRA GEMMs
   # (unsloth-no-lora: what sampling on merged weights could gain at most) and HF static (~9 min)
   [ -f $W/ckpt_0.6b/config.json ] || python3 scripts/benchmark.py --as-system build --model 0.6b --checkpoint $W/ckpt_0.6b
-  timeout $(left 560) python3 scripts/sampling_bench.py --model $W/ckpt_0.6b --engines unsloth,unsloth-no-lora,hf-static --calls 4 \
+  timeout $(left 560) python3 scripts/sampling_bench.py --model $W/ckpt_0.6b --engines unsloth,unsloth-deferred,unsloth-no-lora,hf-static --calls 4 \
     --profile-steps 8 --profile-from 100 --profile-dir $OUT/profiles --out $OUT/sampling-profile.json > $L/sampling.log 2>&1
   el "sampling profile done"; grep '^{' $L/sampling.log; head -c 3000 $OUT/profiles/unsloth.txt
   pack
