@@ -68,6 +68,8 @@ def tiny_config(architecture: str, **changes):
                                  n_shared_experts=1, moe_intermediate_size=96, kv_lora_rank=32, q_lora_rank=32,
                                  qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, routed_scaling_factor=1.8,
                                  norm_topk_prob=True, mlp_layer_types=["dense", "sparse", "sparse"])
+    if architecture == GRANITE4_H:
+        return granite4_h_config(**changes)
     classes = {"Qwen3ForCausalLM": Qwen3Config, "Qwen2ForCausalLM": Qwen2Config, "LlamaForCausalLM": LlamaConfig,
                "MistralForCausalLM": MistralConfig}
     return classes[architecture](**SHAPE)
@@ -100,6 +102,28 @@ GEMMA4_VARIANTS = {"dense": {}, "k_eq_v": {"attention_k_eq_v": True, "num_global
                    "e2b": {"num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2,
                            "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 512,
                            "num_kv_shared_layers": 2, "use_double_wide_mlp": True}}
+
+
+GRANITE4_H = "GraniteMoeHybridForCausalLM"
+
+
+def granite4_h_config(**changes):
+    """A tiny Granite 4.0-H (GraniteMoeHybridConfig): a Mamba-2 layer, an attention layer without RoPE, a Mamba-2
+    layer; 8 Mamba heads 16 wide (inner 128) over a state of 16; each layer's 4 experts of 96, 2 active, beside a
+    shared MLP of 64; Granite's multipliers away from 1 (the published 1B's embedding 12, residual 0.22, attention
+    1/128, logits 6 as it has them, scaled to this shape). `changes`: other GraniteMoeHybridConfig arguments."""
+    from transformers import GraniteMoeHybridConfig
+
+    from HyperSloth.train.tiny_architectures import TINY_ACTIVE_EXPERTS, TINY_EXPERTS
+
+    shape = {key: value for key, value in SHAPE.items() if key != "head_dim"}  # hidden / heads (16) for Granite
+    return GraniteMoeHybridConfig(**{**shape, "num_hidden_layers": 3, "intermediate_size": 96,
+                                     "num_local_experts": TINY_EXPERTS, "num_experts_per_tok": TINY_ACTIVE_EXPERTS,
+                                     "shared_intermediate_size": 64, "position_embedding_type": "nope",
+                                     "layer_types": ["mamba", "attention", "mamba"], "mamba_n_heads": 8,
+                                     "mamba_d_head": 16, "mamba_d_state": 16, "mamba_chunk_size": 16,
+                                     "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                                     "attention_multiplier": 1 / 16, "logits_scaling": 6.0, **changes})
 
 
 def build_arch_model(architecture: str, out: Path, tokenizer_dir: Path, seed: int = 0,

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf_models import GEMMA4, GEMMA4_VARIANTS, SPM_IDS, SPM_SPECIALS, build_arch_model, build_spm_tokenizer
+from gguf_models import (GEMMA4, GEMMA4_VARIANTS, GRANITE4_H, SPM_IDS, SPM_SPECIALS, build_arch_model,
+                         build_spm_tokenizer)
 from safetensors.numpy import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -421,6 +422,134 @@ def test_a_qwen35_moe_llama_cpp_cannot_run_is_refused(qwen35_dir):
         architectures.architecture_of({**config, "rope_parameters": rope})
 
 
+# Every Hugging Face tensor of a Granite 4.0-H -> llama.cpp's granitehybrid name(s) and the change llama.cpp's
+# converter makes (conversion/granite.py GraniteHybridModel, conversion/mamba.py Mamba2Model), written independently
+GRANITE_MODEL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                 "lm_head.weight": "output.weight"}
+
+
+def _llama_permuted(data: np.ndarray, heads: int) -> np.ndarray:
+    """conversion/llama.py's permute: each head's rows from [first halves | second halves] to interleaved pairs."""
+    rows = data.shape[0] // heads
+    return np.concatenate([np.stack([head[: rows // 2], head[rows // 2:]], axis=1).reshape(head.shape)
+                           for head in np.split(data, heads)])
+
+
+def granite_expected(model: Path) -> dict[str, np.ndarray]:
+    config = json.loads((model / "config.json").read_text())
+    moe, shared = config["num_local_experts"] > 0, config["shared_intermediate_size"]
+    out = {}
+    for hf_name, data in load_file(str(model / "model.safetensors")).items():
+        layer = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf_name)
+        if not layer:
+            out[GRANITE_MODEL[hf_name]] = data
+            continue
+        blk, name = f"blk.{layer[1]}.", layer[2]
+        if name == "block_sparse_moe.input_linear.weight":  # (experts, 2 * width, hidden): gate rows first
+            half = data.shape[1] // 2
+            out[blk + "ffn_gate_exps.weight"], out[blk + "ffn_up_exps.weight"] = data[:, :half], data[:, half:]
+        elif name == "shared_mlp.input_linear.weight":
+            suffix = "_shexp" if moe else ""
+            out[f"{blk}ffn_gate{suffix}.weight"], out[f"{blk}ffn_up{suffix}.weight"] = data[:shared], data[shared:]
+        elif name == "mamba.A_log":
+            out[blk + "ssm_a"] = -np.exp(data)[:, None]
+        elif name == "self_attn.q_proj.weight":
+            out[blk + "attn_q.weight"] = _llama_permuted(data, config["num_attention_heads"])
+        elif name == "self_attn.k_proj.weight":
+            out[blk + "attn_k.weight"] = _llama_permuted(data, config["num_key_value_heads"])
+        else:
+            gguf_name, change = {
+                "input_layernorm.weight": ("attn_norm.weight", None),
+                "post_attention_layernorm.weight": ("ffn_norm.weight", None),
+                "self_attn.v_proj.weight": ("attn_v.weight", None),
+                "self_attn.o_proj.weight": ("attn_output.weight", None),
+                "block_sparse_moe.router.layer.weight": ("ffn_gate_inp.weight", None),
+                "block_sparse_moe.output_linear.weight": ("ffn_down_exps.weight", None),
+                "shared_mlp.output_linear.weight": ("ffn_down_shexp.weight" if moe else "ffn_down.weight", None),
+                "mamba.in_proj.weight": ("ssm_in.weight", None), "mamba.out_proj.weight": ("ssm_out.weight", None),
+                "mamba.conv1d.weight": ("ssm_conv1d.weight", lambda x: x[:, 0, :]),  # (channels, kernel)
+                "mamba.conv1d.bias": ("ssm_conv1d.bias", None), "mamba.dt_bias": ("ssm_dt.bias", None),
+                "mamba.D": ("ssm_d", lambda x: x[:, None]),  # (heads, 1)
+                "mamba.norm.weight": ("ssm_norm.weight", lambda x: x[None, :])}[name]  # (groups 1, inner)
+            out[blk + gguf_name] = change(data) if change else data
+    return out
+
+
+@pytest.fixture(scope="module")
+def granite_dirs(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
+    """The tiny Granite 4.0-H (gguf_models.granite4_h_config), and without experts (its shared MLP the layers' MLP)."""
+    root = tmp_path_factory.mktemp("granite")
+    return {"moe": build_arch_model(GRANITE4_H, root / "moe", tiny_model_dir),
+            "dense": build_arch_model(GRANITE4_H, root / "dense", tiny_model_dir, num_local_experts=0)}
+
+
+@pytest.mark.parametrize("variant", ["moe", "dense"])
+def test_every_granite4_h_tensor_lands_under_llama_cpps_name_as_its_converter_changes_it(granite_dirs, tmp_path,
+                                                                                         variant):
+    _, tensors = read(write_gguf(granite_dirs[variant], tmp_path / "m.gguf", "f32"))
+    expected = granite_expected(granite_dirs[variant])
+    assert sorted(tensors) == sorted(expected)
+    for name, want in expected.items():
+        np.testing.assert_allclose(values(tensors[name]), want.astype(np.float32), rtol=1e-6, err_msg=name)
+
+
+def test_granite4_h_keys_llama_cpp_reads(granite_dirs, tmp_path):
+    """Granite's multipliers, the Mamba-2 sizes, KV heads 0 where a layer is recurrent (llama.cpp's test for it),
+    RoPE off; the router, the conv, A and D in F32."""
+    fields, tensors = read(write_gguf(granite_dirs["moe"], tmp_path / "m.gguf", "q8_0"))
+    assert fields["general.architecture"] == "granitehybrid"
+    keys = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count", "attention.head_count_kv",
+            "attention.key_length", "attention.value_length", "attention.scale", "embedding_scale", "residual_scale",
+            "logit_scale", "expert_count", "expert_used_count", "expert_shared_feed_forward_length",
+            "ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.inner_size", "ssm.time_step_rank",
+            "rope.scaling.finetuned")
+    written = {key: fields[f"granitehybrid.{key}"] for key in keys}
+    scales = {key: written.pop(key) for key in ("attention.scale", "embedding_scale", "residual_scale", "logit_scale")}
+    assert scales == pytest.approx({"attention.scale": 1 / 16, "embedding_scale": 12.0, "residual_scale": 0.22,
+                                    "logit_scale": 6.0})  # float32 keys
+    assert written == {
+        "block_count": 3, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
+        "attention.head_count_kv": [0, 2, 0], "attention.key_length": 16, "attention.value_length": 16,
+        "expert_count": 4, "expert_used_count": 2, "expert_shared_feed_forward_length": 64, "ssm.conv_kernel": 4,
+        "ssm.state_size": 16, "ssm.group_count": 1, "ssm.inner_size": 128, "ssm.time_step_rank": 8,
+        "rope.scaling.finetuned": False}
+    f32, q8 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0
+    for name in ("ffn_gate_inp.weight", "ssm_conv1d.weight", "ssm_a", "ssm_d", "ssm_dt.bias", "ssm_norm.weight"):
+        assert tensors[f"blk.0.{name}"].tensor_type == f32, name
+    assert tensors["blk.0.ssm_in.weight"].tensor_type == tensors["blk.0.ffn_gate_exps.weight"].tensor_type == q8
+    dense, _ = read(write_gguf(granite_dirs["dense"], tmp_path / "dense.gguf", "f32"))
+    assert dense["granitehybrid.feed_forward_length"] == 64 and "granitehybrid.expert_count" not in dense
+
+
+def test_granite4_h_layers_read_from_a_published_config_as_from_transformers_5_17s(granite_dirs):
+    """The published configs name the layers mamba / attention (older ones under `layers_block_type`);
+    transformers 5.17 saves linear_attention / full_attention."""
+    from HyperSloth.outputs.gguf import granite
+
+    saved = json.loads((granite_dirs["moe"] / "config.json").read_text())
+    assert saved["layer_types"] == ["linear_attention", "full_attention", "linear_attention"]
+    published = {key: value for key, value in saved.items() if key != "layer_types"}
+    for key in ("layer_types", "layers_block_type"):
+        assert granite.layer_kinds({**published, key: ["mamba", "attention", "mamba"]}) == [True, False, True]
+    assert granite.layer_kinds(saved) == [True, False, True]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"position_embedding_type": "rope"}, "use RoPE"),
+    ({"layer_types": ["attention"] * 3}, "no Mamba layer"),
+    ({"mamba_n_groups": 2}, "mamba_n_groups 2.*per group"),
+    ({"time_step_limit": [0.001, 100.0]}, r"clamps the Mamba time step to \(0.001, 100.0\)"),
+    ({"mamba_proj_bias": True}, "no bias on in_proj"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"layer_types": ["mamba", "cross_attention", "mamba"]}, "layer_types"),
+])
+def test_a_granite4_h_llama_cpp_would_compute_otherwise_is_refused(granite_dirs, change, message):
+    config = json.loads((granite_dirs["moe"] / "config.json").read_text())
+    architectures.architecture_of(config)  # as saved: time_step_limit (0, inf) with inf as {"__float__": ...}
+    with pytest.raises(ExportError, match=message):
+        architectures.architecture_of({**config, **change})
+
+
 GLM = "Glm4MoeLiteForCausalLM"
 
 
@@ -708,7 +837,8 @@ def test_an_unsupported_architecture_is_refused_by_name(tiny_model_dir, tmp_path
                                           "LlamaForCausalLM, MistralForCausalLM, Gemma3ForCausalLM, "
                                           "Gemma4ForCausalLM, Qwen3MoeForCausalLM, GptOssForCausalLM, "
                                           "Phi3ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, "
-                                          "Glm4MoeLiteForCausalLM, Gemma3ForConditionalGeneration, "
+                                          "Glm4MoeLiteForCausalLM, GraniteMoeHybridForCausalLM, "
+                                          "Gemma3ForConditionalGeneration, "
                                           "Gemma4ForConditionalGeneration, Qwen3_5ForConditionalGeneration, "
                                           "Qwen3_5MoeForConditionalGeneration"):
         write_gguf(model, tmp_path / "out" / "m.gguf", "f16")

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf_models import (CHAT, GEMMA4, GEMMA4_VARIANTS, SPM_IDS, SPM_SPECIALS, build_arch_model, build_spm_tokenizer,
-                         gemma_style)
+from gguf_models import (CHAT, GEMMA4, GEMMA4_VARIANTS, GRANITE4_H, SPM_IDS, SPM_SPECIALS, build_arch_model,
+                         build_spm_tokenizer, gemma_style)
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 llama_cpp = pytest.importorskip("llama_cpp")
@@ -188,6 +188,37 @@ def test_llama_cpp_reads_what_gemma4_writes_beyond_the_weights(tiny_model_dir, t
         monkeypatch.setattr(writer, "_loader", ones)
     changed = compare(model, write_gguf(model, tmp_path / "ones.gguf", "f32"))
     print(f"Gemma 4 MoE with {tensor} written as ones: {changed} (as written: {measured})")
+    assert changed["max_diff_over_range"] > 10 * measured["max_diff_over_range"], (changed, measured)
+
+
+@pytest.mark.parametrize("variant, gguf_type", [("moe", "f32"), ("moe", "f16"), ("dense", "f32"), ("tied", "f32")])
+def test_llama_cpp_runs_granite4_h(tiny_model_dir, tmp_path, variant, gguf_type):
+    """The tiny Granite 4.0-H (gguf_models.granite4_h_config: Mamba-2, attention without RoPE, Mamba-2; experts
+    beside a shared MLP; Granite's multipliers away from 1), without experts, and with tied embeddings."""
+    changes = {"moe": {}, "dense": {"num_local_experts": 0}, "tied": {"tie_word_embeddings": True}}[variant]
+    model = build_arch_model(GRANITE4_H, tmp_path / variant, tiny_model_dir, **changes)
+    measured = compare(model, write_gguf(model, tmp_path / "m.gguf", gguf_type))
+    print(f"Granite 4.0-H {variant} {gguf_type}: {measured}")
+    check(measured, gguf_type)
+
+
+@pytest.mark.parametrize("key", ["embedding_scale", "residual_scale", "attention.scale", "logit_scale"])
+def test_llama_cpp_reads_granites_multipliers(tiny_model_dir, tmp_path, monkeypatch, key):
+    """Each multiplier is load-bearing: written as 1, llama.cpp's logits move away from transformers' by more than
+    10x the export's difference."""
+    from HyperSloth.outputs.gguf import granite
+
+    model = build_arch_model(GRANITE4_H, tmp_path / "moe", tiny_model_dir)
+    measured = compare(model, write_gguf(model, tmp_path / "m.gguf", "f32"))
+    add = granite.add_hyperparameters
+
+    def one(writer, config):
+        add(writer, config)
+        writer.kv_data[0][f"granitehybrid.{key}"].value = 1.0
+
+    monkeypatch.setattr(granite, "add_hyperparameters", one)
+    changed = compare(model, write_gguf(model, tmp_path / "one.gguf", "f32"))
+    print(f"Granite 4.0-H with {key} written as 1: {changed} (as written: {measured})")
     assert changed["max_diff_over_range"] > 10 * measured["max_diff_over_range"], (changed, measured)
 
 

@@ -29,6 +29,10 @@ the table below, checked against llama.cpp's conversion/{qwen,llama,gemma}.py (l
   Qwen3.5 dense (Qwen3_5TextModel, llama.cpp's qwen35): the same without experts.
 - GLM-4.7-Flash (conversion/glm.py, Glm4MoeLiteModel, a DeepseekV2Model): its latent attention's kv_b_proj split in
   two, the router's score correction, sigmoid gating, the dense first layers (latent_attention.py).
+- Granite 4.0-H (conversion/granite.py, GraniteHybridModel on conversion/mamba.py's Mamba2Model): its Mamba-2 layers'
+  A as -exp(A_log) and the conv, A, D and gated norm reshaped, the fused experts and shared MLP split into gate and
+  up, Q and K permuted as Llama's (no RoPE: no effect), Granite's four multipliers, the Mamba-2 sizes, KV heads 0
+  in the Mamba layers, RoPE off (granite.py).
 Anything else is refused by name, with the supported list.
 """
 
@@ -41,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from HyperSloth.outputs.export import ExportError
-from HyperSloth.outputs.gguf import gemma4, latent_attention, linear_attention
+from HyperSloth.outputs.gguf import gemma4, granite, latent_attention, linear_attention
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,8 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("Qwen3_5ForCausalLM", "QWEN35", norm_shift=1.0, linear_attention=True),
         Architecture("Qwen3_5MoeForCausalLM", "QWEN35MOE", norm_shift=1.0, moe=True, linear_attention=True),
         Architecture("Glm4MoeLiteForCausalLM", "DEEPSEEK2", moe=True, latent_attention=True),
+        # not `moe`: granite.py splits its fused experts and shared MLP and writes their keys
+        Architecture("GraniteMoeHybridForCausalLM", "GRANITE_HYBRID", permute_qk=True),
     )
 }
 # A multimodal model whose language model is written (llama.cpp's converter does the same; the vision tower would be
@@ -133,6 +139,8 @@ def _check_config(arch: Architecture, config: dict[str, Any], where: str) -> Non
         _check_moe(config, where)
     if arch.gguf_arch == "GPT_OSS":
         _check_gpt_oss(config, where)
+    if arch.gguf_arch == "GRANITE_HYBRID":
+        granite.check(config, where)
     if arch.linear_attention:
         linear_attention.check(config, where, rotary_dims(config))
     if arch.latent_attention:
@@ -229,6 +237,8 @@ def add_hyperparameters(writer, config: dict[str, Any], arch: Architecture) -> N
         kv_heads, key_length, value_length, rope_dims = latent_attention.head_lengths(config)
     elif arch.gguf_arch == "GEMMA4":  # the full-attention layers' (the sliding ones' in gemma4.add_hyperparameters)
         kv_heads, key_length, value_length, rope_dims = gemma4.head_lengths(config)
+    elif arch.gguf_arch == "GRANITE_HYBRID":  # KV heads per layer: 0 for a Mamba layer
+        kv_heads, key_length, value_length, rope_dims = granite.head_lengths(config)
     else:
         kv_heads, key_length, value_length, rope_dims = (
             config.get("num_key_value_heads") or heads, head_dim(config), head_dim(config), rotary_dims(config))
@@ -237,6 +247,7 @@ def add_hyperparameters(writer, config: dict[str, Any], arch: Architecture) -> N
     writer.add_embedding_length(config["hidden_size"])
     if "intermediate_size" in config:  # Qwen3.5-MoE has experts only (their width below)
         writer.add_feed_forward_length(gemma4.feed_forward_length(config) if arch.gguf_arch == "GEMMA4"
+                                       else granite.feed_forward_length(config) if arch.gguf_arch == "GRANITE_HYBRID"
                                        else config["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
@@ -250,6 +261,8 @@ def add_hyperparameters(writer, config: dict[str, Any], arch: Architecture) -> N
         _add_gemma3(writer, config)
     if arch.gguf_arch == "GEMMA4":
         gemma4.add_hyperparameters(writer, config)
+    if arch.gguf_arch == "GRANITE_HYBRID":
+        granite.add_hyperparameters(writer, config)
     if arch.moe:
         writer.add_expert_count(expert_count(config))
         writer.add_expert_used_count(config.get("num_experts_per_tok") or config["experts_per_token"])
@@ -394,6 +407,8 @@ def transform(name: str, data: np.ndarray, config: dict[str, Any], arch: Archite
         return linear_attention.transform(name, data, config)
     if arch.latent_attention:
         return latent_attention.transform(name, data, config)
+    if arch.gguf_arch == "GRANITE_HYBRID" and (changed := granite.transform(name, data, config)) is not None:
+        return changed
     if arch.permute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
         return _permute(data, config["num_attention_heads"])
     if arch.permute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):

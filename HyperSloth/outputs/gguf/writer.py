@@ -24,7 +24,7 @@ from loguru import logger
 
 from HyperSloth.outputs import run_files
 from HyperSloth.outputs.export import ExportError
-from HyperSloth.outputs.gguf import gemma4, latent_attention, linear_attention
+from HyperSloth.outputs.gguf import gemma4, granite, latent_attention, linear_attention
 from HyperSloth.outputs.gguf.architectures import (
     Architecture,
     add_hyperparameters,
@@ -119,6 +119,8 @@ def plan_tensors(model_dir: Path, config: dict[str, Any], arch: Architecture, qt
     parts = tensor_parts(shapes, expert_count(config) if arch.moe else None, arch.experts_layout)
     if arch.latent_attention:
         parts = latent_attention.split_parts(parts, config)
+    if arch.gguf_arch == "GRANITE_HYBRID":
+        parts = granite.split_parts(parts, config)
     if tied and arch.output_required:  # llama.cpp's graph for it reads output.weight, never token_embd
         parts.append(TensorPart("lm_head.weight", shapes[EMBEDDINGS], (EMBEDDINGS,)))
     for part in parts:
@@ -127,6 +129,8 @@ def plan_tensors(model_dir: Path, config: dict[str, Any], arch: Architecture, qt
             lookup, shape = linear_attention.lookup_name(lookup), linear_attention.stored_shape(lookup, shape)
         if arch.latent_attention:
             lookup = latent_attention.lookup_name(lookup)
+        if arch.gguf_arch == "GRANITE_HYBRID":
+            lookup, shape = granite.lookup_name(lookup), granite.stored_shape(lookup, shape, config)
         gguf_name = (gemma4.gguf_name(lookup, names) if arch.gguf_arch == "GEMMA4"
                      else names.get_name(lookup, try_suffixes=(".weight", ".bias")))
         if gguf_name is None:
