@@ -73,6 +73,8 @@ def sample_spans(position_ids: torch.Tensor) -> list[tuple[int, int]]:
 
 
 def per_sample_recurrent_mixers(model) -> Callable[[], None] | None:
+    """Every recurrent mixer of `model` run once per sample of a packed training row (module docstring); the undo,
+    or None where the model has none."""
     mixers = recurrent_mixers(model)
     if not mixers:
         return None
