@@ -1,13 +1,16 @@
-"""The tiny model's architectures: the same tiny shape as a Qwen3, Qwen3-MoE, gpt-oss, Qwen3.5-MoE, GLM-4.7-Flash,
-Phi-3, Llama, Mistral, Qwen2 or Gemma 3 config, so every architecture HyperSloth claims to train is trained in the
-tests (and by anyone, with `hypersloth-tiny-model --architecture NAME`) without the Hub.
+"""The tiny model's architectures: the same tiny shape as a Qwen3, Qwen3-MoE, gpt-oss, Qwen3.5 (dense, MoE, and the
+MoE as published, multimodal), GLM-4.7-Flash, Phi-3, Llama, Mistral, Qwen2, Gemma 3 (text or multimodal), Gemma 4
+(dense or MoE, multimodal as published) or Granite 4.0-H config, so every architecture HyperSloth claims to train is
+trained in the tests (and by anyone, with `hypersloth-tiny-model --architecture NAME`) without the Hub.
 
 The MoE shape keeps transformers 5's fused experts (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) with
-few experts and two active per token, so a short step routes tokens to every expert. Qwen3.5-MoE is the hybrid of
-Qwen3.5-35B-A3B: linear-attention (gated delta rule) layers, the last layer full attention, MoE with a shared
-expert everywhere; on the transformers backend its packed rows leak (train/packing/check.py), so an SFT run with
-training.batching unset trains it sorted-pad. GLM-4.7-Flash (`glm4_moe_lite`) has DeepSeek's multi-head latent attention
-(low-rank q and kv projections, a separate RoPE part) and a dense first layer before MoE ones with a shared expert.
+few experts and two active per token, so a short step routes tokens to every expert. Qwen3.5 is the hybrid of
+Qwen3.5-35B-A3B and its dense siblings: linear-attention (gated delta rule) layers, the last layer full attention
+(the MoE with a shared expert everywhere); on the transformers backend its linear attention runs one sample at a
+time inside packed rows (train/packing/recurrent.py). GLM-4.7-Flash (`glm4_moe_lite`) has DeepSeek's multi-head
+latent attention (low-rank q and kv projections, a separate RoPE part) and a dense first layer before MoE ones with
+a shared expert. Gemma 4's full-attention layer has heads twice as wide as its sliding ones (a per-layer config).
+Granite 4.0-H (`granite4_h`) has Mamba-2 layers, the last attention without RoPE, and MoE beside a shared MLP.
 """
 
 from __future__ import annotations
