@@ -5,8 +5,8 @@ for a tiny Qwen3-MoE and a tiny gpt-oss whose experts carry adapters (merged int
 per layer; gpt-oss's tied embeddings written as its output too), a tiny Phi-3 with adapters on its fused
 projections, a tiny Qwen3.5-MoE with adapters on its linear attention and experts (also as Qwen3.5-35B-A3B is
 published, a vision tower around it: its language model is written), a tiny dense Qwen3.5, a tiny GLM-4.7-Flash
-with adapters on its latent attention, and a tiny Gemma 4 and Gemma 4 MoE as published (multimodal; their language
-model is written).
+with adapters on its latent attention, a tiny Gemma 4 and Gemma 4 MoE as published (multimodal; their language
+model is written), and a tiny Granite 4.0-H with adapters on its Mamba-2 layer, attention and experts.
 With llama-cpp-python importable, llama.cpp also runs the exported files against the merged models."""
 
 from __future__ import annotations
@@ -245,6 +245,48 @@ def test_the_gemma4_moe_gguf_holds_the_merged_fused_experts(exported_gemma4_moe)
 def test_llama_cpp_agrees_with_the_merged_gemma4_moe(exported_gemma4_moe):
     assert_llama_cpp_agrees(exported_gemma4_moe[1], "gemma4-moe-run-f32.gguf",
                             "Gemma 4 MoE (published layout) LoRA run f32")
+
+
+@pytest.fixture(scope="module")
+def exported_granite(tmp_path_factory) -> tuple[Path, Path]:
+    """(base, OUT): the same for a tiny Granite 4.0-H (a Mamba-2 layer, then attention without RoPE; experts beside a
+    shared MLP), adapters on its Mamba projections, attention, shared MLP and fused experts."""
+    return export_tiny(tmp_path_factory, "granite4_h", "granite")
+
+
+def test_a_run_on_granite4_h_exports_the_merged_mamba_attention_and_experts(exported_granite):
+    """Before, --gguf refused a run on Granite 4.0-H by the base model's class name. The GGUF is llama.cpp's
+    granitehybrid; the merged Mamba projections as they are, the merged fused experts and shared MLP split into gate
+    and up, the conv and A as llama.cpp reads them."""
+    base, out = exported_granite
+    tensors, merged, before = read_export(base, out, "granite-run-f32.gguf", "granitehybrid")
+    config = json.loads((base / "config.json").read_text())
+    assert config["layer_types"] == ["linear_attention", "full_attention"]
+    for hf, name in (("layers.0.mamba.in_proj.weight", "blk.0.ssm_in.weight"),
+                     ("layers.0.mamba.out_proj.weight", "blk.0.ssm_out.weight"),
+                     ("layers.1.self_attn.v_proj.weight", "blk.1.attn_v.weight"),
+                     ("layers.1.self_attn.o_proj.weight", "blk.1.attn_output.weight"),
+                     ("layers.0.block_sparse_moe.output_linear.weight", "blk.0.ffn_down_exps.weight"),
+                     ("layers.1.shared_mlp.output_linear.weight", "blk.1.ffn_down_shexp.weight")):
+        assert np.abs(merged[f"model.{hf}"] - before[f"model.{hf}"]).max() > 1e-3, hf  # the adapters were folded in
+        np.testing.assert_array_equal(tensors[name], merged[f"model.{hf}"])
+    for layer in (0, 1):
+        experts = merged[f"model.layers.{layer}.block_sparse_moe.input_linear.weight"]
+        shared = merged[f"model.layers.{layer}.shared_mlp.input_linear.weight"]
+        assert np.abs(experts - before[f"model.layers.{layer}.block_sparse_moe.input_linear.weight"]).max() > 1e-3
+        width, shared_width = experts.shape[1] // 2, shared.shape[0] // 2
+        np.testing.assert_array_equal(tensors[f"blk.{layer}.ffn_gate_exps.weight"], experts[:, :width])
+        np.testing.assert_array_equal(tensors[f"blk.{layer}.ffn_up_exps.weight"], experts[:, width:])
+        np.testing.assert_array_equal(tensors[f"blk.{layer}.ffn_gate_shexp.weight"], shared[:shared_width])
+        np.testing.assert_array_equal(tensors[f"blk.{layer}.ffn_up_shexp.weight"], shared[shared_width:])
+    conv = merged["model.layers.0.mamba.conv1d.weight"]  # (channels, 1, kernel)
+    np.testing.assert_array_equal(tensors["blk.0.ssm_conv1d.weight"], conv[:, 0])
+    np.testing.assert_allclose(tensors["blk.0.ssm_a"], -np.exp(merged["model.layers.0.mamba.A_log"])[:, None],
+                               rtol=1e-6)
+
+
+def test_llama_cpp_agrees_with_the_merged_granite4_h(exported_granite):
+    assert_llama_cpp_agrees(exported_granite[1], "granite-run-f32.gguf", "Granite 4.0-H LoRA run f32")
 
 
 @pytest.fixture(scope="module")
