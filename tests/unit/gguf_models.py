@@ -70,6 +70,8 @@ def tiny_config(architecture: str, **changes):
                                  norm_topk_prob=True, mlp_layer_types=["dense", "sparse", "sparse"])
     if architecture == GRANITE4_H:
         return granite4_h_config(**changes)
+    if architecture == NEMOTRON_H:
+        return nemotron_h_config(**changes)
     classes = {"Qwen3ForCausalLM": Qwen3Config, "Qwen2ForCausalLM": Qwen2Config, "LlamaForCausalLM": LlamaConfig,
                "MistralForCausalLM": MistralConfig}
     return classes[architecture](**SHAPE)
@@ -124,6 +126,26 @@ def granite4_h_config(**changes):
                                      "mamba_d_head": 16, "mamba_d_state": 16, "mamba_chunk_size": 16,
                                      "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
                                      "attention_multiplier": 1 / 16, "logits_scaling": 6.0, **changes})
+
+
+NEMOTRON_H = "NemotronHForCausalLM"
+
+
+def nemotron_h_config(moe: bool = False, **changes):
+    """A tiny Nemotron-H (NemotronHConfig): blocks of one mixer each, Mamba-2, MLP, attention without RoPE, MLP
+    (`moe`: the MLPs as 4 ReLU² experts of 96, 2 active, sigmoid-routed with a score correction, beside a shared
+    expert of 64); 8 Mamba heads of 16 in 2 groups over a state of 16. `changes`: other NemotronHConfig arguments."""
+    from transformers import NemotronHConfig
+
+    from HyperSloth.train.tiny_architectures import TINY_ACTIVE_EXPERTS, TINY_EXPERTS
+
+    shape = {key: value for key, value in SHAPE.items() if key not in ("num_hidden_layers", "rms_norm_eps")}
+    feed_forward = "moe" if moe else "mlp"
+    experts = dict(n_routed_experts=TINY_EXPERTS, num_experts_per_tok=TINY_ACTIVE_EXPERTS, moe_intermediate_size=96,
+                   moe_shared_expert_intermediate_size=64, n_shared_experts=1, routed_scaling_factor=2.5) if moe else {}
+    return NemotronHConfig(**{**shape, "layers_block_type": ["mamba", feed_forward, "attention", feed_forward],
+                              "mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2,
+                              "chunk_size": 16, "layer_norm_epsilon": 1e-6, **experts, **changes})
 
 
 def build_arch_model(architecture: str, out: Path, tokenizer_dir: Path, seed: int = 0,

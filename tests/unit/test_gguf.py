@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf_models import (GEMMA4, GEMMA4_VARIANTS, GRANITE4_H, SPM_IDS, SPM_SPECIALS, build_arch_model,
+from gguf_models import (GEMMA4, GEMMA4_VARIANTS, GRANITE4_H, NEMOTRON_H, SPM_IDS, SPM_SPECIALS, build_arch_model,
                          build_spm_tokenizer)
 from safetensors.numpy import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -550,6 +550,141 @@ def test_a_granite4_h_llama_cpp_would_compute_otherwise_is_refused(granite_dirs,
         architectures.architecture_of({**config, **change})
 
 
+def nemotron_h_expected(model: Path) -> dict[str, np.ndarray]:
+    """A Nemotron-H's tensors under llama.cpp's nemotron_h(_moe) names, changed as its converter changes them
+    (conversion/nemotron.py NemotronHModel), written independently."""
+    config = json.loads((model / "config.json").read_text())
+    out, experts = {}, {}
+    for hf_name, data in load_file(str(model / "model.safetensors")).items():
+        layer = re.fullmatch(r"backbone\.layers\.(\d+)\.(.+)", hf_name)
+        if not layer:
+            out[{"backbone.embeddings.weight": "token_embd.weight", "backbone.norm_f.weight": "output_norm.weight",
+                 "lm_head.weight": "output.weight"}[hf_name]] = data
+            continue
+        blk, name = f"blk.{layer[1]}.", layer[2].removeprefix("mixer.")
+        if layer[2] == "norm.weight":  # the block's norm; `mixer.norm.weight` is the Mamba mixer's gated one
+            out[blk + "attn_norm.weight"] = data
+        elif layer[2] == "mixer.norm.weight":  # in its groups
+            out[blk + "ssm_norm.weight"] = data.reshape(config["n_groups"], -1)
+        elif expert := re.fullmatch(r"experts\.(\d+)\.(up|down)_proj\.weight", name):
+            experts.setdefault(f"{blk}ffn_{expert[2]}_exps.weight", {})[int(expert[1])] = data
+        elif name == "q_proj.weight":
+            out[blk + "attn_q.weight"] = _llama_permuted(data, config["num_attention_heads"])
+        elif name == "k_proj.weight":
+            out[blk + "attn_k.weight"] = _llama_permuted(data, config["num_key_value_heads"])
+        else:
+            gguf_name, change = {
+                "v_proj.weight": ("attn_v.weight", None), "o_proj.weight": ("attn_output.weight", None),
+                "up_proj.weight": ("ffn_up.weight", None), "down_proj.weight": ("ffn_down.weight", None),
+                "gate.weight": ("ffn_gate_inp.weight", None),
+                "gate.e_score_correction_bias": ("exp_probs_b.bias", None),
+                "shared_experts.up_proj.weight": ("ffn_up_shexp.weight", None),
+                "shared_experts.down_proj.weight": ("ffn_down_shexp.weight", None),
+                "in_proj.weight": ("ssm_in.weight", None), "out_proj.weight": ("ssm_out.weight", None),
+                "conv1d.weight": ("ssm_conv1d.weight", lambda x: x[:, 0, :]), "conv1d.bias": ("ssm_conv1d.bias", None),
+                "dt_bias": ("ssm_dt.bias", None), "A_log": ("ssm_a", lambda x: -np.exp(x)[:, None]),
+                "D": ("ssm_d", lambda x: x[:, None])}[name]
+            out[blk + gguf_name] = change(data) if change else data
+    for name, by_expert in experts.items():
+        out[name] = np.stack([by_expert[index] for index in sorted(by_expert)])
+    return out
+
+
+@pytest.fixture(scope="module")
+def nemotron_dirs(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
+    """The tiny Nemotron-H (gguf_models.nemotron_h_config) and its MoE, the latter also saved with fused experts."""
+    root = tmp_path_factory.mktemp("nemotron-h")
+    dirs = {"dense": build_arch_model(NEMOTRON_H, root / "dense", tiny_model_dir),
+            "moe": build_arch_model(NEMOTRON_H, root / "moe", tiny_model_dir, moe=True)}
+    AutoModelForCausalLM.from_pretrained(str(dirs["moe"]), dtype=torch.float32).save_pretrained(
+        str(root / "fused"), save_original_format=False)
+    AutoTokenizer.from_pretrained(str(dirs["moe"])).save_pretrained(str(root / "fused"))
+    assert load_file(str(root / "fused" / "model.safetensors"))["model.layers.1.mixer.experts.up_proj"].shape == (
+        4, 96, 64)
+    return {**dirs, "fused": root / "fused"}
+
+
+@pytest.mark.parametrize("variant, arch", [("dense", "nemotron_h"), ("moe", "nemotron_h_moe")])
+def test_every_nemotron_h_tensor_lands_under_llama_cpps_name_as_its_converter_changes_it(nemotron_dirs, tmp_path,
+                                                                                         variant, arch):
+    fields, tensors = read(write_gguf(nemotron_dirs[variant], tmp_path / "m.gguf", "f32"))
+    assert fields["general.architecture"] == arch
+    expected = nemotron_h_expected(nemotron_dirs[variant])
+    assert sorted(tensors) == sorted(expected)
+    for name, want in expected.items():
+        np.testing.assert_allclose(values(tensors[name]), want.astype(np.float32), rtol=1e-6, err_msg=name)
+
+
+def test_nemotron_h_fused_experts_are_written_as_the_per_expert_ones(nemotron_dirs, tmp_path):
+    _, fused = read(write_gguf(nemotron_dirs["fused"], tmp_path / "fused.gguf", "f32"))
+    _, per_expert = read(write_gguf(nemotron_dirs["moe"], tmp_path / "per-expert.gguf", "f32"))
+    assert sorted(fused) == sorted(per_expert)
+    for name, tensor in per_expert.items():
+        np.testing.assert_array_equal(values(fused[name]), values(tensor), err_msg=name)
+
+
+def test_nemotron_h_keys_tell_llama_cpp_each_blocks_kind(nemotron_dirs, tmp_path):
+    """KV heads only in the attention block, a feed-forward width only in the MLP / MoE blocks (llama.cpp takes a
+    block with neither as Mamba); the Mamba-2 sizes; the experts' routing."""
+    keys = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count", "attention.head_count_kv",
+            "attention.key_length", "attention.value_length", "attention.layer_norm_epsilon", "ssm.conv_kernel",
+            "ssm.state_size", "ssm.group_count", "ssm.inner_size", "ssm.time_step_rank", "rope.scaling.finetuned")
+    common = {"block_count": 4, "embedding_length": 64, "attention.head_count": 4,
+              "attention.head_count_kv": [0, 0, 2, 0], "attention.key_length": 16, "attention.value_length": 16,
+              "ssm.conv_kernel": 4, "ssm.state_size": 16, "ssm.group_count": 2, "ssm.inner_size": 128,
+              "ssm.time_step_rank": 8, "rope.scaling.finetuned": False}
+    dense, _ = read(write_gguf(nemotron_dirs["dense"], tmp_path / "dense.gguf", "f32"))
+    written = {key: dense[f"nemotron_h.{key}"] for key in keys}
+    assert written.pop("attention.layer_norm_epsilon") == pytest.approx(1e-6)
+    assert written == {**common, "feed_forward_length": [0, 128, 0, 128]}
+    assert "nemotron_h.expert_count" not in dense
+    moe, tensors = read(write_gguf(nemotron_dirs["moe"], tmp_path / "moe.gguf", "q8_0"))
+    moe_keys = ("feed_forward_length", "expert_count", "expert_used_count", "expert_feed_forward_length",
+                "expert_shared_feed_forward_length", "expert_shared_count", "expert_weights_norm",
+                "expert_weights_scale", "expert_group_count")
+    assert {key: moe[f"nemotron_h_moe.{key}"] for key in moe_keys} == {
+        "feed_forward_length": [0, 96, 0, 96], "expert_count": 4, "expert_used_count": 2,
+        "expert_feed_forward_length": 96, "expert_shared_feed_forward_length": 64, "expert_shared_count": 1,
+        "expert_weights_norm": True, "expert_weights_scale": 2.5, "expert_group_count": 1}
+    f32 = gguf.GGMLQuantizationType.F32
+    for name in ("ffn_gate_inp.weight", "exp_probs_b.bias"):
+        assert tensors[f"blk.1.{name}"].tensor_type == f32, name
+    assert tensors["blk.1.ffn_up_exps.weight"].tensor_type == gguf.GGMLQuantizationType.Q8_0
+
+
+def test_nemotron_h_layers_read_from_a_published_pattern(nemotron_dirs):
+    """The published configs name the blocks `hybrid_override_pattern` (M, -, *, E) and hold num_hidden_layers;
+    transformers 5.17 saves `layers_block_type` without it."""
+    from HyperSloth.outputs.gguf import nemotron_h
+
+    saved = json.loads((nemotron_dirs["moe"] / "config.json").read_text())
+    assert saved["layers_block_type"] == ["linear_attention", "moe", "full_attention", "moe"]
+    assert "num_hidden_layers" not in saved
+    published = {key: value for key, value in saved.items() if key != "layers_block_type"}
+    published.update(hybrid_override_pattern="ME*E", num_hidden_layers=4)
+    assert nemotron_h.layer_kinds(published) == nemotron_h.layer_kinds(saved) == ["linear_attention", "moe",
+                                                                                   "full_attention", "moe"]
+    assert architectures.architecture_of(published).arch_name == "nemotron_h_moe"
+    assert architectures.architecture_of({**published, "hybrid_override_pattern": "M-*-"}).arch_name == "nemotron_h"
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"layers_block_type": ["mamba", "mlp", "attention", "moe"]}, "both MLP and MoE"),
+    ({"moe_latent_size": 32}, "latent space"),
+    ({"n_group": 2}, "within groups"),
+    ({"sliding_window": 8}, "sliding window"),
+    ({"time_step_limit": [0.0, 10.0]}, "clamps the Mamba time step"),
+    ({"mlp_bias": True}, "mlp_bias True"),
+    ({"mlp_hidden_act": "silu"}, "mlp_hidden_act 'silu'"),
+    ({"layers_block_type": ["mamba", "moe", "cross", "moe"]}, r"\['cross'\]"),
+])
+def test_a_nemotron_h_llama_cpp_would_compute_otherwise_is_refused(nemotron_dirs, change, message):
+    config = json.loads((nemotron_dirs["moe"] / "config.json").read_text())
+    architectures.architecture_of(config)
+    with pytest.raises(ExportError, match=message):
+        architectures.architecture_of({**config, **change})
+
+
 GLM = "Glm4MoeLiteForCausalLM"
 
 
@@ -838,6 +973,7 @@ def test_an_unsupported_architecture_is_refused_by_name(tiny_model_dir, tmp_path
                                           "Gemma4ForCausalLM, Qwen3MoeForCausalLM, GptOssForCausalLM, "
                                           "Phi3ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, "
                                           "Glm4MoeLiteForCausalLM, GraniteMoeHybridForCausalLM, "
+                                          "NemotronHForCausalLM, "
                                           "Gemma3ForConditionalGeneration, "
                                           "Gemma4ForConditionalGeneration, Qwen3_5ForConditionalGeneration, "
                                           "Qwen3_5MoeForConditionalGeneration"):

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf_models import (CHAT, GEMMA4, GEMMA4_VARIANTS, GRANITE4_H, SPM_IDS, SPM_SPECIALS, build_arch_model,
-                         build_spm_tokenizer, gemma_style)
+from gguf_models import (CHAT, GEMMA4, GEMMA4_VARIANTS, GRANITE4_H, NEMOTRON_H, SPM_IDS, SPM_SPECIALS,
+                         build_arch_model, build_spm_tokenizer, gemma_style)
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 llama_cpp = pytest.importorskip("llama_cpp")
@@ -219,6 +219,52 @@ def test_llama_cpp_reads_granites_multipliers(tiny_model_dir, tmp_path, monkeypa
     monkeypatch.setattr(granite, "add_hyperparameters", one)
     changed = compare(model, write_gguf(model, tmp_path / "one.gguf", "f32"))
     print(f"Granite 4.0-H with {key} written as 1: {changed} (as written: {measured})")
+    assert changed["max_diff_over_range"] > 10 * measured["max_diff_over_range"], (changed, measured)
+
+
+@pytest.mark.parametrize("variant, gguf_type", [("dense", "f32"), ("dense", "f16"), ("moe", "f32"), ("moe", "f16"),
+                                                ("fused", "f32")])
+def test_llama_cpp_runs_nemotron_h(tiny_model_dir, tmp_path, variant, gguf_type):
+    """The tiny Nemotron-H (gguf_models.nemotron_h_config: Mamba-2 in 2 groups, MLP, attention without RoPE, MLP),
+    as nemotron_h; with expert blocks (sigmoid routing, a random score correction, scaling 2.5, a shared expert) as
+    nemotron_h_moe, also saved with its experts fused (as transformers holds them)."""
+    model = build_arch_model(NEMOTRON_H, tmp_path / variant, tiny_model_dir, moe=variant != "dense")
+    if variant == "fused":
+        AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).save_pretrained(
+            str(tmp_path / "fused-saved"), save_original_format=False)
+        AutoTokenizer.from_pretrained(str(model)).save_pretrained(str(tmp_path / "fused-saved"))
+        model = tmp_path / "fused-saved"
+    measured = compare(model, write_gguf(model, tmp_path / "m.gguf", gguf_type))
+    print(f"Nemotron-H {variant} {gguf_type}: {measured}")
+    check(measured, gguf_type)
+
+
+@pytest.mark.parametrize("tensor", ["e_score_correction_bias", "routed_scaling_factor"])
+def test_llama_cpp_reads_nemotron_hs_routing(tiny_model_dir, tmp_path, monkeypatch, tensor):
+    """The router's score correction (written as zeros) and the routed scaling factor (written as 1) are
+    load-bearing: llama.cpp's logits move away from transformers' by more than 10x the export's difference."""
+    from HyperSloth.outputs.gguf import nemotron_h, writer
+
+    model = build_arch_model(NEMOTRON_H, tmp_path / "moe", tiny_model_dir, moe=True)
+    measured = compare(model, write_gguf(model, tmp_path / "m.gguf", "f32"))
+    if tensor == "routed_scaling_factor":
+        add = nemotron_h.add_hyperparameters
+
+        def unscaled(gguf_writer, config):
+            add(gguf_writer, config)
+            gguf_writer.kv_data[0]["nemotron_h_moe.expert_weights_scale"].value = 1.0
+
+        monkeypatch.setattr(nemotron_h, "add_hyperparameters", unscaled)
+    else:
+        loader = writer._loader
+
+        def zeros(files, part, config, arch):
+            load = loader(files, part, config, arch)
+            return (lambda: np.zeros_like(load())) if part.name.endswith(tensor) else load
+
+        monkeypatch.setattr(writer, "_loader", zeros)
+    changed = compare(model, write_gguf(model, tmp_path / "changed.gguf", "f32"))
+    print(f"Nemotron-H MoE with {tensor} neutral: {changed} (as written: {measured})")
     assert changed["max_diff_over_range"] > 10 * measured["max_diff_over_range"], (changed, measured)
 
 

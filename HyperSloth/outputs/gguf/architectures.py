@@ -33,19 +33,22 @@ the table below, checked against llama.cpp's conversion/{qwen,llama,gemma}.py (l
   A as -exp(A_log) and the conv, A, D and gated norm reshaped, the fused experts and shared MLP split into gate and
   up, Q and K permuted as Llama's (no RoPE: no effect), Granite's four multipliers, the Mamba-2 sizes, KV heads 0
   in the Mamba layers, RoPE off (granite.py).
+- Nemotron-H (conversion/nemotron.py, NemotronHModel, a GraniteHybridModel): its blocks of one mixer each (Mamba-2
+  as Granite's, attention, ReLU² MLP or experts), their kinds told to llama.cpp by KV heads and feed-forward widths
+  per layer; `nemotron_h_moe` where it has expert blocks, their per-expert tensors stacked (nemotron_h.py).
 Anything else is refused by name, with the supported list.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from HyperSloth.outputs.export import ExportError
-from HyperSloth.outputs.gguf import gemma4, granite, latent_attention, linear_attention
+from HyperSloth.outputs.gguf import gemma4, granite, latent_attention, linear_attention, nemotron_h
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,8 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("Glm4MoeLiteForCausalLM", "DEEPSEEK2", moe=True, latent_attention=True),
         # not `moe`: granite.py splits its fused experts and shared MLP and writes their keys
         Architecture("GraniteMoeHybridForCausalLM", "GRANITE_HYBRID", permute_qk=True),
+        # nemotron_h, or NEMOTRON_H_MOE where it has expert blocks (architecture_of); experts stacked by nemotron_h.py
+        Architecture("NemotronHForCausalLM", "NEMOTRON_H", permute_qk=True),
     )
 }
 # A multimodal model whose language model is written (llama.cpp's converter does the same; the vision tower would be
@@ -108,6 +113,8 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
     """A multimodal model's config.json as its language model's: `text_config` over the top level's other keys
     (tie_word_embeddings, ...), named by the language model's class. Any other config as it is."""
     names = config.get("architectures") or []
+    if "NemotronHForCausalLM" in names:  # its layer count, which transformers 5.17 does not save
+        return nemotron_h.normalised(config)
     if "text_config" not in config or not any(name in MULTIMODAL for name in names):
         return config
     top = {key: value for key, value in config.items() if key not in _SUB_CONFIGS}  # quantization_config stays
@@ -121,6 +128,8 @@ def architecture_of(config: dict[str, Any], where: str = "the model") -> Archite
     for name in names:
         if name in ARCHITECTURES:
             _check_config(ARCHITECTURES[name], config, where)
+            if name == "NemotronHForCausalLM" and nemotron_h.is_moe(config):
+                return replace(ARCHITECTURES[name], gguf_arch="NEMOTRON_H_MOE")
             return ARCHITECTURES[name]
     named = ", ".join(names) if names else f"none (model_type {config.get('model_type')!r})"
     raise ExportError(f"--gguf cannot write {where}: its architecture is {named}; GGUF export supports {SUPPORTED} "
@@ -141,11 +150,17 @@ def _check_config(arch: Architecture, config: dict[str, Any], where: str) -> Non
         _check_gpt_oss(config, where)
     if arch.gguf_arch == "GRANITE_HYBRID":
         granite.check(config, where)
+    if is_nemotron_h(arch):
+        nemotron_h.check(config, where)
     if arch.linear_attention:
         linear_attention.check(config, where, rotary_dims(config))
     if arch.latent_attention:
         latent_attention.check(config, where)
     _check_rope(config, arch, where)
+
+
+def is_nemotron_h(arch: Architecture) -> bool:
+    return arch.gguf_arch in ("NEMOTRON_H", "NEMOTRON_H_MOE")
 
 
 def _check_gemma3(config: dict[str, Any], where: str) -> None:
@@ -239,6 +254,8 @@ def add_hyperparameters(writer, config: dict[str, Any], arch: Architecture) -> N
         kv_heads, key_length, value_length, rope_dims = gemma4.head_lengths(config)
     elif arch.gguf_arch == "GRANITE_HYBRID":  # KV heads per layer: 0 for a Mamba layer
         kv_heads, key_length, value_length, rope_dims = granite.head_lengths(config)
+    elif is_nemotron_h(arch):  # KV heads per layer: 0 but in the attention layers
+        kv_heads, key_length, value_length, rope_dims = nemotron_h.head_lengths(config)
     else:
         kv_heads, key_length, value_length, rope_dims = (
             config.get("num_key_value_heads") or heads, head_dim(config), head_dim(config), rotary_dims(config))
@@ -248,13 +265,15 @@ def add_hyperparameters(writer, config: dict[str, Any], arch: Architecture) -> N
     if "intermediate_size" in config:  # Qwen3.5-MoE has experts only (their width below)
         writer.add_feed_forward_length(gemma4.feed_forward_length(config) if arch.gguf_arch == "GEMMA4"
                                        else granite.feed_forward_length(config) if arch.gguf_arch == "GRANITE_HYBRID"
+                                       else nemotron_h.feed_forward_length(config) if is_nemotron_h(arch)
                                        else config["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     writer.add_key_length(key_length)
     writer.add_value_length(value_length)
     writer.add_rope_dimension_count(rope_dims)
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"] if "rms_norm_eps" in config
+                                  else config["layer_norm_epsilon"])  # Nemotron-H's name for it
     writer.add_vocab_size(config["vocab_size"])
     _add_rope(writer, config)
     if arch.gguf_arch == "GEMMA3":
@@ -263,6 +282,8 @@ def add_hyperparameters(writer, config: dict[str, Any], arch: Architecture) -> N
         gemma4.add_hyperparameters(writer, config)
     if arch.gguf_arch == "GRANITE_HYBRID":
         granite.add_hyperparameters(writer, config)
+    if is_nemotron_h(arch):
+        nemotron_h.add_hyperparameters(writer, config)
     if arch.moe:
         writer.add_expert_count(expert_count(config))
         writer.add_expert_used_count(config.get("num_experts_per_tok") or config["experts_per_token"])
@@ -408,6 +429,8 @@ def transform(name: str, data: np.ndarray, config: dict[str, Any], arch: Archite
     if arch.latent_attention:
         return latent_attention.transform(name, data, config)
     if arch.gguf_arch == "GRANITE_HYBRID" and (changed := granite.transform(name, data, config)) is not None:
+        return changed
+    if is_nemotron_h(arch) and (changed := nemotron_h.transform(name, data, config)) is not None:
         return changed
     if arch.permute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
         return _permute(data, config["num_attention_heads"])

@@ -153,16 +153,25 @@ def lookup_name(name: str) -> str:
 
 def stored_shape(name: str, shape: tuple[int, ...], config: dict[str, Any]) -> tuple[int, ...]:
     """The tensor's shape in the GGUF (numpy order)."""
-    if MIXER not in name:
-        return shape
-    if name.endswith(("mamba.A_log", "mamba.D")):
+    return mamba2_shape(name, shape, int(config.get("mamba_n_groups") or 1)) if MIXER in name else shape
+
+
+def mamba2_shape(name: str, shape: tuple[int, ...], groups: int) -> tuple[int, ...]:
+    """A Mamba-2 mixer's tensor's shape as llama.cpp reads it (conversion/mamba.py): A and D as (heads, 1), the conv
+    (channels, kernel), the gated norm (groups, inner / groups); Nemotron-H's mixer too (nemotron_h.py)."""
+    if name.endswith((".A_log", ".D")):
         return (*shape, 1)
     if name.endswith("conv1d.weight") and len(shape) == 3:
         return shape[0], shape[2]
-    if name.endswith("mamba.norm.weight"):
-        groups = int(config.get("mamba_n_groups") or 1)
+    if name.endswith(".norm.weight"):
         return groups, shape[0] // groups
     return shape
+
+
+def mamba2_transform(name: str, data: np.ndarray, groups: int) -> np.ndarray:
+    """A Mamba-2 mixer's tensor as llama.cpp reads it: `mamba2_shape`, and A = -exp(A_log)."""
+    data = data.reshape(mamba2_shape(name, data.shape, groups))
+    return -np.exp(data) if name.endswith("A_log") else data
 
 
 def transform(name: str, data: np.ndarray, config: dict[str, Any]) -> np.ndarray | None:
@@ -174,5 +183,4 @@ def transform(name: str, data: np.ndarray, config: dict[str, Any]) -> np.ndarray
         return data[:half] if name.endswith("gate_proj.weight") else data[half:]
     if MIXER not in name:
         return None
-    data = data.reshape(stored_shape(name, data.shape, config))
-    return -np.exp(data) if name.endswith("A_log") else data
+    return mamba2_transform(name, data, int(config.get("mamba_n_groups") or 1))

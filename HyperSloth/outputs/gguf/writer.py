@@ -24,13 +24,14 @@ from loguru import logger
 
 from HyperSloth.outputs import run_files
 from HyperSloth.outputs.export import ExportError
-from HyperSloth.outputs.gguf import gemma4, granite, latent_attention, linear_attention
+from HyperSloth.outputs.gguf import gemma4, granite, latent_attention, linear_attention, nemotron_h
 from HyperSloth.outputs.gguf.architectures import (
     Architecture,
     add_hyperparameters,
     architecture_of,
     caveats,
     expert_count,
+    is_nemotron_h,
     llama3_rope_factors,
     phi3_longrope_factors,
     text_config,
@@ -121,6 +122,8 @@ def plan_tensors(model_dir: Path, config: dict[str, Any], arch: Architecture, qt
         parts = latent_attention.split_parts(parts, config)
     if arch.gguf_arch == "GRANITE_HYBRID":
         parts = granite.split_parts(parts, config)
+    if is_nemotron_h(arch):
+        parts = nemotron_h.split_parts(parts, config)
     if tied and arch.output_required:  # llama.cpp's graph for it reads output.weight, never token_embd
         parts.append(TensorPart("lm_head.weight", shapes[EMBEDDINGS], (EMBEDDINGS,)))
     for part in parts:
@@ -131,6 +134,8 @@ def plan_tensors(model_dir: Path, config: dict[str, Any], arch: Architecture, qt
             lookup = latent_attention.lookup_name(lookup)
         if arch.gguf_arch == "GRANITE_HYBRID":
             lookup, shape = granite.lookup_name(lookup), granite.stored_shape(lookup, shape, config)
+        if is_nemotron_h(arch):
+            lookup, shape = nemotron_h.lookup_name(lookup), nemotron_h.stored_shape(lookup, shape, config)
         gguf_name = (gemma4.gguf_name(lookup, names) if arch.gguf_arch == "GEMMA4"
                      else names.get_name(lookup, try_suffixes=(".weight", ".bias")))
         if gguf_name is None:
