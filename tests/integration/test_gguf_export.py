@@ -6,7 +6,8 @@ per layer; gpt-oss's tied embeddings written as its output too), a tiny Phi-3 wi
 projections, a tiny Qwen3.5-MoE with adapters on its linear attention and experts (also as Qwen3.5-35B-A3B is
 published, a vision tower around it: its language model is written), a tiny dense Qwen3.5, a tiny GLM-4.7-Flash
 with adapters on its latent attention, a tiny Gemma 4 and Gemma 4 MoE as published (multimodal; their language
-model is written), and a tiny Granite 4.0-H with adapters on its Mamba-2 layer, attention and experts.
+model is written), a tiny Granite 4.0-H with adapters on its Mamba-2 layer, attention and experts, and a tiny
+Nemotron-H MoE likewise (its experts stacked per layer).
 With llama-cpp-python importable, llama.cpp also runs the exported files against the merged models."""
 
 from __future__ import annotations
@@ -33,14 +34,15 @@ CHAT = [{"role": "user", "content": "Name three colours, please."},
         {"role": "assistant", "content": "Red, green and blue."}]
 
 
-def make_run(run_dir: Path, base: Path, *, experts: bool = False) -> Path:
+def make_run(run_dir: Path, base: Path, *, experts: bool = False, without: tuple[str, ...] = ()) -> Path:
     """A run folder as training leaves it: adapter, tokenizer, hypersloth_config.json. `experts`: the targets
-    training resolves for an MoE (its linear layers and the experts' fused parameters), else all-linear."""
+    training resolves for an MoE (its linear layers and the experts' fused parameters, but the modules `without`
+    names), else all-linear."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
     if experts:
         targets = resolve_targets(model, None)
-        lora = LoraConfig(r=4, lora_alpha=8, target_modules=list(targets.modules),
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=[name for name in targets.modules if name not in without],
                           target_parameters=list(targets.parameters),
                           exclude_modules=list(targets.excluded) or None)  # a multimodal model's tower
     else:
@@ -287,6 +289,52 @@ def test_a_run_on_granite4_h_exports_the_merged_mamba_attention_and_experts(expo
 
 def test_llama_cpp_agrees_with_the_merged_granite4_h(exported_granite):
     assert_llama_cpp_agrees(exported_granite[1], "granite-run-f32.gguf", "Granite 4.0-H LoRA run f32")
+
+
+@pytest.fixture(scope="module")
+def exported_nemotron_h(tiny_model_dir, tmp_path_factory) -> tuple[Path, Path]:
+    """(base, OUT): the same for a tiny Nemotron-H MoE (blocks of Mamba-2 in 2 groups, experts, attention without
+    RoPE, experts; built here, as hypersloth-tiny-model has no Nemotron-H), adapters on its Mamba projections,
+    attention, shared expert and experts."""
+    from transformers import NemotronHConfig
+
+    root = tmp_path_factory.mktemp("nemotron-h")
+    config = NemotronHConfig(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             max_position_embeddings=256, layers_block_type=["mamba", "moe", "attention", "moe"],
+                             mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=16,
+                             n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=96,
+                             moe_shared_expert_intermediate_size=64, layer_norm_epsilon=1e-6, eos_token_id=2,
+                             pad_token_id=0, bos_token_id=None)
+    config.architectures = ["NemotronHForCausalLM"]
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(str(root / "tiny-nemotron-h"))
+    AutoTokenizer.from_pretrained(str(tiny_model_dir)).save_pretrained(str(root / "tiny-nemotron-h"))
+    # PEFT refuses adapters on a Nemotron-H's Mamba out_proj (and conv1d), which resolve_targets names
+    run = make_run(root / "nemotron-h-run", root / "tiny-nemotron-h", experts=True, without=("out_proj", "conv1d"))
+    export_main([str(run), "--out", str(root / "out"), "--gguf", "f32", "--dtype", "float32"])
+    return root / "tiny-nemotron-h", root / "out"
+
+
+def test_a_run_on_nemotron_h_exports_the_merged_mixers_and_stacked_experts(exported_nemotron_h):
+    base, out = exported_nemotron_h
+    tensors, merged, before = read_export(base, out, "nemotron-h-run-f32.gguf", "nemotron_h_moe")
+    for hf, name in (("layers.0.mixer.in_proj.weight", "blk.0.ssm_in.weight"),
+                     ("layers.2.mixer.q_proj.weight", None), ("layers.2.mixer.v_proj.weight", "blk.2.attn_v.weight"),
+                     ("layers.1.mixer.shared_experts.up_proj.weight", "blk.1.ffn_up_shexp.weight")):
+        assert np.abs(merged[f"backbone.{hf}"] - before[f"backbone.{hf}"]).max() > 1e-3, hf  # adapters folded in
+        if name:
+            np.testing.assert_array_equal(tensors[name], merged[f"backbone.{hf}"])
+    for layer in (1, 3):
+        for proj in ("up", "down"):
+            stacked = np.stack([merged[f"backbone.layers.{layer}.mixer.experts.{expert}.{proj}_proj.weight"]
+                                for expert in range(4)])
+            first = f"backbone.layers.{layer}.mixer.experts.0.{proj}_proj.weight"
+            assert np.abs(merged[first] - before[first]).max() > 1e-3
+            np.testing.assert_array_equal(tensors[f"blk.{layer}.ffn_{proj}_exps.weight"], stacked)
+
+
+def test_llama_cpp_agrees_with_the_merged_nemotron_h(exported_nemotron_h):
+    assert_llama_cpp_agrees(exported_nemotron_h[1], "nemotron-h-run-f32.gguf", "Nemotron-H MoE LoRA run f32")
 
 
 @pytest.fixture(scope="module")
