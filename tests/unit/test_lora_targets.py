@@ -60,6 +60,29 @@ def test_qwen3_5_moe_linear_attention_and_shared_expert_get_adapters_never_the_g
     assert targets.parameters == ("mlp.experts.down_proj", "mlp.experts.gate_up_proj")
 
 
+def test_a_mamba_layers_output_projection_gets_no_adapter():
+    """Mamba's training kernel takes `out_proj.weight` as an argument (an adapter there would be bypassed), and
+    PEFT refuses `out_proj` by name on Nemotron-H: left out, the in_proj adapted; Qwen3.5's linear attention
+    (`out_proj` called as a module) keeps its own."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    nemotron = transformers.NemotronHConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, layers_block_type=["mamba", "attention", "moe"], mamba_num_heads=4, mamba_head_dim=32,
+        ssm_state_size=16, chunk_size=16, n_routed_experts=4, moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=32, use_mamba_kernels=False, n_groups=1, pad_token_id=0, eos_token_id=1,
+        bos_token_id=None)
+    for model in (transformers.AutoModelForCausalLM.from_config(nemotron), tiny("granite4_h")):
+        targets = resolve_targets(model, None)
+        assert "in_proj" in targets.modules and "out_proj" not in targets.modules, targets
+        peft = get_peft_model(model, LoraConfig(r=2, target_modules=list(targets.modules),
+                                                target_parameters=list(targets.parameters)))
+        adapted = {name for name, _ in peft.named_modules() if name.endswith("lora_A")}
+        assert any(".in_proj." in name for name in adapted) and not any(".out_proj." in name for name in adapted)
+    assert "out_proj" in resolve_targets(tiny("qwen3_5"), None).modules
+
+
 def test_glm_4_7_flash_latent_attention_dense_first_layer_and_experts_get_adapters():
     """GLM-4.7-Flash (glm4_moe_lite): DeepSeek's latent attention projections, the dense first layer's MLP and the
     shared expert (both gate/up/down_proj), the fused experts; the router stays frozen."""

@@ -7,6 +7,10 @@ embeddings or a router. transformers 5 stores an MoE layer's experts as fused 3-
 module name matches: they go to PEFT's `target_parameters` (PEFT >= 0.17), which Unsloth's `get_peft_model`
 takes too (its MoE LoRA path then runs the experts as grouped GEMMs without building the per-expert delta).
 
+A Mamba layer's `out_proj` (Granite 4.0-H, Nemotron-H, Falcon-H1, Bamba, Jamba) gets none: its training kernel
+takes the projection's weight as an argument (`mamba_split_conv1d_scan_combined`, outproj_weight=...), which
+bypasses an adapter there, and PEFT refuses it by name on Falcon-H1, Nemotron-H and Mamba models.
+
 An explicit list wins and is checked: each entry must name a module or an expert tensor of the model. As in
 Unsloth (`get_moe_target_parameters`, unsloth 2026.10.9), the MLP names `gate_proj` / `up_proj` / `down_proj`
 also select an MoE layer's fused expert tensors, so the classic seven-name list adapts the experts too.
@@ -44,7 +48,8 @@ class LoraTargets:
     parameters: tuple[str, ...]
     source: str
     # Modules with a target's leaf name outside the text decoder (a multimodal model's vision tower, as Gemma 3
-    # 4B+ has): PEFT's `exclude_modules`, so the adapters stay on the language model
+    # 4B+ has), or a Mamba layer's out_proj where another module shares the name: PEFT's `exclude_modules`, so
+    # the adapters stay on the language model's projections that take them
     excluded: tuple[str, ...] = ()
 
     def record(self) -> dict[str, Any]:
@@ -62,8 +67,9 @@ def resolve_targets(model: nn.Module, requested: list[str] | None) -> LoraTarget
         if not modules and not experts:
             raise ConfigError("found no linear projection in this model's decoder layers to adapt: set "
                               "lora_args.target_modules to the names of the layers to train")
+        fused = tuple(name for name in _mamba_out_projections(model) if name.rsplit(".", 1)[-1] in modules)
         return LoraTargets(modules=modules, parameters=tuple(sorted(set(experts.values()))), source="model",
-                           excluded=_outside_with_names(model, modules))
+                           excluded=_outside_with_names(model, modules) + fused)
     all_names = [name for name, _ in model.named_modules() if name]
     matched_modules, matched_params, unmatched = [], set(), []
     for entry in requested:
@@ -80,18 +86,27 @@ def resolve_targets(model: nn.Module, requested: list[str] | None) -> LoraTarget
 
 
 def decoder_linears(model: nn.Module) -> list[str]:
-    """Full names of the linear layers inside the text decoder's layers, routers and gates excluded."""
+    """Full names of the linear layers inside the text decoder's layers, routers, gates and Mamba layers' output
+    projections excluded."""
     experts = num_experts(getattr(model, "config", None))
+    fused = set(_mamba_out_projections(model))
     names = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or not _LAYER.search(name) or _outside_text(name):
             continue
         if "lora_" in name or name.endswith(".base_layer"):
             continue  # an adapter's own layers (an already wrapped model)
-        if _is_router(name, module, experts):
+        if _is_router(name, module, experts) or name in fused:
             continue
         names.append(name)
     return names
+
+
+def _mamba_out_projections(model: nn.Module) -> list[str]:
+    """Full names of the Mamba layers' `out_proj`: a module with `in_proj`, `conv1d`, `A_log` and `D` (Mamba-2's
+    parameters; Qwen3.5's gated delta rule has no `in_proj` or `D`)."""
+    return [f"{name}.out_proj" for name, module in model.named_modules()
+            if all(hasattr(module, part) for part in ("in_proj", "conv1d", "A_log", "D", "out_proj"))]
 
 
 def expert_tensors(model: nn.Module) -> dict[str, str]:
@@ -180,7 +195,8 @@ def describe(model: nn.Module, targets: LoraTargets) -> tuple[str, dict[str, Any
     share = trainable / total if total else 0.0
     what = "from the model" if targets.source == "model" else "from lora_args.target_modules"
     experts = (f" + experts {', '.join(targets.parameters)}" if targets.parameters else "")
-    kept_out = f" ({len(targets.excluded)} outside the language model left out)" if targets.excluded else ""
+    outside = sum(_outside_text(name) for name in targets.excluded)
+    kept_out = f" ({outside} outside the language model left out)" if outside else ""
     line = (f"LoRA targets ({what}): {', '.join(targets.modules) or 'no linear layer'}{experts} -> "
             f"{modules} modules{kept_out}, {tensors} expert tensors; trainable {trainable:,} of {total:,} "
             f"parameters ({100 * share:.3g}%)")
