@@ -67,6 +67,20 @@ def compare(model_dir: Path, gguf_file: Path, weights: torch.dtype = torch.float
             "tokens": len(ids)}
 
 
+def write_tensor_as(monkeypatch, tensor: str, fill) -> None:
+    """The GGUF writer writes every tensor whose name ends with `tensor` as `fill` of its data (np.ones_like: a
+    neutral scale, np.zeros_like: a neutral bias), to show that llama.cpp reads it."""
+    from HyperSloth.outputs.gguf import writer
+
+    loader = writer._loader
+
+    def filled(files, part, config, arch):
+        load = loader(files, part, config, arch)
+        return (lambda: fill(load())) if part.name.endswith(tensor) else load
+
+    monkeypatch.setattr(writer, "_loader", filled)
+
+
 def check(measured: dict[str, float], gguf_type: str) -> None:
     max_diff, argmax = BOUNDS[gguf_type]
     assert max_diff is None or measured["max_diff_over_range"] <= max_diff, measured
@@ -172,20 +186,14 @@ def test_llama_cpp_reads_what_gemma4_writes_beyond_the_weights(tiny_model_dir, t
     """Each of Gemma 4's own tensors is load-bearing: written as ones (rope_freqs: every pair rotated, as NeoX RoPE
     over the whole head would), llama.cpp's logits move away from transformers' by more than 10x the export's
     difference (measured: 27%, 17%, 30%, 13% of the range)."""
-    from HyperSloth.outputs.gguf import gemma4, writer
+    from HyperSloth.outputs.gguf import gemma4
 
     model = build_arch_model(GEMMA4, tmp_path / "moe", tiny_model_dir, **GEMMA4_VARIANTS["moe"])
     measured = compare(model, write_gguf(model, tmp_path / "m.gguf", "f32"))
     if tensor == "rope_freqs":
         monkeypatch.setattr(gemma4, "rope_factors", lambda config: np.ones(16, dtype=np.float32))
     else:
-        loader = writer._loader
-
-        def ones(files, part, config, arch):
-            load = loader(files, part, config, arch)
-            return (lambda: np.ones_like(load())) if part.name.endswith(tensor) else load
-
-        monkeypatch.setattr(writer, "_loader", ones)
+        write_tensor_as(monkeypatch, tensor, np.ones_like)
     changed = compare(model, write_gguf(model, tmp_path / "ones.gguf", "f32"))
     print(f"Gemma 4 MoE with {tensor} written as ones: {changed} (as written: {measured})")
     assert changed["max_diff_over_range"] > 10 * measured["max_diff_over_range"], (changed, measured)
@@ -243,7 +251,7 @@ def test_llama_cpp_runs_nemotron_h(tiny_model_dir, tmp_path, variant, gguf_type)
 def test_llama_cpp_reads_nemotron_hs_routing(tiny_model_dir, tmp_path, monkeypatch, tensor):
     """The router's score correction (written as zeros) and the routed scaling factor (written as 1) are
     load-bearing: llama.cpp's logits move away from transformers' by more than 10x the export's difference."""
-    from HyperSloth.outputs.gguf import nemotron_h, writer
+    from HyperSloth.outputs.gguf import nemotron_h
 
     model = build_arch_model(NEMOTRON_H, tmp_path / "moe", tiny_model_dir, moe=True)
     measured = compare(model, write_gguf(model, tmp_path / "m.gguf", "f32"))
@@ -256,13 +264,7 @@ def test_llama_cpp_reads_nemotron_hs_routing(tiny_model_dir, tmp_path, monkeypat
 
         monkeypatch.setattr(nemotron_h, "add_hyperparameters", unscaled)
     else:
-        loader = writer._loader
-
-        def zeros(files, part, config, arch):
-            load = loader(files, part, config, arch)
-            return (lambda: np.zeros_like(load())) if part.name.endswith(tensor) else load
-
-        monkeypatch.setattr(writer, "_loader", zeros)
+        write_tensor_as(monkeypatch, tensor, np.zeros_like)
     changed = compare(model, write_gguf(model, tmp_path / "changed.gguf", "f32"))
     print(f"Nemotron-H MoE with {tensor} neutral: {changed} (as written: {measured})")
     assert changed["max_diff_over_range"] > 10 * measured["max_diff_over_range"], (changed, measured)
