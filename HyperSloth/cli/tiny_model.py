@@ -78,7 +78,8 @@ ChatML tokenizer in OUT_DIR, for offline runs and tests, and print what is there
         Flag("force", "replace a non-empty OUT_DIR that holds something else"),
         Flag("architecture", f"the architecture at the tiny shape: {', '.join(ARCHITECTURES)} (default qwen3; "
              "qwen3_moe has 4 fused experts, 2 active; qwen3_5_moe is Qwen3.5-MoE's linear-attention hybrid, "
-             "glm4_moe_lite GLM-4.7-Flash, granite4_h Granite 4.0-H's Mamba-2 hybrid; gemma3_mm, qwen3_5_moe_mm, "
+             "glm4_moe_lite GLM-4.7-Flash, granite4_h Granite 4.0-H's Mamba-2 hybrid, lfm2 / lfm2_moe LFM2's "
+             "short convolutions; gemma3_mm, qwen3_5_moe_mm, "
              "gemma4 and gemma4_moe are multimodal, as Gemma 3 4B+, Qwen3.5-35B-A3B and Gemma 4 are published)",
              value="NAME"),
     ),

@@ -1,6 +1,6 @@
 """The tiny model's architectures: the same tiny shape as a Qwen3, Qwen3-MoE, gpt-oss, Qwen3.5 (dense, MoE, and the
 MoE as published, multimodal), GLM-4.7-Flash, Phi-3, Llama, Mistral, Qwen2, Gemma 3 (text or multimodal), Gemma 4
-(dense or MoE, multimodal as published) or Granite 4.0-H config, so every architecture HyperSloth claims to train is
+(dense or MoE, multimodal as published), Granite 4.0-H or LFM2 (dense or MoE) config, so every architecture HyperSloth claims to train is
 trained in the tests (and by anyone, with `hypersloth-tiny-model --architecture NAME`) without the Hub.
 
 The MoE shape keeps transformers 5's fused experts (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) with
@@ -11,6 +11,7 @@ time inside packed rows (train/packing/recurrent.py). GLM-4.7-Flash (`glm4_moe_l
 latent attention (low-rank q and kv projections, a separate RoPE part) and a dense first layer before MoE ones with
 a shared expert. Gemma 4's full-attention layer has heads twice as wide as its sliding ones (a per-layer config).
 Granite 4.0-H (`granite4_h`) has Mamba-2 layers, the last attention without RoPE, and MoE beside a shared MLP.
+LFM2 (`lfm2`, `lfm2_moe`: Liquid AI's) has short-convolution layers, the last attention; its MoE a dense first layer.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from __future__ import annotations
 from typing import Any
 
 ARCHITECTURES = ("qwen3", "qwen3_moe", "gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_mm", "glm4_moe_lite", "phi3",
-                 "llama", "mistral", "qwen2", "gemma3", "gemma3_mm", "gemma4", "gemma4_moe", "granite4_h")
+                 "llama", "mistral", "qwen2", "gemma3", "gemma3_mm", "gemma4", "gemma4_moe", "granite4_h", "lfm2",
+                 "lfm2_moe")
 # Experts of the tiny MoE and how many are active per token.
 TINY_EXPERTS, TINY_ACTIVE_EXPERTS = 4, 2
 
@@ -114,6 +116,12 @@ def tiny_config(architecture: str, *, vocab_size: int, hidden_size: int, interme
                      output_router_logits=False)
         common.pop("head_dim", None)
         common["intermediate_size"] = width  # the experts' width
+    elif architecture in ("lfm2", "lfm2_moe"):  # LFM2: short-convolution layers, the last attention; the MoE's
+        extra = dict(layer_types=["conv"] * (num_layers - 1) + ["full_attention"],  # first layer dense
+                     block_auto_adjust_ff_dim=False, conv_bias=False)
+        if architecture == "lfm2_moe":
+            extra.update(num_dense_layers=1, num_experts=TINY_EXPERTS, num_experts_per_tok=TINY_ACTIVE_EXPERTS,
+                         moe_intermediate_size=intermediate_size // 2)
     elif architecture == "glm4_moe_lite":  # MLA: heads of nope + rope dims for q/k, v of head_dim; layer 0 dense
         extra = dict(n_routed_experts=TINY_EXPERTS, num_experts_per_tok=TINY_ACTIVE_EXPERTS, n_shared_experts=1,
                      moe_intermediate_size=intermediate_size // 2, kv_lora_rank=2 * head_dim, q_lora_rank=2 * head_dim,
@@ -126,7 +134,8 @@ def tiny_config(architecture: str, *, vocab_size: int, hidden_size: int, interme
                      hidden_activation="gelu_pytorch_tanh")
     classes = {"qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig", "phi3": "Phi3Config", "gpt_oss": "GptOssConfig",
                "qwen3_5": "Qwen3_5TextConfig", "qwen3_5_moe": "Qwen3_5MoeTextConfig",
-               "glm4_moe_lite": "Glm4MoeLiteConfig", "granite4_h": "GraniteMoeHybridConfig", "llama": "LlamaConfig",
+               "glm4_moe_lite": "Glm4MoeLiteConfig", "granite4_h": "GraniteMoeHybridConfig", "lfm2": "Lfm2Config",
+               "lfm2_moe": "Lfm2MoeConfig", "llama": "LlamaConfig",
                "mistral": "MistralConfig", "qwen2": "Qwen2Config", "gemma3": "Gemma3TextConfig"}
     return getattr(transformers, classes[architecture])(**common, **extra)
 

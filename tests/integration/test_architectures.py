@@ -19,6 +19,8 @@ unset in every run.
   full-attention layers' heads twice as wide as the sliding ones': a per-layer config) train their language model.
 - A tiny Granite 4.0-H (Mamba-2 layers whose state the PyTorch kernels carry across a packed row's samples, an
   attention layer whose decoder builds its mask without the position ids, MoE) trains packed with both fixes.
+- A tiny LFM2-MoE (short convolutions that read the previous sample's last tokens in a packed row) trains packed with
+  them run one sample at a time.
 - A tiny Phi-3 gets its fused qkv_proj / gate_up_proj."""
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ SPECS = [
     RunSpec("gemma4-moe-1w", gpus=1, per_device=8, model_subdir="gemma4_moe", default_targets=True),
     RunSpec("granite-2w", model_subdir="granite4_h", default_targets=True),
     RunSpec("granite-1w", gpus=1, per_device=8, model_subdir="granite4_h", default_targets=True),
+    RunSpec("lfm2-moe-2w", model_subdir="lfm2_moe", default_targets=True),
+    RunSpec("lfm2-moe-1w", gpus=1, per_device=8, model_subdir="lfm2_moe", default_targets=True),
     RunSpec("glm-2w", model_subdir="glm4_moe_lite", default_targets=True),
     RunSpec("glm-1w", gpus=1, per_device=8, model_subdir="glm4_moe_lite", default_targets=True),
 ]
@@ -84,7 +88,7 @@ def build_models(workdir: Path, tiny_model_dir: Path) -> Path:
 
     models = workdir / "models"
     for architecture in ("qwen3_moe", "phi3", "gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_mm", "glm4_moe_lite",
-                         "gemma3_mm", "gemma4", "gemma4_moe", "granite4_h"):
+                         "gemma3_mm", "gemma4", "gemma4_moe", "granite4_h", "lfm2_moe"):
         build_tiny_model(models / architecture, architecture=architecture)
     source = workdir / "chat.jsonl"
     with SAMPLE_CHAT.open() as lines:
@@ -268,6 +272,18 @@ def test_granite_4_h_trains_packed_with_its_mamba_layers_per_sample_and_two_work
     assert_step_one_is_every_sample_alone(multi, workdir, model_dir, dataset)
     assert_workers_agree(multi, single)
     assert any("mamba.in_proj" in key for key in multi.adapter()) and any("experts" in key for key in multi.adapter())
+
+
+@needs("lfm2-moe-2w", "lfm2-moe-1w")
+def test_lfm2_moe_trains_packed_with_its_short_convolutions_per_sample_and_two_workers_match_one(runs, dataset,
+                                                                                               workdir, model_dir):
+    multi, single = runs.get("lfm2-moe-2w").check_ok(), runs.get("lfm2-moe-1w").check_ok()
+    packing = json.loads((multi.out / "run_resolved.json").read_text())["packing"]
+    assert packing["exact"] and packing["fix"] == "short convolutions run one sample at a time", packing
+    assert multi.summary["batching"] == single.summary["batching"] == "packed"
+    assert_step_one_is_every_sample_alone(multi, workdir, model_dir, dataset)
+    assert_workers_agree(multi, single)
+    assert any("conv.in_proj" in key for key in multi.adapter()) and any("experts" in key for key in multi.adapter())
 
 
 @needs("glm-2w", "glm-1w")

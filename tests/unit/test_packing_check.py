@@ -38,7 +38,8 @@ def _tiny(architecture: str, lora: bool = False):
 
 @pytest.mark.parametrize("architecture",  # gpt-oss and Qwen3.5's linear attention: their own tests below
                          [a for a in ARCHITECTURES
-                          if a not in ("gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_mm", "granite4_h")])
+                          if a not in ("gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_mm", "granite4_h", "lfm2",
+                                       "lfm2_moe")])
 def test_architectures_that_pass_the_position_ids_keep_samples_apart(architecture):
     check = ensure_exact_packing(_tiny(architecture), "transformers")
     assert check.exact and check.fix is None
