@@ -7,7 +7,8 @@ projections, a tiny Qwen3.5-MoE with adapters on its linear attention and expert
 published, a vision tower around it: its language model is written), a tiny dense Qwen3.5, a tiny GLM-4.7-Flash
 with adapters on its latent attention, a tiny Gemma 4 and Gemma 4 MoE as published (multimodal; their language
 model is written), a tiny Granite 4.0-H with adapters on its Mamba-2 layer, attention and experts, and a tiny
-Nemotron-H MoE likewise (its experts stacked per layer).
+Nemotron-H MoE likewise (its experts stacked per layer), a tiny LFM2 with adapters on its short convolutions'
+projections, attention and MLPs, and a tiny LFM2-MoE with adapters on its experts too (stacked per layer).
 With llama-cpp-python importable, llama.cpp also runs the exported files against the merged models."""
 
 from __future__ import annotations
@@ -336,6 +337,58 @@ def test_a_run_on_nemotron_h_exports_the_merged_mixers_and_stacked_experts(expor
 
 def test_llama_cpp_agrees_with_the_merged_nemotron_h(exported_nemotron_h):
     assert_llama_cpp_agrees(exported_nemotron_h[1], "nemotron-h-run-f32.gguf", "Nemotron-H MoE LoRA run f32")
+
+
+@pytest.fixture(scope="module")
+def exported_lfm2(tmp_path_factory) -> tuple[Path, Path]:
+    """(base, OUT): the same for a tiny LFM2 (a short-convolution layer, then attention), adapters on the
+    convolution's in_proj / out_proj, the attention and the MLPs."""
+    return export_tiny(tmp_path_factory, "lfm2", "lfm2")
+
+
+@pytest.fixture(scope="module")
+def exported_lfm2_moe(tmp_path_factory) -> tuple[Path, Path]:
+    """(base, OUT): the same for a tiny LFM2-MoE (its first layer dense, the second's experts), adapters on its
+    experts too."""
+    return export_tiny(tmp_path_factory, "lfm2_moe", "lfm2-moe")
+
+
+def test_a_run_on_lfm2_exports_the_merged_convolution_attention_and_mlp(exported_lfm2):
+    """Before, --gguf refused a run on LFM2 by the base model's class name. The GGUF is llama.cpp's lfm2; the merged
+    projections as they are, the convolution's kernel (no adapter: a Conv1d) as (channels, taps)."""
+    base, out = exported_lfm2
+    tensors, merged, before = read_export(base, out, "lfm2-run-f32.gguf", "lfm2")
+    for hf, name in (("layers.0.conv.in_proj.weight", "blk.0.shortconv.in_proj.weight"),
+                     ("layers.0.conv.out_proj.weight", "blk.0.shortconv.out_proj.weight"),
+                     ("layers.0.feed_forward.w1.weight", "blk.0.ffn_gate.weight"),
+                     ("layers.1.self_attn.q_proj.weight", "blk.1.attn_q.weight"),
+                     ("layers.1.self_attn.out_proj.weight", "blk.1.attn_output.weight"),
+                     ("layers.1.feed_forward.w2.weight", "blk.1.ffn_down.weight")):
+        assert np.abs(merged[f"model.{hf}"] - before[f"model.{hf}"]).max() > 1e-3, hf  # the adapters were folded in
+        np.testing.assert_array_equal(tensors[name], merged[f"model.{hf}"])
+    np.testing.assert_array_equal(tensors["blk.0.shortconv.conv.weight"],
+                                  merged["model.layers.0.conv.conv.weight"][:, 0])
+
+
+def test_llama_cpp_agrees_with_the_merged_lfm2(exported_lfm2):
+    assert_llama_cpp_agrees(exported_lfm2[1], "lfm2-run-f32.gguf", "LFM2 LoRA run f32")
+
+
+def test_a_run_on_lfm2_moe_exports_the_merged_stacked_experts(exported_lfm2_moe):
+    base, out = exported_lfm2_moe
+    tensors, merged, before = read_export(base, out, "lfm2-moe-run-f32.gguf", "lfm2moe")
+    stem = "model.layers.1.feed_forward"
+    for proj, name in (("w1", "gate"), ("w3", "up"), ("w2", "down")):
+        experts = [merged[f"{stem}.experts.{e}.{proj}.weight"] for e in range(4)]
+        assert np.abs(experts[0] - before[f"{stem}.experts.0.{proj}.weight"]).max() > 1e-3, proj
+        np.testing.assert_array_equal(tensors[f"blk.1.ffn_{name}_exps.weight"], np.stack(experts))
+    np.testing.assert_array_equal(tensors["blk.1.ffn_gate_inp.weight"], merged[f"{stem}.gate.weight"])
+    np.testing.assert_array_equal(tensors["blk.1.exp_probs_b.bias"], merged[f"{stem}.expert_bias"])
+    np.testing.assert_array_equal(tensors["blk.0.ffn_up.weight"], merged["model.layers.0.feed_forward.w3.weight"])
+
+
+def test_llama_cpp_agrees_with_the_merged_lfm2_moe(exported_lfm2_moe):
+    assert_llama_cpp_agrees(exported_lfm2_moe[1], "lfm2-moe-run-f32.gguf", "LFM2-MoE LoRA run f32")
 
 
 @pytest.fixture(scope="module")

@@ -72,6 +72,8 @@ def tiny_config(architecture: str, **changes):
         return granite4_h_config(**changes)
     if architecture == NEMOTRON_H:
         return nemotron_h_config(**changes)
+    if architecture in (LFM2, LFM2_MOE):
+        return lfm2_config(moe=architecture == LFM2_MOE, **changes)
     classes = {"Qwen3ForCausalLM": Qwen3Config, "Qwen2ForCausalLM": Qwen2Config, "LlamaForCausalLM": LlamaConfig,
                "MistralForCausalLM": MistralConfig}
     return classes[architecture](**SHAPE)
@@ -148,6 +150,28 @@ def nemotron_h_config(moe: bool = False, **changes):
                               "chunk_size": 16, "layer_norm_epsilon": 1e-6, **experts, **changes})
 
 
+LFM2, LFM2_MOE = "Lfm2ForCausalLM", "Lfm2MoeForCausalLM"
+
+
+def lfm2_config(moe: bool = False, **changes):
+    """A tiny LFM2 (Lfm2Config): a short-convolution layer (3 taps), an attention layer, a convolution layer; the
+    MLP's width adjusted as the published models' (block_auto_adjust_ff_dim: 2/3 of 144, times 1.5, up to a multiple
+    of 32: 160). `moe`: LFM2-MoE (Lfm2MoeConfig), its first layer dense (128 wide), the others 4 experts of 96, 2
+    active, sigmoid-routed with an expert bias. `changes`: other config arguments."""
+    from transformers import Lfm2Config, Lfm2MoeConfig
+
+    from HyperSloth.train.tiny_architectures import TINY_ACTIVE_EXPERTS, TINY_EXPERTS
+
+    shape = {key: value for key, value in SHAPE.items() if key not in ("rms_norm_eps", "tie_word_embeddings")}
+    common = dict(shape, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], norm_eps=1e-6,
+                  conv_L_cache=3, conv_bias=False, tie_word_embeddings=moe)
+    if moe:  # lfm2moe reads the output projection from the embeddings: tied
+        return Lfm2MoeConfig(**{**common, "num_dense_layers": 1, "num_experts": TINY_EXPERTS,
+                                "num_experts_per_tok": TINY_ACTIVE_EXPERTS, "moe_intermediate_size": 96, **changes})
+    return Lfm2Config(**{**common, "intermediate_size": 144, "block_auto_adjust_ff_dim": True,
+                         "block_ffn_dim_multiplier": 1.5, "block_multiple_of": 32, **changes})
+
+
 def build_arch_model(architecture: str, out: Path, tokenizer_dir: Path, seed: int = 0,
                      special_ids: tuple[int | None, int, int | None] = (None, 2, 0), **changes) -> Path:
     """Save a random `architecture` model (std 0.1, biases and norms random too) + the tokenizer to `out`;
@@ -165,15 +189,15 @@ def save_random(model, out: Path, tokenizer_dir: Path, norms_at: float = 1.0, ga
                 ) -> Path:
     """`model` with every weight drawn around 0 (std 0.1), its norms around `norms_at` (Qwen3.5's gated norm inside
     its linear attention around `gated_norms_at`, where given), Gemma 4's router scales around 1, GLM's routing
-    correction and Gemma 4's layer scalars (buffers: zeros and ones until trained) random too; saved with the
-    tokenizer of `tokenizer_dir` to `out`. The caller seeds torch."""
+    correction, LFM2-MoE's expert bias and Gemma 4's layer scalars (buffers: zeros and ones until trained) random
+    too; saved with the tokenizer of `tokenizer_dir` to `out`. The caller seeds torch."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             gated = gated_norms_at is not None and "linear_attn.norm" in name
             scale = name.endswith(("router.scale", "router.per_expert_scale"))
             param.normal_(gated_norms_at if gated else norms_at if "norm" in name else 1.0 if scale else 0.0, 0.1)
         for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
+            if name.endswith(("e_score_correction_bias", "expert_bias")):
                 buffer.normal_(0.0, 0.1)
             if name.endswith("layer_scalar"):
                 buffer.normal_(1.0, 0.1)

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf_models import (GEMMA4, GEMMA4_VARIANTS, GRANITE4_H, NEMOTRON_H, SPM_IDS, SPM_SPECIALS, build_arch_model,
-                         build_spm_tokenizer)
+from gguf_models import (GEMMA4, GEMMA4_VARIANTS, GRANITE4_H, LFM2, LFM2_MOE, NEMOTRON_H, SPM_IDS, SPM_SPECIALS,
+                         build_arch_model, build_spm_tokenizer)
 from safetensors.numpy import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -685,6 +685,134 @@ def test_a_nemotron_h_llama_cpp_would_compute_otherwise_is_refused(nemotron_dirs
         architectures.architecture_of({**config, **change})
 
 
+def lfm2_expected(model: Path) -> dict[str, np.ndarray]:
+    """An LFM2's tensors under llama.cpp's lfm2(moe) names, changed as its converter changes them
+    (conversion/lfm2.py LFM2Model, LFM2MoeModel), written independently."""
+    out, experts = {}, {}
+    for hf_name, data in load_file(str(model / "model.safetensors")).items():
+        layer = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf_name)
+        if not layer:
+            out[{"model.embed_tokens.weight": "token_embd.weight", "model.embedding_norm.weight":
+                 "token_embd_norm.weight", "lm_head.weight": "output.weight"}[hf_name]] = data
+            continue
+        blk, name = f"blk.{layer[1]}.", layer[2]
+        if expert := re.fullmatch(r"feed_forward\.experts\.(\d+)\.(w\d)\.weight", name):
+            proj = {"w1": "gate", "w2": "down", "w3": "up"}[expert[2]]
+            experts.setdefault(f"{blk}ffn_{proj}_exps.weight", {})[int(expert[1])] = data
+            continue
+        gguf_name, change = {
+            "operator_norm.weight": ("attn_norm.weight", None), "ffn_norm.weight": ("ffn_norm.weight", None),
+            "conv.conv.weight": ("shortconv.conv.weight", lambda x: x[:, 0, :]),
+            "conv.in_proj.weight": ("shortconv.in_proj.weight", None),
+            "conv.out_proj.weight": ("shortconv.out_proj.weight", None),
+            "self_attn.q_proj.weight": ("attn_q.weight", None), "self_attn.k_proj.weight": ("attn_k.weight", None),
+            "self_attn.v_proj.weight": ("attn_v.weight", None),
+            "self_attn.out_proj.weight": ("attn_output.weight", None),
+            "self_attn.q_layernorm.weight": ("attn_q_norm.weight", None),
+            "self_attn.k_layernorm.weight": ("attn_k_norm.weight", None),
+            "feed_forward.w1.weight": ("ffn_gate.weight", None), "feed_forward.w3.weight": ("ffn_up.weight", None),
+            "feed_forward.w2.weight": ("ffn_down.weight", None),
+            "feed_forward.gate.weight": ("ffn_gate_inp.weight", None),
+            "feed_forward.expert_bias": ("exp_probs_b.bias", None)}[name]
+        out[blk + gguf_name] = change(data) if change else data
+    for name, by_expert in experts.items():
+        out[name] = np.stack([by_expert[index] for index in sorted(by_expert)])
+    return out
+
+
+@pytest.fixture(scope="module")
+def lfm2_dirs(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
+    """The tiny LFM2 and LFM2-MoE (gguf_models.lfm2_config), the latter also saved with fused experts."""
+    root = tmp_path_factory.mktemp("lfm2")
+    dirs = {"dense": build_arch_model(LFM2, root / "dense", tiny_model_dir),
+            "moe": build_arch_model(LFM2_MOE, root / "moe", tiny_model_dir)}
+    AutoModelForCausalLM.from_pretrained(str(dirs["moe"]), dtype=torch.float32).save_pretrained(
+        str(root / "fused"), save_original_format=False)
+    AutoTokenizer.from_pretrained(str(dirs["moe"])).save_pretrained(str(root / "fused"))
+    assert load_file(str(root / "fused" / "model.safetensors"))[
+        "model.layers.1.feed_forward.experts.gate_up_proj"].shape == (4, 192, 64)
+    return {**dirs, "fused": root / "fused"}
+
+
+@pytest.mark.parametrize("variant, arch", [("dense", "lfm2"), ("moe", "lfm2moe")])
+def test_every_lfm2_tensor_lands_under_llama_cpps_name_as_its_converter_changes_it(lfm2_dirs, tmp_path, variant,
+                                                                                   arch):
+    fields, tensors = read(write_gguf(lfm2_dirs[variant], tmp_path / "m.gguf", "f32"))
+    assert fields["general.architecture"] == arch
+    expected = lfm2_expected(lfm2_dirs[variant])
+    assert sorted(tensors) == sorted(expected)
+    for name, want in expected.items():
+        np.testing.assert_array_equal(values(tensors[name]), want.astype(np.float32), err_msg=name)
+
+
+def test_lfm2_moe_fused_experts_are_written_as_the_per_expert_ones(lfm2_dirs, tmp_path):
+    _, fused = read(write_gguf(lfm2_dirs["fused"], tmp_path / "fused.gguf", "f32"))
+    _, per_expert = read(write_gguf(lfm2_dirs["moe"], tmp_path / "per-expert.gguf", "f32"))
+    assert sorted(fused) == sorted(per_expert)
+    for name, tensor in per_expert.items():
+        np.testing.assert_array_equal(values(fused[name]), values(tensor), err_msg=name)
+
+
+def test_lfm2_keys_llama_cpp_reads(lfm2_dirs, tmp_path):
+    """KV heads 0 in the convolution layers (llama.cpp's recurrent ones), the convolution's taps, the MLP's width as
+    transformers adjusts it (160 from 144); for the MoE the experts, the dense layer in front, sigmoid gating; the
+    convolution kept F32 (and the router, the expert bias) where the rest is q8_0."""
+    keys = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count",
+            "attention.head_count_kv", "attention.key_length", "shortconv.l_cache", "rope.freq_base")
+    common = {"block_count": 3, "embedding_length": 64, "attention.head_count": 4, "attention.head_count_kv": [0, 2, 0],
+              "attention.key_length": 16, "shortconv.l_cache": 3}
+    dense, _ = read(write_gguf(lfm2_dirs["dense"], tmp_path / "dense.gguf", "f32"))
+    written = {key: dense[f"lfm2.{key}"] for key in keys}
+    assert written.pop("rope.freq_base") == pytest.approx(1e6)
+    assert written == {**common, "feed_forward_length": 160}
+    assert dense["lfm2.attention.layer_norm_rms_epsilon"] == pytest.approx(1e-6)
+    assert "lfm2.expert_count" not in dense
+    moe, tensors = read(write_gguf(lfm2_dirs["moe"], tmp_path / "moe.gguf", "q8_0"))
+    moe_keys = ("expert_count", "expert_used_count", "expert_feed_forward_length", "leading_dense_block_count",
+                "expert_gating_func")
+    assert {key: moe[f"lfm2moe.{key}"] for key in (*keys[:-1], *moe_keys)} == {
+        **common, "feed_forward_length": 128, "expert_count": 4, "expert_used_count": 2,
+        "expert_feed_forward_length": 96, "leading_dense_block_count": 1,
+        "expert_gating_func": int(gguf.ExpertGatingFuncType.SIGMOID)}
+    f32 = gguf.GGMLQuantizationType.F32
+    for name in ("blk.0.shortconv.conv.weight", "blk.1.ffn_gate_inp.weight", "blk.1.exp_probs_b.bias"):
+        assert tensors[name].tensor_type == f32, name
+    assert tensors["blk.1.ffn_up_exps.weight"].tensor_type == gguf.GGMLQuantizationType.Q8_0
+
+
+def test_lfm2_read_from_a_published_config_as_from_transformers_5_17s(lfm2_dirs):
+    """The published configs name the MLP's width `block_ff_dim`, the tying `tie_embedding`, the attention layers
+    `full_attn_idxs`; the RMS eps is `norm_eps` in both."""
+    from HyperSloth.outputs.gguf import lfm2
+
+    saved = json.loads((lfm2_dirs["dense"] / "config.json").read_text())
+    published = {key: value for key, value in saved.items()
+                 if key not in ("layer_types", "intermediate_size", "tie_word_embeddings")}
+    published.update(full_attn_idxs=[1], block_ff_dim=144, tie_embedding=False)
+    for config in (saved, published):
+        normalised = architectures.text_config(config)
+        assert normalised["layer_types"] == ["conv", "full_attention", "conv"]
+        assert (normalised["intermediate_size"], normalised["tie_word_embeddings"]) == (144, False)
+        assert normalised["rms_norm_eps"] == pytest.approx(1e-6)
+        assert lfm2.feed_forward_length(normalised) == 160
+        assert architectures.architecture_of(config).arch_name == "lfm2"
+
+
+@pytest.mark.parametrize("variant, change, message", [
+    ("dense", {"conv_bias": True}, "conv_bias"),
+    ("dense", {"layer_types": ["conv", "sliding_attention", "conv"]}, r"\['sliding_attention'\]"),
+    ("moe", {"norm_topk_prob": False}, "norm_topk_prob false"),
+    ("moe", {"routed_scaling_factor": 2.0}, "routed_scaling_factor 2.0"),
+    ("moe", {"use_expert_bias": False}, "use_expert_bias false"),
+    ("moe", {"tie_word_embeddings": False}, "tie_word_embeddings false"),
+])
+def test_an_lfm2_llama_cpp_would_compute_otherwise_is_refused(lfm2_dirs, variant, change, message):
+    config = json.loads((lfm2_dirs[variant] / "config.json").read_text())
+    architectures.architecture_of(config)
+    with pytest.raises(ExportError, match=message):
+        architectures.architecture_of({**config, **change})
+
+
 GLM = "Glm4MoeLiteForCausalLM"
 
 
@@ -973,7 +1101,7 @@ def test_an_unsupported_architecture_is_refused_by_name(tiny_model_dir, tmp_path
                                           "Gemma4ForCausalLM, Qwen3MoeForCausalLM, GptOssForCausalLM, "
                                           "Phi3ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, "
                                           "Glm4MoeLiteForCausalLM, GraniteMoeHybridForCausalLM, "
-                                          "NemotronHForCausalLM, "
+                                          "NemotronHForCausalLM, Lfm2ForCausalLM, Lfm2MoeForCausalLM, "
                                           "Gemma3ForConditionalGeneration, "
                                           "Gemma4ForConditionalGeneration, Qwen3_5ForConditionalGeneration, "
                                           "Qwen3_5MoeForConditionalGeneration"):

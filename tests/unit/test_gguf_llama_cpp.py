@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf_models import (CHAT, GEMMA4, GEMMA4_VARIANTS, GRANITE4_H, NEMOTRON_H, SPM_IDS, SPM_SPECIALS,
+from gguf_models import (CHAT, GEMMA4, GEMMA4_VARIANTS, GRANITE4_H, LFM2, LFM2_MOE, NEMOTRON_H, SPM_IDS, SPM_SPECIALS,
                          build_arch_model, build_spm_tokenizer, gemma_style)
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -267,6 +267,35 @@ def test_llama_cpp_reads_nemotron_hs_routing(tiny_model_dir, tmp_path, monkeypat
         write_tensor_as(monkeypatch, tensor, np.zeros_like)
     changed = compare(model, write_gguf(model, tmp_path / "changed.gguf", "f32"))
     print(f"Nemotron-H MoE with {tensor} neutral: {changed} (as written: {measured})")
+    assert changed["max_diff_over_range"] > 10 * measured["max_diff_over_range"], (changed, measured)
+
+
+@pytest.mark.parametrize("variant, gguf_type", [("dense", "f32"), ("dense", "f16"), ("moe", "f32"), ("moe", "f16"),
+                                                ("fused", "f32")])
+def test_llama_cpp_runs_lfm2(tiny_model_dir, tmp_path, variant, gguf_type):
+    """The tiny LFM2 (gguf_models.lfm2_config: short convolution, attention with Q/K norms, short convolution; the
+    MLP's width adjusted), as lfm2; LFM2-MoE (a dense layer, then sigmoid-routed experts with a random expert bias)
+    as lfm2moe, also saved with its experts fused (as transformers holds them)."""
+    model = build_arch_model(LFM2 if variant == "dense" else LFM2_MOE, tmp_path / variant, tiny_model_dir)
+    if variant == "fused":
+        AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).save_pretrained(
+            str(tmp_path / "fused-saved"), save_original_format=False)
+        AutoTokenizer.from_pretrained(str(model)).save_pretrained(str(tmp_path / "fused-saved"))
+        model = tmp_path / "fused-saved"
+    measured = compare(model, write_gguf(model, tmp_path / "m.gguf", gguf_type))
+    print(f"LFM2 {variant} {gguf_type}: {measured}")
+    check(measured, gguf_type)
+
+
+@pytest.mark.parametrize("tensor", ["expert_bias", "conv.conv.weight"])
+def test_llama_cpp_reads_lfm2s_expert_bias_and_convolution(tiny_model_dir, tmp_path, monkeypatch, tensor):
+    """The expert bias (written as zeros) and the short convolution's kernel (written as ones) are load-bearing:
+    llama.cpp's logits move away from transformers' by more than 10x the export's difference."""
+    model = build_arch_model(LFM2_MOE, tmp_path / "moe", tiny_model_dir)
+    measured = compare(model, write_gguf(model, tmp_path / "m.gguf", "f32"))
+    write_tensor_as(monkeypatch, tensor, np.zeros_like if tensor == "expert_bias" else np.ones_like)
+    changed = compare(model, write_gguf(model, tmp_path / "changed.gguf", "f32"))
+    print(f"LFM2-MoE with {tensor} neutral: {changed} (as written: {measured})")
     assert changed["max_diff_over_range"] > 10 * measured["max_diff_over_range"], (changed, measured)
 
 

@@ -36,6 +36,9 @@ the table below, checked against llama.cpp's conversion/{qwen,llama,gemma}.py (l
 - Nemotron-H (conversion/nemotron.py, NemotronHModel, a GraniteHybridModel): its blocks of one mixer each (Mamba-2
   as Granite's, attention, ReLU² MLP or experts), their kinds told to llama.cpp by KV heads and feed-forward widths
   per layer; `nemotron_h_moe` where it has expert blocks, their per-expert tensors stacked (nemotron_h.py).
+- LFM2 (conversion/lfm2.py, LFM2Model) and LFM2-MoE (LFM2MoeModel, llama.cpp's lfm2moe): the short convolution's
+  kernel without its middle axis, KV heads 0 in the convolution layers, the convolution's taps; for the MoE its
+  experts stacked, the expert bias as `exp_probs_b`, the dense layers in front, sigmoid gating (lfm2.py).
 Anything else is refused by name, with the supported list.
 """
 
@@ -48,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from HyperSloth.outputs.export import ExportError
-from HyperSloth.outputs.gguf import gemma4, granite, latent_attention, linear_attention, nemotron_h
+from HyperSloth.outputs.gguf import gemma4, granite, latent_attention, lfm2, linear_attention, nemotron_h
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,9 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("GraniteMoeHybridForCausalLM", "GRANITE_HYBRID", permute_qk=True),
         # nemotron_h, or NEMOTRON_H_MOE where it has expert blocks (architecture_of); experts stacked by nemotron_h.py
         Architecture("NemotronHForCausalLM", "NEMOTRON_H", permute_qk=True),
+        # not `moe`: lfm2.py stacks the experts (feed_forward.experts.E.w1/w2/w3) and writes their keys
+        Architecture("Lfm2ForCausalLM", "LFM2"),
+        Architecture("Lfm2MoeForCausalLM", "LFM2MOE"),
     )
 }
 # A multimodal model whose language model is written (llama.cpp's converter does the same; the vision tower would be
@@ -115,6 +121,8 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
     names = config.get("architectures") or []
     if "NemotronHForCausalLM" in names:  # its layer count, which transformers 5.17 does not save
         return nemotron_h.normalised(config)
+    if any(name in lfm2.HF_NAMES for name in names):  # a published config.json's names as transformers reads them
+        return lfm2.normalised(config)
     if "text_config" not in config or not any(name in MULTIMODAL for name in names):
         return config
     top = {key: value for key, value in config.items() if key not in _SUB_CONFIGS}  # quantization_config stays
@@ -152,6 +160,8 @@ def _check_config(arch: Architecture, config: dict[str, Any], where: str) -> Non
         granite.check(config, where)
     if is_nemotron_h(arch):
         nemotron_h.check(config, where)
+    if is_lfm2(arch):
+        lfm2.check(config, where)
     if arch.linear_attention:
         linear_attention.check(config, where, rotary_dims(config))
     if arch.latent_attention:
@@ -161,6 +171,10 @@ def _check_config(arch: Architecture, config: dict[str, Any], where: str) -> Non
 
 def is_nemotron_h(arch: Architecture) -> bool:
     return arch.gguf_arch in ("NEMOTRON_H", "NEMOTRON_H_MOE")
+
+
+def is_lfm2(arch: Architecture) -> bool:
+    return arch.gguf_arch in ("LFM2", "LFM2MOE")
 
 
 def _check_gemma3(config: dict[str, Any], where: str) -> None:
@@ -256,6 +270,8 @@ def add_hyperparameters(writer, config: dict[str, Any], arch: Architecture) -> N
         kv_heads, key_length, value_length, rope_dims = granite.head_lengths(config)
     elif is_nemotron_h(arch):  # KV heads per layer: 0 but in the attention layers
         kv_heads, key_length, value_length, rope_dims = nemotron_h.head_lengths(config)
+    elif is_lfm2(arch):  # KV heads per layer: 0 for a convolution layer
+        kv_heads, key_length, value_length, rope_dims = lfm2.head_lengths(config)
     else:
         kv_heads, key_length, value_length, rope_dims = (
             config.get("num_key_value_heads") or heads, head_dim(config), head_dim(config), rotary_dims(config))
@@ -266,6 +282,7 @@ def add_hyperparameters(writer, config: dict[str, Any], arch: Architecture) -> N
         writer.add_feed_forward_length(gemma4.feed_forward_length(config) if arch.gguf_arch == "GEMMA4"
                                        else granite.feed_forward_length(config) if arch.gguf_arch == "GRANITE_HYBRID"
                                        else nemotron_h.feed_forward_length(config) if is_nemotron_h(arch)
+                                       else lfm2.feed_forward_length(config) if is_lfm2(arch)
                                        else config["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
@@ -284,6 +301,8 @@ def add_hyperparameters(writer, config: dict[str, Any], arch: Architecture) -> N
         granite.add_hyperparameters(writer, config)
     if is_nemotron_h(arch):
         nemotron_h.add_hyperparameters(writer, config)
+    if is_lfm2(arch):
+        lfm2.add_hyperparameters(writer, config)
     if arch.moe:
         writer.add_expert_count(expert_count(config))
         writer.add_expert_used_count(config.get("num_experts_per_tok") or config["experts_per_token"])
@@ -431,6 +450,8 @@ def transform(name: str, data: np.ndarray, config: dict[str, Any], arch: Archite
     if arch.gguf_arch == "GRANITE_HYBRID" and (changed := granite.transform(name, data, config)) is not None:
         return changed
     if is_nemotron_h(arch) and (changed := nemotron_h.transform(name, data, config)) is not None:
+        return changed
+    if is_lfm2(arch) and (changed := lfm2.transform(name, data)) is not None:
         return changed
     if arch.permute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
         return _permute(data, config["num_attention_heads"])

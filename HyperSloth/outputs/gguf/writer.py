@@ -24,13 +24,14 @@ from loguru import logger
 
 from HyperSloth.outputs import run_files
 from HyperSloth.outputs.export import ExportError
-from HyperSloth.outputs.gguf import gemma4, granite, latent_attention, linear_attention, nemotron_h
+from HyperSloth.outputs.gguf import gemma4, granite, latent_attention, lfm2, linear_attention, nemotron_h
 from HyperSloth.outputs.gguf.architectures import (
     Architecture,
     add_hyperparameters,
     architecture_of,
     caveats,
     expert_count,
+    is_lfm2,
     is_nemotron_h,
     llama3_rope_factors,
     phi3_longrope_factors,
@@ -124,6 +125,8 @@ def plan_tensors(model_dir: Path, config: dict[str, Any], arch: Architecture, qt
         parts = granite.split_parts(parts, config)
     if is_nemotron_h(arch):
         parts = nemotron_h.split_parts(parts, config)
+    if is_lfm2(arch):
+        parts = lfm2.split_parts(parts, config)
     if tied and arch.output_required:  # llama.cpp's graph for it reads output.weight, never token_embd
         parts.append(TensorPart("lm_head.weight", shapes[EMBEDDINGS], (EMBEDDINGS,)))
     for part in parts:
@@ -136,6 +139,8 @@ def plan_tensors(model_dir: Path, config: dict[str, Any], arch: Architecture, qt
             lookup, shape = granite.lookup_name(lookup), granite.stored_shape(lookup, shape, config)
         if is_nemotron_h(arch):
             lookup, shape = nemotron_h.lookup_name(lookup), nemotron_h.stored_shape(lookup, shape, config)
+        if is_lfm2(arch):
+            lookup, shape = lfm2.lookup_name(lookup), lfm2.stored_shape(lookup, shape)
         gguf_name = (gemma4.gguf_name(lookup, names) if arch.gguf_arch == "GEMMA4"
                      else names.get_name(lookup, try_suffixes=(".weight", ".bias")))
         if gguf_name is None:
@@ -188,9 +193,9 @@ def tensor_type(gguf_name: str, shape: tuple[int, ...], requested):
     block F16."""
     import gguf
 
-    kept = tuple(gguf.TENSOR_NAMES[kind].split(".")[-1] + ".weight"  # routers, the shared expert's gate, convs
+    kept = tuple(gguf.TENSOR_NAMES[kind].split(".", 2)[-1] + ".weight"  # routers, the shared expert's gate, convs
                  for kind in (gguf.MODEL_TENSOR.FFN_GATE_INP, gguf.MODEL_TENSOR.FFN_GATE_INP_SHEXP,
-                              gguf.MODEL_TENSOR.SSM_CONV1D))
+                              gguf.MODEL_TENSOR.SSM_CONV1D, gguf.MODEL_TENSOR.SHORTCONV_CONV))
     if (len(shape) <= 1 or gguf_name.endswith(("_norm.weight", *kept))
             or not gguf_name.endswith(".weight")):
         return gguf.GGMLQuantizationType.F32
