@@ -8,7 +8,8 @@ published, a vision tower around it: its language model is written), a tiny dens
 with adapters on its latent attention, a tiny Gemma 4 and Gemma 4 MoE as published (multimodal; their language
 model is written), a tiny Granite 4.0-H with adapters on its Mamba-2 layer, attention and experts, and a tiny
 Nemotron-H MoE likewise (its experts stacked per layer), a tiny LFM2 with adapters on its short convolutions'
-projections, attention and MLPs, and a tiny LFM2-MoE with adapters on its experts too (stacked per layer).
+projections, attention and MLPs, a tiny LFM2-MoE with adapters on its experts too (stacked per layer), and a tiny
+Qwen3-Next with adapters on its linear attention (the fused in_proj_qkvz split in two), attention and experts.
 With llama-cpp-python importable, llama.cpp also runs the exported files against the merged models."""
 
 from __future__ import annotations
@@ -392,6 +393,52 @@ def test_llama_cpp_agrees_with_the_merged_lfm2_moe(exported_lfm2_moe):
 
 
 @pytest.fixture(scope="module")
+def exported_qwen3_next(tiny_model_dir, tmp_path_factory) -> tuple[Path, Path]:
+    """(base, OUT): the same for a tiny Qwen3-Next (2 gated-delta-rule layers with 2 key and 4 value heads, then
+    gated attention; experts beside a gated shared expert; built here, as hypersloth-tiny-model has no Qwen3-Next),
+    adapters on its linear attention, attention and experts (the targets training resolves)."""
+    from transformers import Qwen3NextConfig
+
+    root = tmp_path_factory.mktemp("qwen3-next")
+    config = Qwen3NextConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                             linear_value_head_dim=16, layer_types=["linear_attention", "linear_attention",
+                                                                    "full_attention"],
+                             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96,
+                             shared_expert_intermediate_size=96, eos_token_id=2, pad_token_id=0, bos_token_id=None)
+    config.architectures = ["Qwen3NextForCausalLM"]
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(str(root / "tiny-qwen3-next"))
+    AutoTokenizer.from_pretrained(str(tiny_model_dir)).save_pretrained(str(root / "tiny-qwen3-next"))
+    run = make_run(root / "qwen3-next-run", root / "tiny-qwen3-next", experts=True)
+    export_main([str(run), "--out", str(root / "out"), "--gguf", "f32", "--dtype", "float32"])
+    return root / "tiny-qwen3-next", root / "out"
+
+
+def test_a_run_on_qwen3_next_exports_the_merged_linear_attention_and_experts(exported_qwen3_next):
+    base, out = exported_qwen3_next
+    tensors, merged, before = read_export(base, out, "qwen3-next-run-f32.gguf", "qwen3next")
+    qkvz = merged["model.layers.0.linear_attn.in_proj_qkvz.weight"]
+    assert np.abs(qkvz - before["model.layers.0.linear_attn.in_proj_qkvz.weight"]).max() > 1e-3
+    grouped = qkvz.reshape(2, 96, 64)  # per key head: q 16, k 16, v 32, z 32
+    np.testing.assert_array_equal(tensors["blk.0.attn_gate.weight"], grouped[:, 64:].reshape(64, 64))
+    np.testing.assert_array_equal(tensors["blk.0.attn_qkv.weight"][:32], grouped[:, :16].reshape(32, 64))
+    for hf, name in (("layers.2.self_attn.q_proj.weight", "blk.2.attn_q.weight"),
+                     ("layers.0.linear_attn.out_proj.weight", "blk.0.ssm_out.weight"),
+                     ("layers.2.self_attn.o_proj.weight", "blk.2.attn_output.weight")):
+        assert np.abs(merged[f"model.{hf}"] - before[f"model.{hf}"]).max() > 1e-3, hf  # the adapters were folded in
+        np.testing.assert_array_equal(tensors[name], merged[f"model.{hf}"])
+    stacked = np.stack([merged[f"model.layers.1.mlp.experts.{e}.gate_proj.weight"] for e in range(4)])
+    assert np.abs(stacked[0] - before["model.layers.1.mlp.experts.0.gate_proj.weight"]).max() > 1e-3
+    np.testing.assert_array_equal(tensors["blk.1.ffn_gate_exps.weight"], stacked)
+
+
+def test_llama_cpp_agrees_with_the_merged_qwen3_next(exported_qwen3_next):
+    assert_llama_cpp_agrees(exported_qwen3_next[1], "qwen3-next-run-f32.gguf", "Qwen3-Next LoRA run f32")
+
+
+@pytest.fixture(scope="module")
 def exported_glm(tmp_path_factory) -> tuple[Path, Path]:
     """(base, OUT): the same for a tiny GLM-4.7-Flash (tied embeddings), adapters on its latent attention, dense
     and shared MLPs and experts."""
@@ -497,11 +544,11 @@ def test_an_unsupported_architecture_is_refused_before_the_merge(exported, tiny_
     base = tmp_path / "base"
     shutil.copytree(tiny_model_dir, base)
     config = json.loads((base / "config.json").read_text())
-    (base / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3NextForCausalLM"]}))
+    (base / "config.json").write_text(json.dumps({**config, "architectures": ["FalconH1ForCausalLM"]}))
     with pytest.raises(SystemExit) as exit_info:
         export_main([str(exported.parent / "run"), "--out", str(tmp_path / "out"), "--gguf", "f16", "--base", str(base)])
     assert exit_info.value.code == 2
-    assert "Qwen3NextForCausalLM" in capsys.readouterr().err
+    assert "FalconH1ForCausalLM" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 

@@ -72,6 +72,8 @@ def tiny_config(architecture: str, **changes):
         return granite4_h_config(**changes)
     if architecture == NEMOTRON_H:
         return nemotron_h_config(**changes)
+    if architecture == QWEN3_NEXT:
+        return qwen3_next_config(**changes)
     if architecture in (LFM2, LFM2_MOE):
         return lfm2_config(moe=architecture == LFM2_MOE, **changes)
     classes = {"Qwen3ForCausalLM": Qwen3Config, "Qwen2ForCausalLM": Qwen2Config, "LlamaForCausalLM": LlamaConfig,
@@ -148,6 +150,24 @@ def nemotron_h_config(moe: bool = False, **changes):
     return NemotronHConfig(**{**shape, "layers_block_type": ["mamba", feed_forward, "attention", feed_forward],
                               "mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2,
                               "chunk_size": 16, "layer_norm_epsilon": 1e-6, **experts, **changes})
+
+
+QWEN3_NEXT = "Qwen3NextForCausalLM"
+
+
+def qwen3_next_config(**changes):
+    """A tiny Qwen3-Next (Qwen3NextConfig): 2 gated-delta-rule layers with 2 key and 4 value heads of 16, then a gated
+    attention layer with a quarter of each head rotated; every layer's 4 experts of 96, 2 active, beside a gated shared
+    expert of 96. `changes`: other Qwen3NextConfig arguments."""
+    from transformers import Qwen3NextConfig
+
+    from HyperSloth.train.tiny_architectures import TINY_ACTIVE_EXPERTS, TINY_EXPERTS
+
+    return Qwen3NextConfig(**{**SHAPE, "num_hidden_layers": 3, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                              "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+                              "layer_types": ["linear_attention", "linear_attention", "full_attention"],
+                              "num_experts": TINY_EXPERTS, "num_experts_per_tok": TINY_ACTIVE_EXPERTS,
+                              "moe_intermediate_size": 96, "shared_expert_intermediate_size": 96, **changes})
 
 
 LFM2, LFM2_MOE = "Lfm2ForCausalLM", "Lfm2MoeForCausalLM"

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf_models import (GEMMA4, GEMMA4_VARIANTS, GRANITE4_H, LFM2, LFM2_MOE, NEMOTRON_H, SPM_IDS, SPM_SPECIALS,
-                         build_arch_model, build_spm_tokenizer)
+from gguf_models import (GEMMA4, GEMMA4_VARIANTS, GRANITE4_H, LFM2, LFM2_MOE, NEMOTRON_H, QWEN3_NEXT, SPM_IDS,
+                         SPM_SPECIALS, build_arch_model, build_spm_tokenizer)
 from safetensors.numpy import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -253,6 +253,62 @@ def test_dense_qwen35_is_written_as_llama_cpps_qwen35(tiny_model_dir, tmp_path):
     tiled = [0, 2, 1, 3]  # value heads from grouped by key head to tiled, as for the MoE
     np.testing.assert_allclose(values(tensors["blk.0.ssm_a"]), -np.exp(hf["model.layers.0.linear_attn.A_log"][tiled]),
                                rtol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def qwen3_next_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    return build_arch_model(QWEN3_NEXT, tmp_path_factory.mktemp("qwen3-next") / "tiny", tiny_model_dir)
+
+
+def test_qwen3_next_keys_and_tensors_as_llama_cpps_loader_reads_them(qwen3_next_dir, tmp_path):
+    """Qwen3.5-MoE's keys (no MRoPE: the rotated quarter of a 16-wide head), the fused in_proj_qkvz split into attn_qkv
+    (every key head's q, then k, then v, the value heads grouped by key head as transformers orders them: llama.cpp's
+    qwen3next takes them so, unlike qwen35moe) and attn_gate, in_proj_ba as ssm_ba as it is."""
+    fields, tensors = read(write_gguf(qwen3_next_dir, tmp_path / "m.gguf", "f32"))
+    assert fields["general.architecture"] == "qwen3next"
+    keys = ("ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size",
+            "expert_count", "expert_used_count", "expert_feed_forward_length", "expert_shared_feed_forward_length",
+            "full_attention_interval", "rope.dimension_count")
+    assert {key: fields[f"qwen3next.{key}"] for key in keys} == {
+        "ssm.conv_kernel": 4, "ssm.state_size": 16, "ssm.group_count": 2, "ssm.time_step_rank": 4,
+        "ssm.inner_size": 64, "expert_count": 4, "expert_used_count": 2, "expert_feed_forward_length": 96,
+        "expert_shared_feed_forward_length": 96, "full_attention_interval": 4, "rope.dimension_count": 4}
+    hf = load_file(str(qwen3_next_dir / "model.safetensors"))
+    stem = "model.layers.0.linear_attn."
+    qkvz = hf[stem + "in_proj_qkvz.weight"].reshape(2, 16 + 16 + 32 + 32, 64)  # per key head: q, k, 2 v, 2 z
+    want = np.concatenate([qkvz[:, :16].reshape(32, 64), qkvz[:, 16:32].reshape(32, 64),
+                           qkvz[:, 32:64].reshape(64, 64)])
+    np.testing.assert_array_equal(values(tensors["blk.0.attn_qkv.weight"]), want)
+    np.testing.assert_array_equal(values(tensors["blk.0.attn_gate.weight"]), qkvz[:, 64:].reshape(64, 64))
+    np.testing.assert_array_equal(values(tensors["blk.0.ssm_ba.weight"]), hf[stem + "in_proj_ba.weight"])
+    np.testing.assert_array_equal(values(tensors["blk.0.ssm_out.weight"]), hf[stem + "out_proj.weight"])
+    np.testing.assert_array_equal(values(tensors["blk.0.ssm_conv1d.weight"]), hf[stem + "conv1d.weight"][:, 0])
+    np.testing.assert_allclose(values(tensors["blk.0.ssm_a"]), -np.exp(hf[stem + "A_log"]), rtol=1e-6)
+    np.testing.assert_array_equal(values(tensors["blk.0.ssm_dt.bias"]), hf[stem + "dt_bias"])
+    for gguf_name, hf_name, shift in (("blk.0.ssm_norm.weight", stem + "norm.weight", 0),
+                                      ("blk.0.attn_norm.weight", "model.layers.0.input_layernorm.weight", 1),
+                                      ("blk.2.attn_k_norm.weight", "model.layers.2.self_attn.k_norm.weight", 1),
+                                      ("output_norm.weight", "model.norm.weight", 1)):
+        np.testing.assert_array_equal(values(tensors[gguf_name]), hf[hf_name] + shift, err_msg=gguf_name)
+    np.testing.assert_array_equal(values(tensors["blk.2.attn_q.weight"]), hf["model.layers.2.self_attn.q_proj.weight"])
+    np.testing.assert_array_equal(values(tensors["blk.1.ffn_gate_inp_shexp.weight"]),
+                                  hf["model.layers.1.mlp.shared_expert_gate.weight"])
+    np.testing.assert_array_equal(values(tensors["blk.1.ffn_up_exps.weight"]),
+                                  np.stack([hf[f"model.layers.1.mlp.experts.{e}.up_proj.weight"] for e in range(4)]))
+    assert not any("ssm_in" in name or "ssm_alpha" in name for name in tensors)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"mlp_only_layers": [1]}, "some dense"),
+    ({"norm_topk_prob": False}, "norm_topk_prob false"),
+    ({"linear_value_head_dim": 32}, "16 and 32"),
+    ({"linear_num_value_heads": 3}, "not a multiple"),
+])
+def test_a_qwen3_next_llama_cpp_would_compute_otherwise_is_refused(qwen3_next_dir, change, message):
+    config = json.loads((qwen3_next_dir / "config.json").read_text())
+    architectures.architecture_of(config)
+    with pytest.raises(ExportError, match=message):
+        architectures.architecture_of({**config, **change})
 
 
 def test_a_qwen35_text_model_saved_under_the_multimodal_names_is_written(tiny_model_dir, tmp_path):
@@ -1095,11 +1151,12 @@ def test_an_unsupported_architecture_is_refused_by_name(tiny_model_dir, tmp_path
     model = tmp_path / "next"
     shutil.copytree(tiny_model_dir, model)
     config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3NextForCausalLM"]}))
-    with pytest.raises(ExportError, match="Qwen3NextForCausalLM.*Qwen3ForCausalLM, Qwen2ForCausalLM, "
+    (model / "config.json").write_text(json.dumps({**config, "architectures": ["FalconH1ForCausalLM"]}))
+    with pytest.raises(ExportError, match="FalconH1ForCausalLM.*Qwen3ForCausalLM, Qwen2ForCausalLM, "
                                           "LlamaForCausalLM, MistralForCausalLM, Gemma3ForCausalLM, "
                                           "Gemma4ForCausalLM, Qwen3MoeForCausalLM, GptOssForCausalLM, "
                                           "Phi3ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, "
+                                          "Qwen3NextForCausalLM, "
                                           "Glm4MoeLiteForCausalLM, GraniteMoeHybridForCausalLM, "
                                           "NemotronHForCausalLM, Lfm2ForCausalLM, Lfm2MoeForCausalLM, "
                                           "Gemma3ForConditionalGeneration, "

@@ -27,6 +27,9 @@ the table below, checked against llama.cpp's conversion/{qwen,llama,gemma}.py (l
 - Qwen3.5-MoE (conversion/qwen.py, Qwen3_5MoeTextModel): its linear-attention layers (linear_attention.py), the
   experts as Qwen3-MoE's, the shared expert and its gate, every norm + 1 but the linear attention's gated one.
   Qwen3.5 dense (Qwen3_5TextModel, llama.cpp's qwen35): the same without experts.
+- Qwen3-Next (conversion/qwen.py, Qwen3NextModel): as Qwen3.5-MoE, but its linear attention's fused in_proj_qkvz
+  split into attn_qkv and attn_gate, in_proj_ba as it is, the value heads left grouped by key head, no MRoPE
+  (qwen3_next.py).
 - GLM-4.7-Flash (conversion/glm.py, Glm4MoeLiteModel, a DeepseekV2Model): its latent attention's kv_b_proj split in
   two, the router's score correction, sigmoid gating, the dense first layers (latent_attention.py).
 - Granite 4.0-H (conversion/granite.py, GraniteHybridModel on conversion/mamba.py's Mamba2Model): its Mamba-2 layers'
@@ -51,7 +54,8 @@ from typing import Any
 import numpy as np
 
 from HyperSloth.outputs.export import ExportError
-from HyperSloth.outputs.gguf import gemma4, granite, latent_attention, lfm2, linear_attention, nemotron_h
+from HyperSloth.outputs.gguf import (gemma4, granite, latent_attention, lfm2, linear_attention, nemotron_h,
+                                     qwen3_next)
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("Phi3ForCausalLM", "PHI3"),
         Architecture("Qwen3_5ForCausalLM", "QWEN35", norm_shift=1.0, linear_attention=True),
         Architecture("Qwen3_5MoeForCausalLM", "QWEN35MOE", norm_shift=1.0, moe=True, linear_attention=True),
+        Architecture("Qwen3NextForCausalLM", "QWEN3NEXT", norm_shift=1.0, moe=True, linear_attention=True),
         Architecture("Glm4MoeLiteForCausalLM", "DEEPSEEK2", moe=True, latent_attention=True),
         # not `moe`: granite.py splits its fused experts and shared MLP and writes their keys
         Architecture("GraniteMoeHybridForCausalLM", "GRANITE_HYBRID", permute_qk=True),
@@ -162,7 +167,9 @@ def _check_config(arch: Architecture, config: dict[str, Any], where: str) -> Non
         nemotron_h.check(config, where)
     if is_lfm2(arch):
         lfm2.check(config, where)
-    if arch.linear_attention:
+    if arch.gguf_arch == "QWEN3NEXT":  # no MRoPE: linear_attention.check's sections do not apply
+        qwen3_next.check(config, where)
+    elif arch.linear_attention:
         linear_attention.check(config, where, rotary_dims(config))
     if arch.latent_attention:
         latent_attention.check(config, where)
@@ -443,8 +450,10 @@ def llama3_rope_factors(config: dict[str, Any]) -> np.ndarray | None:
 
 def transform(name: str, data: np.ndarray, config: dict[str, Any], arch: Architecture) -> np.ndarray:
     """The per-architecture change a Hugging Face tensor needs before llama.cpp reads it (float32 in and out)."""
+    if arch.gguf_arch == "QWEN3NEXT" and (changed := qwen3_next.transform(name, data, config)) is not None:
+        return changed
     if arch.linear_attention and linear_attention.MIXER in name:  # its gated norm included: it takes no shift
-        return linear_attention.transform(name, data, config)
+        return linear_attention.transform(name, data, config, tiled=arch.gguf_arch != "QWEN3NEXT")
     if arch.latent_attention:
         return latent_attention.transform(name, data, config)
     if arch.gguf_arch == "GRANITE_HYBRID" and (changed := granite.transform(name, data, config)) is not None:

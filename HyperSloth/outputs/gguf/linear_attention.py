@@ -69,13 +69,14 @@ def _tiled(data: np.ndarray, axis: int, key_heads: int, per_key: int, width: int
     return np.moveaxis(tiled, 0, axis)
 
 
-def transform(name: str, data: np.ndarray, config: dict[str, Any]) -> np.ndarray:
+def transform(name: str, data: np.ndarray, config: dict[str, Any], tiled: bool = True) -> np.ndarray:
     """A tensor of a Qwen3.5-MoE linear-attention layer (`MIXER` in its name) as llama.cpp's qwen35moe reads it
-    (float32 in and out). Its gated norm keeps its weight; the model's other norms get architectures.py's + 1."""
+    (float32 in and out). Its gated norm keeps its weight; the model's other norms get architectures.py's + 1.
+    `tiled` False: the value heads as they are (Qwen3-Next's qwen3next takes them grouped by key head)."""
     if name.endswith("conv1d.weight"):
         data = data.reshape(stored_shape(name, data.shape))
     key_heads, value_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
-    if value_heads != key_heads:
+    if tiled and value_heads != key_heads:
         per_key, width, key_dim = value_heads // key_heads, config["linear_value_head_dim"], (
             config["linear_key_head_dim"] * key_heads)
         if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):  # q and k rows (channels) first, then v

@@ -24,7 +24,7 @@ from loguru import logger
 
 from HyperSloth.outputs import run_files
 from HyperSloth.outputs.export import ExportError
-from HyperSloth.outputs.gguf import gemma4, granite, latent_attention, lfm2, linear_attention, nemotron_h
+from HyperSloth.outputs.gguf import gemma4, granite, latent_attention, lfm2, linear_attention, nemotron_h, qwen3_next
 from HyperSloth.outputs.gguf.architectures import (
     Architecture,
     add_hyperparameters,
@@ -127,6 +127,8 @@ def plan_tensors(model_dir: Path, config: dict[str, Any], arch: Architecture, qt
         parts = nemotron_h.split_parts(parts, config)
     if is_lfm2(arch):
         parts = lfm2.split_parts(parts, config)
+    if arch.gguf_arch == "QWEN3NEXT":
+        parts = qwen3_next.split_parts(parts, config)
     if tied and arch.output_required:  # llama.cpp's graph for it reads output.weight, never token_embd
         parts.append(TensorPart("lm_head.weight", shapes[EMBEDDINGS], (EMBEDDINGS,)))
     for part in parts:
