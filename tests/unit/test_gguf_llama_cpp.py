@@ -67,6 +67,14 @@ def compare(model_dir: Path, gguf_file: Path, weights: torch.dtype = torch.float
             "tokens": len(ids)}
 
 
+def saved_fused(model: Path, out: Path) -> Path:
+    """`model` loaded and saved again as transformers 5 holds it (its experts fused, save_original_format=False)."""
+    AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).save_pretrained(
+        str(out), save_original_format=False)
+    AutoTokenizer.from_pretrained(str(model)).save_pretrained(str(out))
+    return out
+
+
 def write_tensor_as(monkeypatch, tensor: str, fill) -> None:
     """The GGUF writer writes every tensor whose name ends with `tensor` as `fill` of its data (np.ones_like: a
     neutral scale, np.zeros_like: a neutral bias), to show that llama.cpp reads it."""
@@ -238,10 +246,7 @@ def test_llama_cpp_runs_nemotron_h(tiny_model_dir, tmp_path, variant, gguf_type)
     nemotron_h_moe, also saved with its experts fused (as transformers holds them)."""
     model = build_arch_model(NEMOTRON_H, tmp_path / variant, tiny_model_dir, moe=variant != "dense")
     if variant == "fused":
-        AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).save_pretrained(
-            str(tmp_path / "fused-saved"), save_original_format=False)
-        AutoTokenizer.from_pretrained(str(model)).save_pretrained(str(tmp_path / "fused-saved"))
-        model = tmp_path / "fused-saved"
+        model = saved_fused(model, tmp_path / "fused-saved")
     measured = compare(model, write_gguf(model, tmp_path / "m.gguf", gguf_type))
     print(f"Nemotron-H {variant} {gguf_type}: {measured}")
     check(measured, gguf_type)
@@ -278,10 +283,7 @@ def test_llama_cpp_runs_lfm2(tiny_model_dir, tmp_path, variant, gguf_type):
     as lfm2moe, also saved with its experts fused (as transformers holds them)."""
     model = build_arch_model(LFM2 if variant == "dense" else LFM2_MOE, tmp_path / variant, tiny_model_dir)
     if variant == "fused":
-        AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).save_pretrained(
-            str(tmp_path / "fused-saved"), save_original_format=False)
-        AutoTokenizer.from_pretrained(str(model)).save_pretrained(str(tmp_path / "fused-saved"))
-        model = tmp_path / "fused-saved"
+        model = saved_fused(model, tmp_path / "fused-saved")
     measured = compare(model, write_gguf(model, tmp_path / "m.gguf", gguf_type))
     print(f"LFM2 {variant} {gguf_type}: {measured}")
     check(measured, gguf_type)

@@ -42,9 +42,15 @@ def check(config: dict[str, Any], where: str, rotary_dims: int) -> None:
                           f"{sum(sections(config))} frequencies, more than llama.cpp's rope takes for {rotary_dims} "
                           "rotated dimensions (it asserts they fit); rope_parameters.mrope_section of config.json "
                           "sets them")
+    check_heads(config, where, "qwen35moe")
+
+
+def check_heads(config: dict[str, Any], where: str, gguf_arch: str) -> None:
+    """ExportError where llama.cpp's `gguf_arch` (qwen35moe, qwen3next) cannot run the linear attention's heads: key
+    and value heads of different widths, value heads not a multiple of the key heads."""
     key, value = config["linear_key_head_dim"], config["linear_value_head_dim"]
     if key != value:
-        raise ExportError(f"--gguf cannot write {where}: llama.cpp's qwen35moe takes one head width for the linear "
+        raise ExportError(f"--gguf cannot write {where}: llama.cpp's {gguf_arch} takes one head width for the linear "
                           f"attention's keys and values, and its config has {key} and {value}")
     if config["linear_num_value_heads"] % config["linear_num_key_heads"]:
         raise ExportError(f"--gguf cannot write {where}: its linear attention's value heads "

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from HyperSloth.outputs.export import ExportError
+from HyperSloth.outputs.gguf import linear_attention
 
 QKVZ, QKV, Z = "linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight"
 
@@ -36,14 +37,7 @@ def check(config: dict[str, Any], where: str) -> None:
     if not config.get("norm_topk_prob", True):
         raise ExportError(f"--gguf cannot write {where}: llama.cpp's qwen3next renormalises the top-k routing weights, "
                           "and its config has norm_topk_prob false")
-    key, value = config["linear_key_head_dim"], config["linear_value_head_dim"]
-    if key != value:
-        raise ExportError(f"--gguf cannot write {where}: llama.cpp's qwen3next takes one head width for the linear "
-                          f"attention's keys and values, and its config has {key} and {value}")
-    if config["linear_num_value_heads"] % config["linear_num_key_heads"]:
-        raise ExportError(f"--gguf cannot write {where}: its linear attention's value heads "
-                          f"({config['linear_num_value_heads']}) are not a multiple of its key heads "
-                          f"({config['linear_num_key_heads']})")
+    linear_attention.check_heads(config, where, "qwen3next")
 
 
 def _widths(config: dict[str, Any]) -> tuple[int, int, int]:
