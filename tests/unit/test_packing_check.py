@@ -272,7 +272,7 @@ def test_a_check_that_sees_no_deliberate_leak_vouches_for_nothing(monkeypatch):
     mixers and the decoder of a model the check does not know how to read), packed 0 proves nothing: the run is
     refused or falls back, saying so."""
     model = _tiny("qwen3")
-    monkeypatch.setattr(packing_check, "_token_mixers", lambda m: [m.model.embed_tokens])
+    monkeypatch.setattr(packing_check, "_token_mixers", lambda m: [(m.model.embed_tokens, False)])
     monkeypatch.setattr(packing_check, "decoder_and_head", lambda m: (m.model.embed_tokens, None))
     monkeypatch.setattr(packing_check, "_fixes", lambda *args: [])  # nothing to try: the verdict alone
     check = measure(model)

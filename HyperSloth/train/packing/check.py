@@ -46,7 +46,7 @@ from loguru import logger
 from HyperSloth.config import ConfigError
 from HyperSloth.train.collate import collate_packed
 from HyperSloth.train.packing.exactness import decoder_and_head
-from HyperSloth.train.packing.recurrent import kind_of, layer_mixers, per_sample_recurrent_mixers, recurrent_mixers
+from HyperSloth.train.packing.recurrent import kind_of, layer_mixers, per_sample_recurrent_mixers
 from HyperSloth.train.packing.sink_attention import document_masks_for_sink_attention
 from HyperSloth.train.lora.install import decoder_layers
 
@@ -111,16 +111,19 @@ class PackingCheck:
         return {**asdict(self), "exact": self.exact}
 
 
-def _token_mixers(model) -> list[torch.nn.Module]:
-    """Each decoder layer's token mixers: its attention (`ATTENTION`) and recurrent mixers (linear attention, Mamba:
-    recurrent.py), or the layers themselves where none is found."""
+def _token_mixers(model) -> list[tuple[torch.nn.Module, bool]]:
+    """Each decoder layer's token mixers, each with whether it is recurrent: its recurrent mixers (linear attention,
+    Mamba, short convolutions: recurrent.py, which may sit under an attention name: Kimi-Linear's `self_attn`) and
+    its attention (`ATTENTION`); or the layers themselves where none is found."""
     layers = decoder_layers(model) or []
-    mixers: list[torch.nn.Module] = []
+    mixers: list[tuple[torch.nn.Module, bool]] = []
     for layer in layers:
-        for module in [getattr(layer, name, None) for name in ATTENTION] + [m for _, m in layer_mixers(layer)]:
-            if isinstance(module, torch.nn.Module) and not any(module is known for known in mixers):
-                mixers.append(module)
-    return mixers or layers
+        recurrent = [module for _, module in layer_mixers(layer)]
+        attention = [getattr(layer, name, None) for name in ATTENTION]
+        mixers += [(module, True) for module in recurrent]
+        mixers += [(module, False) for module in attention
+                   if isinstance(module, torch.nn.Module) and not any(module is known for known in recurrent)]
+    return mixers or [(layer, False) for layer in layers]
 
 
 @contextmanager
@@ -235,15 +238,14 @@ def measure(model, *, with_lengths: bool = False) -> PackingCheck:
     with _quiet_dropout(model), _eager(model), warnings.catch_warnings():
         # reentrant gradient checkpointing under no_grad says so once per layer; nothing here needs gradients
         warnings.filterwarnings("ignore", message="None of the inputs have requires_grad")
-        reference = _outputs(model, [*mixers, decoder], alone, last)
+        reference = _outputs(model, [*(module for module, _ in mixers), decoder], alone, last)
         if reference is None:  # the layers' mixers are not called as modules: the decoder's output alone
             mixers = []
             reference = _outputs(model, [decoder], alone, last)
-        modules = [*mixers, decoder]
+        modules = [*(module for module, _ in mixers), decoder]
         inside, rounding, leak = (_outputs(model, modules, batch, rows)
                                   for batch, rows in ((packed, last), (front, head), (leaked, last)))
-    known = {id(module) for module in recurrent_mixers(model)}
-    recurrent = torch.tensor([id(module) in known for module in modules])
+    recurrent = torch.tensor([is_recurrent for _, is_recurrent in mixers] + [False])  # the decoder's output: no
     packed, rounding, leaked = (_difference(x, reference, recurrent) for x in (inside, rounding, leak))
     fp32 = model.get_input_embeddings().weight.dtype == torch.float32
     share = torch.where(recurrent, 0.0, FP32_LEAK_SHARE if fp32 else LEAK_SHARE)
