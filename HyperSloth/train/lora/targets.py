@@ -21,6 +21,7 @@ Knows nothing of backends or ranks: model.py passes the result to PEFT or Unslot
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,14 +61,15 @@ class LoraTargets:
 def resolve_targets(model: nn.Module, requested: list[str] | None) -> LoraTargets:
     """The adapters `model` gets: from the model when `requested` is None, else the checked list (ConfigError
     naming the entries that match nothing, with what the model has)."""
-    linear = decoder_linears(model)
+    mamba_out = _mamba_out_projections(model)
+    linear = decoder_linears(model, mamba_out)
     experts = expert_tensors(model)
     if requested is None:
         modules = _leaf_names(linear)
         if not modules and not experts:
             raise ConfigError("found no linear projection in this model's decoder layers to adapt: set "
                               "lora_args.target_modules to the names of the layers to train")
-        fused = tuple(name for name in _mamba_out_projections(model) if name.rsplit(".", 1)[-1] in modules)
+        fused = tuple(name for name in mamba_out if name.rsplit(".", 1)[-1] in modules)
         return LoraTargets(modules=modules, parameters=tuple(sorted(set(experts.values()))), source="model",
                            excluded=_outside_with_names(model, modules) + fused)
     all_names = [name for name, _ in model.named_modules() if name]
@@ -85,11 +87,11 @@ def resolve_targets(model: nn.Module, requested: list[str] | None) -> LoraTarget
     return LoraTargets(modules=tuple(matched_modules), parameters=tuple(sorted(matched_params)), source="config")
 
 
-def decoder_linears(model: nn.Module) -> list[str]:
-    """Full names of the linear layers inside the text decoder's layers, routers, gates and Mamba layers' output
-    projections excluded."""
+def decoder_linears(model: nn.Module, fused: Collection[str] = ()) -> list[str]:
+    """Full names of the linear layers inside the text decoder's layers, routers, gates and `fused` (the Mamba
+    layers' output projections) excluded."""
     experts = num_experts(getattr(model, "config", None))
-    fused = set(_mamba_out_projections(model))
+    fused = set(fused)
     names = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or not _LAYER.search(name) or _outside_text(name):
