@@ -22,6 +22,7 @@ llama.cpp's converter (conversion/gpt_oss.py) takes every other column and trans
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from HyperSloth.outputs.export import ExportError
@@ -58,25 +59,36 @@ def tensor_parts(shapes: dict[str, tuple[int, ...]], experts: int | None, layout
     if layout == "gpt_oss":
         return [part for name, shape in shapes.items() for part in _gpt_oss_parts(name, shape, experts)]
     parts: list[TensorPart] = []
-    per_expert: dict[tuple[str, str], dict[int, str]] = {}
+    per_expert: dict[tuple[str, str], dict[int, TensorPart]] = {}
     for name, shape in shapes.items():
         match = _PER_EXPERT.fullmatch(name) if experts is not None else None
         if match:
-            per_expert.setdefault((match["stem"], match["proj"]), {})[int(match["expert"])] = name
+            per_expert.setdefault((match["stem"], match["proj"]), {})[int(match["expert"])] = TensorPart(
+                name, shape, (name,))
         elif experts is not None and name.endswith(_FUSED):
-            parts.extend(_fused_parts(name, shape))
+            parts.extend(fused_parts(name, shape))
         else:
             parts.append(TensorPart(name, shape, (name,)))
-    for (stem, proj), names in per_expert.items():
-        if sorted(names) != list(range(experts)):
-            raise ExportError(f"{stem} holds {proj} for experts {sorted(names)}, but config.json names {experts} "
+    return parts + stack_experts(per_expert, experts or 0, lambda stem, proj: f"{stem}.{proj}.weight")
+
+
+def stack_experts(per_expert: dict[tuple[str, str], dict[int, TensorPart]], count: int,
+                  name: Callable[[str, str], str]) -> list[TensorPart]:
+    """One tensor per (layer stem, projection): the `count` experts' tensors stacked in expert order, named
+    `name(stem, projection)`; ExportError where one is missing (an incomplete model folder)."""
+    stacked = []
+    for (stem, proj), by_expert in per_expert.items():
+        if sorted(by_expert) != list(range(count)):
+            raise ExportError(f"{stem} holds {proj} for experts {sorted(by_expert)}, but config.json names {count} "
                               "experts per layer: the model folder is incomplete")
-        sources = tuple(names[index] for index in range(experts))
-        parts.append(TensorPart(f"{stem}.{proj}.weight", (experts, *shapes[sources[0]]), sources, stacked=True))
-    return parts
+        sources = tuple(by_expert[index].sources[0] for index in range(count))
+        stacked.append(TensorPart(name(stem, proj), (count, *by_expert[0].shape), sources, stacked=True))
+    return stacked
 
 
-def _fused_parts(name: str, shape: tuple[int, ...]) -> list[TensorPart]:
+def fused_parts(name: str, shape: tuple[int, ...]) -> list[TensorPart]:
+    """Fused experts (transformers 5 in memory): `...gate_up_proj` (experts, 2*I, H) as its gate rows and its up
+    rows, `...down_proj` as it is."""
     if len(shape) != 3:
         raise ExportError(f"tensor {name} has shape {shape}: fused experts are 3-D (experts, rows, columns)")
     if name.endswith("down_proj"):

@@ -123,29 +123,18 @@ def add_hyperparameters(writer, config: dict[str, Any]) -> None:
 def split_parts(parts: list, config: dict[str, Any]) -> list:
     """The experts stacked per layer and projection, under the names the gguf package's TensorNameMap knows
     (`...feed_forward.experts.{gate,up,down}_proj.weight`): one tensor per expert (as saved) or fused (as held)."""
-    from HyperSloth.outputs.gguf.experts import TensorPart
+    from HyperSloth.outputs.gguf.experts import fused_parts, stack_experts
 
     out, per_expert = [], {}
     for part in parts:
         if match := _PER_EXPERT.fullmatch(part.name):
             per_expert.setdefault((match["stem"], _PROJ[match["proj"]]), {})[int(match["expert"])] = part
-        elif (match := _FUSED.fullmatch(part.name)) and match["proj"] == "down_proj":
-            out.append(TensorPart(f"{part.name}.weight", part.shape, part.sources))
-        elif match:  # (experts, 2 * width, hidden): the gate's rows, then the up projection's
-            count, rows, columns = part.shape
-            half = rows // 2
-            out += [TensorPart(f"{match['stem']}.{proj}.weight", (count, half, columns), part.sources, rows=rows_)
-                    for proj, rows_ in (("gate_proj", slice(0, half)), ("up_proj", slice(half, rows)))]
+        elif _FUSED.fullmatch(part.name):  # (experts, 2 * width, hidden): the gate's rows, then the up projection's
+            out += fused_parts(part.name, part.shape)
         else:
             out.append(part)
-    count = int(config.get("num_experts") or 0)
-    for (stem, proj), by_expert in per_expert.items():
-        if sorted(by_expert) != list(range(count)):
-            raise ExportError(f"{stem} holds {proj} for experts {sorted(by_expert)}, but config.json names {count} "
-                              "experts per layer: the model folder is incomplete")
-        sources = tuple(by_expert[index].sources[0] for index in range(count))
-        out.append(TensorPart(f"{stem}.{proj}.weight", (count, *by_expert[0].shape), sources, stacked=True))
-    return out
+    return out + stack_experts(per_expert, int(config.get("num_experts") or 0),
+                               lambda stem, proj: f"{stem}.{proj}.weight")
 
 
 def lookup_name(name: str) -> str:

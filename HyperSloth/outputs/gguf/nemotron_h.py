@@ -130,7 +130,7 @@ def add_hyperparameters(writer, config: dict[str, Any]) -> None:
 def split_parts(parts: list, config: dict[str, Any]) -> list:
     """The experts stacked per layer and projection, under the names the gguf package's TensorNameMap knows
     (`model.layers.N.mlp.experts.{up,down}_proj.weight`): one tensor per expert (as saved) or fused (as held)."""
-    from HyperSloth.outputs.gguf.experts import TensorPart
+    from HyperSloth.outputs.gguf.experts import TensorPart, stack_experts
 
     out, per_expert = [], {}
     for part in parts:
@@ -140,14 +140,7 @@ def split_parts(parts: list, config: dict[str, Any]) -> list:
             out.append(TensorPart(_stacked_name(match["stem"], match["proj"]), part.shape, part.sources))
         else:
             out.append(part)
-    count = int(config.get("n_routed_experts") or 0)
-    for (stem, proj), by_expert in per_expert.items():
-        if sorted(by_expert) != list(range(count)):
-            raise ExportError(f"{stem} holds {proj} for experts {sorted(by_expert)}, but config.json names {count} "
-                              "experts per layer: the model folder is incomplete")
-        sources = tuple(by_expert[index].sources[0] for index in range(count))
-        out.append(TensorPart(_stacked_name(stem, proj), (count, *by_expert[0].shape), sources, stacked=True))
-    return out
+    return out + stack_experts(per_expert, int(config.get("n_routed_experts") or 0), _stacked_name)
 
 
 def _stacked_name(stem: str, proj: str) -> str:
