@@ -389,8 +389,8 @@ def _fixes(model, backend: str, check: PackingCheck) -> list[tuple[Callable[[Any
              f"{'carries its' if one else 'carry their'} state from one sample of a packed row to the next")
     per_sample = (per_sample_recurrent_mixers, f"{kind} {'runs' if one else 'run'} one sample at a time",
                   lambda fixed: f"packed rows: {arch}'s {kind} {carry} on the {backend} backend ({check.packed:.0%} "
-                                f"off); HyperSloth runs {'it' if one else 'them'} one sample at a time (checked: within "
-                                f"{fixed.packed:.1e})")
+                                f"off); HyperSloth runs {'it' if one else 'them'} one sample at a time (checked: "
+                                f"within {fixed.packed:.1e})")
     documents = (document_masks_for_sink_attention, "attention with sinks gets a mask per sample",
                  lambda fixed: f"packed rows: Unsloth's flex attention with sinks builds one causal mask over a packed "
                                f"row of {arch} ({check.packed:.0%} off); HyperSloth gives it a mask per sample from the "
