@@ -67,7 +67,7 @@ def check(config: dict[str, Any], where: str) -> None:
         raise ExportError(f"--gguf cannot write {where}: its Mamba layers have mamba_n_groups "
                           f"{config['mamba_n_groups']}; llama.cpp normalises the gated norm per group, transformers' "
                           "torch path over the whole width (they agree for one group, as Granite 4.0-H has)")
-    low, high = _time_step_limit(config)
+    low, high = time_step_limit(config)
     if low > 0 or high < math.inf:
         raise ExportError(f"--gguf cannot write {where}: its config clamps the Mamba time step to ({low}, {high}) "
                           "(time_step_limit); llama.cpp's ssm_scan does not clamp it")
@@ -80,7 +80,7 @@ def check(config: dict[str, Any], where: str) -> None:
                           f"hidden_act {config['hidden_act']!r}")
 
 
-def _time_step_limit(config: dict[str, Any]) -> tuple[float, float]:
+def time_step_limit(config: dict[str, Any]) -> tuple[float, float]:
     """time_step_limit as two floats (transformers saves infinity as {"__float__": "Infinity"})."""
     limit = config.get("time_step_limit") or (0.0, math.inf)
     return tuple(float(value["__float__"]) if isinstance(value, dict) else float(value) for value in limit)

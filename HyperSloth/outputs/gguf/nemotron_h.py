@@ -75,7 +75,7 @@ def check(config: dict[str, Any], where: str) -> None:
     if config.get("sliding_window"):
         raise ExportError(f"--gguf cannot write {where}: its attention has a sliding window "
                           f"({config['sliding_window']}), which llama.cpp's nemotron_h does not")
-    low, high = granite._time_step_limit(config)
+    low, high = granite.time_step_limit(config)
     if low > 0 or high < math.inf:
         raise ExportError(f"--gguf cannot write {where}: its config clamps the Mamba time step to ({low}, {high}) "
                           "(time_step_limit); llama.cpp's ssm_scan does not clamp it")
