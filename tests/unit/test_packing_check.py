@@ -143,9 +143,33 @@ def test_qwen3_5_linear_attention_leaks_until_it_runs_one_sample_at_a_time():
         model.train()
         checkpointed = packed_vs_alone(model, sample, others)
         assert checkpointed.exact(loss_tol=1e-5, grad_tol=1e-4), (reentrant, checkpointed.as_record())
-    # not on the Unsloth backend, whose compiled blocks would trace the split: there it stays a leak
+    # not on the Unsloth backend, whose compiled blocks would trace the split: there packed rows are not tried
     unsloth = packing_check.settle_packing(_tiny_qwen3_5(), "unsloth")
-    assert not unsloth.exact and unsloth.fix is None, unsloth
+    assert not unsloth.exact and unsloth.fix is None and unsloth.unchecked, unsloth
+
+
+@pytest.mark.parametrize("method, says", [("sft", "set training.batching='sorted-pad'"),
+                                          ("grpo", "cannot be trained with GRPO here")])
+def test_on_unsloth_recurrent_mixers_are_not_tried_packed_and_no_forward_runs(monkeypatch, method, says):
+    """On one H200 the check's first forward through Unsloth stopped Qwen3.5 with an illegal memory access, which no
+    process survives: on that backend a model with recurrent mixers is not measured at all, and says why."""
+    model = _tiny_qwen3_5()
+    monkeypatch.setattr(packing_check, "measure", lambda *a, **k: pytest.fail("the check ran a forward"))
+    check = packing_check.settle_packing(model, "unsloth")
+    assert not check.exact and check.layers == 0 and check.as_record()["unchecked"] == check.unchecked
+    with pytest.raises(ConfigError) as err:
+        ensure_exact_packing(model, "unsloth", method)
+    message = str(err.value)
+    assert "qwen3_5_moe_text's linear attention would carry state" in message, message
+    assert "fast_model_args.backend='transformers'" in message and says in message, message
+
+
+def test_on_unsloth_a_model_without_recurrent_mixers_is_measured(monkeypatch):
+    measured = []
+    real = packing_check.measure
+    monkeypatch.setattr(packing_check, "measure", lambda *a, **k: measured.append(k) or real(*a, **k))
+    check = packing_check.settle_packing(_tiny("qwen3"), "unsloth")
+    assert check.exact and check.unchecked is None and measured == [{"with_lengths": True}], (check, measured)
 
 
 @pytest.mark.parametrize("architecture, seed", [("qwen3_5", 1), ("qwen3_5_moe", 3)])

@@ -46,7 +46,7 @@ from loguru import logger
 from HyperSloth.config import ConfigError
 from HyperSloth.train.collate import collate_packed
 from HyperSloth.train.packing.exactness import decoder_and_head
-from HyperSloth.train.packing.recurrent import kind_of, layer_mixers, per_sample_recurrent_mixers
+from HyperSloth.train.packing.recurrent import kind_of, layer_mixers, per_sample_recurrent_mixers, recurrent_mixers
 from HyperSloth.train.packing.sink_attention import document_masks_for_sink_attention
 from HyperSloth.train.lora.install import decoder_layers
 
@@ -94,6 +94,12 @@ class PackingCheck:
     layers: int  # token mixers compared (1: the decoder's output alone, where no mixer runs as a module)
     leaking: int = 0  # modules whose packed difference is past NOISE_FACTOR x rounding + their share of the leak
     fix: str | None = None  # what was done to make packing exact, None where the model needed nothing
+    unchecked: str | None = None  # why packed rows were not tried at all (`not_tried`); the numbers above are then 0
+
+    @classmethod
+    def not_tried(cls, why: str) -> "PackingCheck":
+        """A check that ran no forward: packed rows are not tried on this model and backend, for the reason given."""
+        return cls(packed=0.0, rounding=0.0, leaked=0.0, layers=0, unchecked=why)
 
     @property
     def blind(self) -> bool:
@@ -105,7 +111,7 @@ class PackingCheck:
 
     @property
     def exact(self) -> bool:
-        return self.leaking == 0 and not self.blind and not self.noisy
+        return self.unchecked is None and self.leaking == 0 and not self.blind and not self.noisy
 
     def as_record(self) -> dict[str, Any]:
         return {**asdict(self), "exact": self.exact}
@@ -310,6 +316,8 @@ class PackedRowsLeak(ConfigError):
 
 def leak_text(model, backend: str, check: PackingCheck) -> str:
     """What a leaking model does, in one clause."""
+    if check.unchecked:
+        return check.unchecked
     if check.blind:
         return (f"HyperSloth cannot check that {_arch(model)} on the {backend} backend keeps the samples of a packed "
                 f"row apart (a deliberate leak moved the {check.layers} token mixers it found by "
@@ -338,7 +346,11 @@ def settle_packing(model, backend: str) -> PackingCheck:
     transformers' attention reads a block-diagonal mask), then, on the transformers backend, run the recurrent mixers
     (linear attention, Mamba) one sample at a time (`per_sample_recurrent_mixers`); measure again after each, keeping
     a fix only where it made packing exact, and where none does alone, all that apply together. Logs one line where
-    packing is exact; returns the last measurement (`exact` False: packed rows still leak)."""
+    packing is exact; returns the last measurement (`exact` False: packed rows still leak). A model whose packed rows
+    are not tried on this backend (`unsupported_on_backend`) runs no forward at all."""
+    unsupported = unsupported_on_backend(model, backend)
+    if unsupported:
+        return PackingCheck.not_tried(unsupported)
     with_lengths = backend == "unsloth"
     check = measure(model, with_lengths=with_lengths)
     if check.exact:
@@ -372,6 +384,20 @@ def settle_packing(model, backend: str) -> PackingCheck:
         for remove in reversed(removes):
             remove()
     return check
+
+
+def unsupported_on_backend(model, backend: str) -> str | None:
+    """Why packed rows of `model` are not even tried on `backend` (None: measure them). On Unsloth, a model with
+    recurrent mixers (linear attention, Mamba, short convolutions): HyperSloth's per-sample fix for them runs on the
+    transformers backend only (`_fixes`), and on one H200 (2026-12-05, docs/models.md) the check's first forward on
+    such models through Unsloth did harm: Qwen3.5's stopped the process with an illegal memory access (a CUDA error
+    the process cannot recover from, so no check may risk it) and Granite 4.0-H's raised a dtype error, while LFM2's
+    measured leaking anyway. Their sorted-pad rows trained (Qwen3.5-MoE: 6 steps)."""
+    if backend != "unsloth" or not recurrent_mixers(model):
+        return None
+    return (f"{_arch(model)}'s {kind_of(model)} would carry state from one sample of a packed row to the next, and "
+            "HyperSloth runs them one sample at a time on the transformers backend only (fast_model_args.backend="
+            "'transformers'), so on the unsloth backend its packed rows are not tried")
 
 
 def _fixes(model, backend: str, check: PackingCheck) -> list[tuple[Callable[[Any], Callable[[], None] | None], str,

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# 2026-12-05 (second session): one H200 (kind nvidia-h200), carry .whl (`bash ../shared/device/wheelhouse.sh`).
+# Run from the repository root as `bash docs/benchmarks/2026-12-05-device-calls.sh callN`. Records land in $OUT.
+# In this order: callZ (the architectures through Unsloth: 2026-12-03's callX, callV and callY in one call), callP
+# (where an MoE step's time goes), then callA + callM of 2026-12-02-fa4-device-calls.sh (long-0.6b FA4 profile), then
+# callW of 2026-12-03-device-calls.sh (GRPO's sampling profiled) if time is left.
+source scripts/device_calls_lib.sh  # the GPU environment, $W / $L, el, left, bench, show, pack, ...
+
+callZ() {  # every architecture not yet run through Unsloth, at defaults, graphed and eager: gpt-oss with the sink
+  # attention's per-sample masks (callX), dense Qwen3.5 and Qwen3.5-MoE as published (multimodal), Gemma 4 and its MoE
+  # (per-layer head widths), Granite 4.0-H (Mamba-2 hybrid), LFM2 and LFM2-MoE (short convolutions) (callY); beside
+  # them, the tiny Qwen3.5-MoE eager sorted-pad, the packed-row check skipped: does training itself run where the
+  # check's first forward hit an illegal memory access (callV) (~6 min)
+  timeout $(left 420) python3 scripts/arch_check.py --out $OUT/arch \
+    --architectures gpt_oss,qwen3_5,qwen3_5_moe_mm,gemma4,gemma4_moe,granite4_h,lfm2,lfm2_moe --parallel 8 \
+    > $L/arch-new.log 2>&1 &
+  timeout $(left 420) python3 scripts/arch_check.py --out $OUT/arch-sorted --work /tmp/hs_arch2 \
+    --architectures qwen3_5_moe --modes eager --batching sorted-pad > $L/arch-sorted.log 2>&1 &
+  wait; el "arch checks done"
+  for f in $OUT/arch/*-graphs.json $OUT/arch/*-eager.json $OUT/arch-sorted/*-eager.json; do
+    python3 -c "import json, sys; r = json.load(open(sys.argv[1])); \
+    print(r['run'], r['exit'], r.get('packing'), r.get('losses'), '\n'.join(r.get('traceback') or [])[-1200:])" $f
+  done
+  tail -5 $L/arch-new.log | cut -c1-600; tail -5 $L/arch-sorted.log | cut -c1-600
+  tar czf $OUT/arch-logs.tgz -C $OUT arch arch-sorted && rm -rf $OUT/arch/*.log $OUT/arch-sorted/*.log
+  pack
+}
+
+callP() {  # where an MoE step's 0.33 s go (issue 32 item 7, 1.00x stock): moe-short (Qwen3-30B-A3B's shape, 12 layers)
+  # under torch.profiler over steps 4-6, ours at defaults and stock Unsloth at its best, kernel tables side by side:
+  # 115 ms of a step are the experts' grouped GEMMs, the rest was never profiled (host time? the router? attention?).
+  # The token budget is given (the probe's 59 s are not what is measured here) (~6 min)
+  bench --workloads moe-short --slots hypersloth-1-profile,unsloth-best-profile --token-budget 66816 --warmup 3 \
+    --steps 6 --tag moe-prof --budget-s $(left 540) > $L/bench-moe-prof.log 2>&1
+  el "profiles done"; show $L/bench-moe-prof.log; keep_profiles moe-short
+  for f in $OUT/profiles/moe-short-*.txt; do echo "== $f"; head -c 2500 $f; echo; done
+  pack
+}
+
+"$@"
