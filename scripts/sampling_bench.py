@@ -13,11 +13,12 @@ step sampling (docs/grpo.md: ~22.7 ms per token step on Unsloth's decode, agains
 ENGINE-no-lora (e.g. unsloth-no-lora): the engine with the adapter switched off while sampling (PEFT's
 `disable_adapter`), the decode without its LoRA GEMMs: what sampling on merged weights could gain at most. The
 adapter is freshly initialised (B = 0), so the completions are the engine's own.
-ENGINE-deferred (e.g. unsloth-deferred, unsloth-no-lora-deferred): HF generate's stop decision read one token step
-late, so the host queues the next step before the GPU has finished this one. Its loop otherwise reads
-`unfinished_sequences.max() == 0` on the host after every token step, a sync; transformers 5.17 has the deferred
-check (`DeferredStopCheck`) but turns it on for MPS only. The same completions (calls stop at --max-new, so no step
-is undone): what that per-step sync costs. GPU only (the check records a device event per step).
+ENGINE-sync (e.g. unsloth-sync, unsloth-no-lora-sync): HF generate's stop decision read on the host after every
+token step (`unfinished_sequences.max() == 0`, a sync), as GRPO sampled until 2026-12-05. GRPO now reads it one
+token step late on a GPU (`rollout.deferred_stop_check`), so the host queues the next step while the GPU runs this
+one: the default engines run that, and -sync says what it gained (measured on one H200, 2026-12-05, as
+`unsloth` against `unsloth-deferred`: 21.8 -> 20.1 ms per token step, the same completions). On the CPU the two are
+the same (no device events).
 
 Each engine runs in a process of its own (Unsloth patches transformers when imported) on the same seeded prompts:
 --calls calls, each over new prompts of random lengths as GRPO's steps are; the first call is reported apart
@@ -55,27 +56,14 @@ sys.path.insert(0, str(ROOT))
 
 ENGINES = ("unsloth", "hf-dynamic", "hf-static")
 NO_LORA = "-no-lora"  # an engine's variant with the adapter switched off while sampling
-DEFERRED = "-deferred"  # an engine's variant with HF generate's stop check a token step late (no per-step sync)
+SYNC = "-sync"  # an engine's variant with HF generate's stop check read after every token step (a host sync)
 
 
 def base_engine(name: str) -> str:
-    """The engine an ENGINE[-no-lora][-deferred] name runs."""
-    return name.removesuffix(DEFERRED).removesuffix(NO_LORA)
+    """The engine an ENGINE[-no-lora][-sync] name runs."""
+    return name.removesuffix(SYNC).removesuffix(NO_LORA)
 
 
-@contextmanager
-def deferred_stop_check():
-    """HF generate with its stop decision one token step late on any device (transformers' DeferredStopCheck, for
-    MPS only in 5.17), where generate returns no cache (the deferral's one extra step would need it cropped)."""
-    from transformers.generation import utils
-
-    original = utils.DeferredStopCheck.__dict__["is_supported"]
-    utils.DeferredStopCheck.is_supported = staticmethod(
-        lambda device, cache, cache_is_returned, is_assistant: not cache_is_returned and not is_assistant)
-    try:
-        yield
-    finally:
-        utils.DeferredStopCheck.is_supported = original
 PROMPTS, GENERATIONS = 8, 8
 
 
@@ -109,8 +97,8 @@ def run_engine(a: argparse.Namespace) -> dict:
     if engine == "hf-static":
         config.cache_implementation, config.disable_compile = "static", False
     vocab = model.get_input_embeddings().weight.shape[0]
-    adapter = model.disable_adapter if a.as_engine.removesuffix(DEFERRED).endswith(NO_LORA) else nullcontext
-    stop_check = deferred_stop_check if a.as_engine.endswith(DEFERRED) else nullcontext
+    adapter = model.disable_adapter if a.as_engine.removesuffix(SYNC).endswith(NO_LORA) else nullcontext
+    defer_stop = not a.as_engine.endswith(SYNC)
     seconds, completions = [], []
     for call in range(a.calls):
         prompts = prompts_of_call(call, vocab, a.seed, a.prompt_tokens)
@@ -118,9 +106,9 @@ def run_engine(a: argparse.Namespace) -> dict:
         if a.device != "cpu":
             torch.cuda.synchronize()
         started = time.perf_counter()
-        with adapter(), stop_check(), sampling_mode(model, backend):
+        with adapter(), sampling_mode(model, backend):
             groups = sample_groups(model, prompts, seeds, grpo, config,
-                                   width_multiple=a.width_step if engine == "hf-static" else 1)
+                                   width_multiple=a.width_step if engine == "hf-static" else 1, defer_stop=defer_stop)
         if a.device != "cpu":
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - started)
@@ -131,9 +119,9 @@ def run_engine(a: argparse.Namespace) -> dict:
         prompts = prompts_of_call(a.calls, vocab, a.seed, a.prompt_tokens)
         seeds = [1000 * a.calls + k for k in range(PROMPTS)]
         with profiled_token_steps(a, a.as_engine) as profiled:
-            with adapter(), stop_check(), sampling_mode(model, backend):
+            with adapter(), sampling_mode(model, backend):
                 sample_groups(model, prompts, seeds, grpo, config,
-                              width_multiple=a.width_step if engine == "hf-static" else 1)
+                              width_multiple=a.width_step if engine == "hf-static" else 1, defer_stop=defer_stop)
         record["profile"] = profiled
     return record
 
@@ -207,7 +195,7 @@ def main() -> None:
     p.add_argument("--model", required=True, help="a local checkpoint folder (config, weights, tokenizer)")
     p.add_argument("--engines", default=",".join(ENGINES),
                    help=f"comma-separated, of {', '.join(ENGINES)}, each also as ENGINE{NO_LORA} and ENGINE[{NO_LORA}]"
-                        f"{DEFERRED}")
+                        f"{SYNC}")
     p.add_argument("--calls", type=int, default=6, help="sampling calls per engine; the first is reported apart")
     p.add_argument("--max-new", type=int, default=256, help="tokens per completion (none ends early)")
     p.add_argument("--prompt-tokens", type=int, default=100, help="median prompt length")
@@ -226,12 +214,13 @@ def main() -> None:
         Path(a.result).write_text(json.dumps(run_engine(a)))
         return
     engines = [e for e in a.engines.split(",") if e]
-    if a.device == "cpu" and any(e.endswith(DEFERRED) for e in engines):
-        raise SystemExit(f"ENGINE{DEFERRED} needs a GPU: the deferred stop check records a device event per token step")
+    if a.device == "cpu" and any(e.endswith(SYNC) for e in engines):
+        raise SystemExit(f"ENGINE{SYNC} compares with the stop check deferred, which runs on a GPU only (the CPU has no "
+                         "device events): on the CPU every engine already checks after every token step")
     unknown = sorted(e for e in engines if base_engine(e) not in ENGINES)
     if unknown:
         raise SystemExit(f"unknown engines {unknown}; known: {', '.join(ENGINES)}, each also as ENGINE{NO_LORA} and "
-                         f"ENGINE[{NO_LORA}]{DEFERRED}")
+                         f"ENGINE[{NO_LORA}]{SYNC}")
     records, out = [], Path(a.out) if a.out else None
     scratch = Path(tempfile.mkdtemp(prefix="sampling_bench_"))  # each engine's child writes its result here
     for engine in engines:

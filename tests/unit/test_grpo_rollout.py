@@ -275,3 +275,23 @@ def test_sampling_on_transformers_is_eval_mode_and_back(monkeypatch):
     with sampling_mode(model, "transformers"):
         pass
     assert not model.training  # evaluation samples from an eval-mode model and leaves it so
+
+
+def test_the_stop_check_is_deferred_on_a_gpu_only_where_no_cache_is_returned_and_put_back_after():
+    from transformers.generation.utils import DeferredStopCheck
+
+    from HyperSloth.train.grpo.rollout import deferred_stop_check
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    supported = DeferredStopCheck.is_supported
+    assert not supported(cuda, None, cache_is_returned=False, is_assistant=False)  # transformers: MPS only
+    with deferred_stop_check(cuda):
+        assert DeferredStopCheck.is_supported(cuda, None, cache_is_returned=False, is_assistant=False)
+        assert not DeferredStopCheck.is_supported(cuda, None, cache_is_returned=True, is_assistant=False)
+        assert not DeferredStopCheck.is_supported(cuda, None, cache_is_returned=False, is_assistant=True)
+    assert not DeferredStopCheck.is_supported(cuda, None, cache_is_returned=False, is_assistant=False)
+    with pytest.raises(KeyError), deferred_stop_check(cuda):
+        raise KeyError  # an error inside generate puts it back too
+    assert not DeferredStopCheck.is_supported(cuda, None, cache_is_returned=False, is_assistant=False)
+    with deferred_stop_check(cpu):  # no device events on the CPU: transformers' own rule stays
+        assert not DeferredStopCheck.is_supported(cuda, None, cache_is_returned=False, is_assistant=False)
