@@ -256,6 +256,12 @@ class GrpoArgs(BaseModel):
         "rank", description="HyperSloth's: 'rank' samples all of a GPU's prompts in one generate call (fast; 1 and N "
         "GPUs sample the same completions up to the rounding a different batch brings, which can flip a rare token "
         "in bf16); 'prompt' one call per prompt (slower; bit for bit the same on any number of GPUs).")
+    sampling_weights: Literal["merged", "adapter"] = Field(
+        "merged", description="HyperSloth's: 'merged' samples on W + scale * B A (each adapted weight merged for the "
+        "sampling call, the adapter off, every weight put back bit for bit after: the decode without the adapter's "
+        "GEMMs), where the base weights are 16/32-bit and the copies fit, else with the adapter (one log line says "
+        "why); 'adapter' always samples through the adapter. The policy is the same up to the merged weight's "
+        "rounding (docs/grpo.md).")
 
     @property
     def scale(self) -> str:

@@ -13,6 +13,10 @@ step sampling (docs/grpo.md: ~22.7 ms per token step on Unsloth's decode, agains
 ENGINE-no-lora (e.g. unsloth-no-lora): the engine with the adapter switched off while sampling (PEFT's
 `disable_adapter`), the decode without its LoRA GEMMs: what sampling on merged weights could gain at most. The
 adapter is freshly initialised (B = 0), so the completions are the engine's own.
+ENGINE-merged (e.g. unsloth-merged): the engine sampling on merged weights, as GRPO does at defaults
+(train/grpo/merged_sampling.py: each adapted weight W + scale * B A for the call, the adapter off, every weight put
+back after; the merge and the putting back are inside the timed call). The adapter is freshly initialised (B = 0),
+so the completions are the engine's own; -no-lora is the bound it can approach.
 ENGINE-sync (e.g. unsloth-sync, unsloth-no-lora-sync): HF generate's stop decision read on the host after every
 token step (`unfinished_sequences.max() == 0`, a sync), as GRPO sampled until 2026-12-05. GRPO now reads it one
 token step late on a GPU (`rollout.deferred_stop_check`), so the host queues the next step while the GPU runs this
@@ -56,12 +60,13 @@ sys.path.insert(0, str(ROOT))
 
 ENGINES = ("unsloth", "hf-dynamic", "hf-static")
 NO_LORA = "-no-lora"  # an engine's variant with the adapter switched off while sampling
+MERGED = "-merged"  # an engine's variant sampling on merged weights, as GRPO does at defaults (merged_sampling.py)
 SYNC = "-sync"  # an engine's variant with HF generate's stop check read after every token step (a host sync)
 
 
 def base_engine(name: str) -> str:
-    """The engine an ENGINE[-no-lora][-sync] name runs."""
-    return name.removesuffix(SYNC).removesuffix(NO_LORA)
+    """The engine an ENGINE[-no-lora|-merged][-sync] name runs."""
+    return name.removesuffix(SYNC).removesuffix(NO_LORA).removesuffix(MERGED)
 
 
 PROMPTS, GENERATIONS = 8, 8
@@ -97,7 +102,17 @@ def run_engine(a: argparse.Namespace) -> dict:
     if engine == "hf-static":
         config.cache_implementation, config.disable_compile = "static", False
     vocab = model.get_input_embeddings().weight.shape[0]
-    adapter = model.disable_adapter if a.as_engine.removesuffix(SYNC).endswith(NO_LORA) else nullcontext
+    variant = a.as_engine.removesuffix(SYNC)
+    if variant.endswith(NO_LORA):
+        adapter = model.disable_adapter
+    elif variant.endswith(MERGED):  # per call, as GRPO's sample(): merge, sample, put back (its cost is timed)
+        from HyperSloth.train.grpo.generation_memory import measured_limit
+        from HyperSloth.train.grpo.merged_sampling import MergedSampling
+
+        merged = MergedSampling(enabled=True)
+        adapter = lambda: merged.context(model, measured_limit(next(model.parameters()).device))  # noqa: E731
+    else:
+        adapter = nullcontext
     defer_stop = not a.as_engine.endswith(SYNC)
     seconds, completions = [], []
     for call in range(a.calls):
@@ -194,8 +209,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="a local checkpoint folder (config, weights, tokenizer)")
     p.add_argument("--engines", default=",".join(ENGINES),
-                   help=f"comma-separated, of {', '.join(ENGINES)}, each also as ENGINE{NO_LORA} and ENGINE[{NO_LORA}]"
-                        f"{SYNC}")
+                   help=f"comma-separated, of {', '.join(ENGINES)}, each also as ENGINE{NO_LORA}, ENGINE{MERGED} "
+                        f"and ENGINE[{NO_LORA}|{MERGED}]{SYNC}")
     p.add_argument("--calls", type=int, default=6, help="sampling calls per engine; the first is reported apart")
     p.add_argument("--max-new", type=int, default=256, help="tokens per completion (none ends early)")
     p.add_argument("--prompt-tokens", type=int, default=100, help="median prompt length")
@@ -219,8 +234,8 @@ def main() -> None:
                          "device events): on the CPU every engine already checks after every token step")
     unknown = sorted(e for e in engines if base_engine(e) not in ENGINES)
     if unknown:
-        raise SystemExit(f"unknown engines {unknown}; known: {', '.join(ENGINES)}, each also as ENGINE{NO_LORA} and "
-                         f"ENGINE[{NO_LORA}]{SYNC}")
+        raise SystemExit(f"unknown engines {unknown}; known: {', '.join(ENGINES)}, each also as ENGINE{NO_LORA}, "
+                         f"ENGINE{MERGED} and ENGINE[{NO_LORA}|{MERGED}]{SYNC}")
     records, out = [], Path(a.out) if a.out else None
     scratch = Path(tempfile.mkdtemp(prefix="sampling_bench_"))  # each engine's child writes its result here
     for engine in engines:

@@ -1,5 +1,5 @@
 """scripts/sampling_bench.py on the CPU: the two transformers engines sample the tiny model, each in its own
-process, and agree on every completion (fp32), as does one with the adapter off; the token-step profile; a misspelt
+process, and agree on every completion (fp32), as do one with the adapter off and one on merged weights; the token-step profile; a misspelt
 engine is refused, and so is a -sync variant on the CPU (where nothing is deferred). Its GPU figures are
 docs/grpo.md's."""
 
@@ -19,17 +19,18 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "sampling_bench.py"
 def test_the_engines_sample_the_same_completions_and_report_each_call(tiny_model_dir, tmp_path):
     out = tmp_path / "sampling.json"
     done = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tiny_model_dir), "--device", "cpu",
-                           "--engines", "hf-dynamic,hf-static,hf-dynamic-no-lora", "--max-new", "4", "--calls", "2",
+                           "--engines", "hf-dynamic,hf-static,hf-dynamic-no-lora,hf-dynamic-merged", "--max-new", "4", "--calls", "2",
                            "--out", str(out),
                            "--profile-steps", "2", "--profile-from", "0", "--profile-dir", str(tmp_path / "profiles")],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    dynamic, static, no_lora = json.loads(out.read_text())
+    dynamic, static, no_lora, merged = json.loads(out.read_text())
     assert (dynamic["engine"], static["engine"]) == ("hf-dynamic", "hf-static")
     assert len(dynamic["seconds"]) == len(static["seconds"]) == 2 and static["first_call_s"] > 0
     assert static["same_completions_as_hf-dynamic"] == 1.0
     # the adapter off while sampling: a fresh adapter (B = 0) changes nothing, so the same completions
     assert no_lora["engine"] == "hf-dynamic-no-lora" and no_lora["same_completions_as_hf-dynamic"] == 1.0
+    assert merged["engine"] == "hf-dynamic-merged" and merged["same_completions_as_hf-dynamic"] == 1.0
     # one more call each, token steps 2-3 of its 4 under torch.profiler: the sampler marked the steps
     for record in (dynamic, static):
         profile = record["profile"]

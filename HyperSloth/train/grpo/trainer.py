@@ -46,6 +46,7 @@ from HyperSloth.train.dpo.preference import ReferenceSwitch, add_reference_adapt
 from HyperSloth.train.evaluation import sum_over_ranks
 from HyperSloth.train.grpo import loss as grpo_loss
 from HyperSloth.train.grpo.generation_memory import GenerationMemory
+from HyperSloth.train.grpo.merged_sampling import MergedSampling
 from HyperSloth.train.grpo.rollout import (
     RewardFailure,
     advantages,
@@ -137,6 +138,7 @@ class HyperSlothGRPOTrainer(HyperSlothTrainer):
         self._unlogged: list[dict[str, float]] = []
         self._timing: dict[str, float] = {}
         self.generation_memory = GenerationMemory(grpo)  # generate calls within the GPU's free memory
+        self.merged_sampling = MergedSampling(grpo.sampling_weights == "merged")  # sampling without the adapter GEMMs
         super().__init__(*args, **kwargs)
         tokenizer = self.processing_class
         self.generation = generation_config(grpo, tokenizer.pad_token_id, eos_ids(self.model, tokenizer))
@@ -189,11 +191,12 @@ class HyperSlothGRPOTrainer(HyperSlothTrainer):
         calls of whole prompts as the GPU's free memory allows (generation_memory.py), one when they fit."""
         seeds = [prompt_seed(self.sampling_seed, int(inputs["plan_step"]), row) for row in inputs["prompt_rows"]]
         prompts = list(inputs["prompt_ids"])
-        if self.grpo.generation_batch == "prompt":  # one call per prompt: no padding, bit for bit on N GPUs
-            chunks = [range(k, k + 1) for k in range(len(prompts))]
-        else:
-            chunks = self.generation_memory.chunks(model, [len(ids) for ids in prompts])
-        with sampling_mode(model, self.backend):
+        limit = self.generation_memory.limit(next(model.parameters()).device)
+        with sampling_mode(model, self.backend), self.merged_sampling.context(model, limit):
+            if self.grpo.generation_batch == "prompt":  # one call per prompt: no padding, bit for bit on N GPUs
+                chunks = [range(k, k + 1) for k in range(len(prompts))]
+            else:  # inside: the merged weights' copies are not free for the KV cache
+                chunks = self.generation_memory.chunks(model, [len(ids) for ids in prompts])
             return sample_chunks(model, prompts, seeds, self.grpo, self.generation, chunks)
 
     def score(self, inputs: dict[str, Any], groups: list[list[np.ndarray]], step: int):
