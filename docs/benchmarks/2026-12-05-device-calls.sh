@@ -4,6 +4,10 @@
 # In this order: callZ (the architectures through Unsloth: 2026-12-03's callX, callV and callY in one call), callP
 # (where an MoE step's time goes), then callA + callM of 2026-12-02-fa4-device-calls.sh (long-0.6b FA4 profile), then
 # callW of 2026-12-03-device-calls.sh (GRPO's sampling profiled) if time is left.
+# Ran (second session of 2026-12-05): callZ, callP, callA + callM, and callW's sampling profile cut to three engines
+# and 3 calls (docs/benchmarks.md). Next, in this order: callG (merged sampling, then GRPO's 20 steps, ours), callQ of
+# 2026-12-03-device-calls.sh (TRL's GRPO, 20 steps, on the same data), callR (the recurrent models sorted-pad on
+# Unsloth at defaults, after commit 4182e08).
 source scripts/device_calls_lib.sh  # the GPU environment, $W / $L, el, left, bench, show, pack, ...
 
 callZ() {  # every architecture not yet run through Unsloth, at defaults, graphed and eager: gpt-oss with the sink
@@ -34,6 +38,32 @@ callP() {  # where an MoE step's 0.33 s go (issue 32 item 7, 1.00x stock): moe-s
     --steps 6 --tag moe-prof --budget-s $(left 540) > $L/bench-moe-prof.log 2>&1
   el "profiles done"; show $L/bench-moe-prof.log; keep_profiles moe-short
   for f in $OUT/profiles/moe-short-*.txt; do echo "== $f"; head -c 2500 $f; echo; done
+  pack
+}
+
+callG() {  # GRPO's sampling on merged weights (grpo.sampling_weights="merged", train/grpo/merged_sampling.py) against
+  # the adapter and the adapter-free bound, the stop check deferred in all three (~4 min); then GRPO at defaults, 2
+  # warm-up + 20 timed steps (~4 min): the line "GRPO samples on merged weights" and generation_s per step
+  [ -f $W/ckpt_0.6b/config.json ] || python3 scripts/benchmark.py --as-system build --model 0.6b --checkpoint $W/ckpt_0.6b
+  timeout $(left 260) python3 scripts/sampling_bench.py --model $W/ckpt_0.6b --engines unsloth,unsloth-merged,unsloth-no-lora \
+    --calls 6 --out $OUT/sampling-merged.json > $L/sampling.log 2>&1
+  el "sampling bench done"; grep '^{' $L/sampling.log | cut -c1-600; grep -h "Error\|Traceback" $L/sampling.log | head -5 | cut -c1-300
+  bench --workloads grpo-0.6b --slots hypersloth-1 --warmup 2 --steps 20 --tag grpo-merged --budget-s $(left 570) \
+    > $L/bench-grpo.log 2>&1
+  el "bench done"; show $L/bench-grpo.log
+  grep -h "merged weights\|samples with the adapter\|CUDA-graph decode\|Error\|Traceback" \
+    $W/grpo-0.6b/out_hypersloth-1/logs/rank0.log | head -5 | cut -c1-400
+  pack
+}
+
+callR() {  # after commit 4182e08: Qwen3.5 dense, Qwen3.5-MoE as published and Granite 4.0-H through Unsloth at
+  # defaults (no packed-row check on Unsloth for recurrent mixers: sorted-pad), graphed and eager (~4 min)
+  timeout $(left 300) python3 scripts/arch_check.py --out $OUT/arch --architectures qwen3_5,qwen3_5_moe_mm,granite4_h \
+    --parallel 6 > $L/arch.log 2>&1
+  el "arch check done"
+  for f in $OUT/arch/*-graphs.json $OUT/arch/*-eager.json; do python3 -c "import json, sys; r = json.load(open(sys.argv[1])); \
+    print(r['run'], r['exit'], r.get('packing'), r.get('losses'), '\n'.join(r.get('traceback') or [])[-1500:])" $f; done
+  tar czf $OUT/arch-logs.tgz -C $OUT arch && rm -rf $OUT/arch
   pack
 }
 
