@@ -114,8 +114,10 @@ def test_chunked_sampling_gives_one_calls_completions_and_logs_each_new_split_on
     per_prompt = grpo.num_generations * cost.row_bytes(5, grpo.max_completion_length)
     limit = {"bytes": 0}
     memory = GenerationMemory(grpo, limit=lambda device: limit["bytes"])
+    from HyperSloth.train.grpo.merged_sampling import MergedSampling
+
     trainer = SimpleNamespace(grpo=grpo, sampling_seed=0, generation=config, generation_memory=memory,
-                              backend="transformers")
+                              backend="transformers", merged_sampling=MergedSampling(enabled=True))
     calls = []
     sample_groups = rollout.sample_groups  # counted: the prompts of each generate call
     monkeypatch.setattr(rollout, "sample_groups", lambda m, p, *a: calls.append(len(p)) or sample_groups(m, p, *a))

@@ -114,7 +114,10 @@ class PackingCheck:
         return self.unchecked is None and self.leaking == 0 and not self.blind and not self.noisy
 
     def as_record(self) -> dict[str, Any]:
-        return {**asdict(self), "exact": self.exact}
+        record = {**asdict(self), "exact": self.exact}
+        if self.unchecked is None:  # the usual case: measured
+            del record["unchecked"]
+        return record
 
 
 def _token_mixers(model) -> list[tuple[torch.nn.Module, bool]]:
