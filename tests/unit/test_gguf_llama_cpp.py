@@ -135,8 +135,10 @@ def test_llama_cpp_runs_phi3_longrope_with_its_factors(tiny_model_dir, tmp_path,
     measured = compare(tmp_path / "longrope", write_gguf(tmp_path / "longrope", tmp_path / "m.gguf", "f32"))
     print(f"Phi-3 LongRoPE, rotary share {rotary_share}: {measured}")
     check(measured, "f32")
-    written = writer.phi3_longrope_factors
-    monkeypatch.setattr(writer, "phi3_longrope_factors", lambda c: written(c)[::-1])  # (short, long)
+    from HyperSloth.outputs.gguf import architectures
+
+    written = architectures.phi3_longrope_factors
+    monkeypatch.setattr(architectures, "phi3_longrope_factors", lambda c: written(c)[::-1])  # (short, long)
     swapped = compare(tmp_path / "longrope", write_gguf(tmp_path / "longrope", tmp_path / "swapped.gguf", "f32"))
     assert swapped["max_diff_over_range"] > 10 * measured["max_diff_over_range"], (swapped, measured)
 
@@ -218,6 +220,15 @@ def test_llama_cpp_runs_granite4_h(tiny_model_dir, tmp_path, variant, gguf_type)
     check(measured, gguf_type)
 
 
+def set_hook(monkeypatch, family: str, **hooks) -> None:
+    """One family's hooks replaced for the test (architectures.FAMILIES holds the functions themselves)."""
+    from dataclasses import replace
+
+    from HyperSloth.outputs.gguf.architectures import FAMILIES
+
+    monkeypatch.setitem(FAMILIES, family, replace(FAMILIES[family], **hooks))
+
+
 @pytest.mark.parametrize("key", ["embedding_scale", "residual_scale", "attention.scale", "logit_scale"])
 def test_llama_cpp_reads_granites_multipliers(tiny_model_dir, tmp_path, monkeypatch, key):
     """Each multiplier is load-bearing: written as 1, llama.cpp's logits move away from transformers' by more than
@@ -232,7 +243,7 @@ def test_llama_cpp_reads_granites_multipliers(tiny_model_dir, tmp_path, monkeypa
         add(writer, config)
         writer.kv_data[0][f"granitehybrid.{key}"].value = 1.0
 
-    monkeypatch.setattr(granite, "add_hyperparameters", one)
+    set_hook(monkeypatch, "granite", add_hyperparameters=one)
     changed = compare(model, write_gguf(model, tmp_path / "one.gguf", "f32"))
     print(f"Granite 4.0-H with {key} written as 1: {changed} (as written: {measured})")
     assert changed["max_diff_over_range"] > 10 * measured["max_diff_over_range"], (changed, measured)
@@ -267,7 +278,7 @@ def test_llama_cpp_reads_nemotron_hs_routing(tiny_model_dir, tmp_path, monkeypat
             add(gguf_writer, config)
             gguf_writer.kv_data[0]["nemotron_h_moe.expert_weights_scale"].value = 1.0
 
-        monkeypatch.setattr(nemotron_h, "add_hyperparameters", unscaled)
+        set_hook(monkeypatch, "nemotron_h", add_hyperparameters=unscaled)
     else:
         write_tensor_as(monkeypatch, tensor, np.zeros_like)
     changed = compare(model, write_gguf(model, tmp_path / "changed.gguf", "f32"))

@@ -2,7 +2,9 @@
 keys, and the few tensor changes llama.cpp's own converter (convert_hf_to_gguf.py) makes per architecture.
 
 The names come from the `gguf` package (MODEL_ARCH, TensorNameMap, the writer's add_* keys); what is ours is
-the table below, checked against llama.cpp's conversion/{qwen,llama,gemma}.py (llama-cpp-python 0.3.36):
+the table below (ARCHITECTURES; each names its `Family`, whose hooks in FAMILIES the writer calls at fixed points,
+the family's functions living in its own module), checked against llama.cpp's conversion/{qwen,llama,gemma}.py
+(llama-cpp-python 0.3.36):
 - Qwen3, Qwen2: no change (llama.cpp uses NeoX RoPE for them, as transformers does);
 - Llama, Mistral: Q and K rows permuted per head (transformers rotates halves, llama.cpp's LLAMA rotates
   pairs), the `permute` of conversion/llama.py;
@@ -48,6 +50,7 @@ Anything else is refused by name, with the supported list.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -69,8 +72,11 @@ class Architecture:
     moe: bool = False  # experts (per-expert or fused on disk) become three stacked tensors (experts.py)
     experts_layout: str = "qwen"  # how the experts lie on disk (experts.LAYOUTS)
     output_required: bool = False  # llama.cpp reads output.weight only: written from the embeddings when tied
-    linear_attention: bool = False  # Qwen3.5's gated-delta-rule layers (linear_attention.py)
-    latent_attention: bool = False  # DeepSeek's multi-head latent attention, GLM-4.7-Flash's (latent_attention.py)
+    family: str = "common"  # what it adds to the common conversion: a FAMILIES key (below)
+
+    @property
+    def hooks(self) -> "Family":
+        return FAMILIES[self.family]
 
     @property
     def model_arch(self):
@@ -92,22 +98,23 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("Qwen2ForCausalLM", "QWEN2"),
         Architecture("LlamaForCausalLM", "LLAMA", permute_qk=True),
         Architecture("MistralForCausalLM", "LLAMA", permute_qk=True),
-        Architecture("Gemma3ForCausalLM", "GEMMA3", norm_shift=1.0),
-        Architecture("Gemma4ForCausalLM", "GEMMA4"),  # dense and MoE alike (gemma4.py)
-        Architecture("Qwen3MoeForCausalLM", "QWEN3MOE", moe=True),
-        Architecture("GptOssForCausalLM", "GPT_OSS", moe=True, experts_layout="gpt_oss", output_required=True),
-        Architecture("Phi3ForCausalLM", "PHI3"),
-        Architecture("Qwen3_5ForCausalLM", "QWEN35", norm_shift=1.0, linear_attention=True),
-        Architecture("Qwen3_5MoeForCausalLM", "QWEN35MOE", norm_shift=1.0, moe=True, linear_attention=True),
-        Architecture("Qwen3NextForCausalLM", "QWEN3NEXT", norm_shift=1.0, moe=True, linear_attention=True),
-        Architecture("Glm4MoeLiteForCausalLM", "DEEPSEEK2", moe=True, latent_attention=True),
+        Architecture("Gemma3ForCausalLM", "GEMMA3", norm_shift=1.0, family="gemma3"),
+        Architecture("Gemma4ForCausalLM", "GEMMA4", family="gemma4"),  # dense and MoE alike (gemma4.py)
+        Architecture("Qwen3MoeForCausalLM", "QWEN3MOE", moe=True, family="qwen3_moe"),
+        Architecture("GptOssForCausalLM", "GPT_OSS", moe=True, experts_layout="gpt_oss", output_required=True,
+                     family="gpt_oss"),
+        Architecture("Phi3ForCausalLM", "PHI3", family="phi3"),
+        Architecture("Qwen3_5ForCausalLM", "QWEN35", norm_shift=1.0, family="linear_attention"),
+        Architecture("Qwen3_5MoeForCausalLM", "QWEN35MOE", norm_shift=1.0, moe=True, family="linear_attention"),
+        Architecture("Qwen3NextForCausalLM", "QWEN3NEXT", norm_shift=1.0, moe=True, family="qwen3_next"),
+        Architecture("Glm4MoeLiteForCausalLM", "DEEPSEEK2", moe=True, family="latent_attention"),
         # not `moe`: granite.py splits its fused experts and shared MLP and writes their keys
-        Architecture("GraniteMoeHybridForCausalLM", "GRANITE_HYBRID", permute_qk=True),
+        Architecture("GraniteMoeHybridForCausalLM", "GRANITE_HYBRID", permute_qk=True, family="granite"),
         # nemotron_h, or NEMOTRON_H_MOE where it has expert blocks (architecture_of); experts stacked by nemotron_h.py
-        Architecture("NemotronHForCausalLM", "NEMOTRON_H", permute_qk=True),
+        Architecture("NemotronHForCausalLM", "NEMOTRON_H", permute_qk=True, family="nemotron_h"),
         # not `moe`: lfm2.py stacks the experts (feed_forward.experts.E.w1/w2/w3) and writes their keys
-        Architecture("Lfm2ForCausalLM", "LFM2"),
-        Architecture("Lfm2MoeForCausalLM", "LFM2MOE"),
+        Architecture("Lfm2ForCausalLM", "LFM2", family="lfm2"),
+        Architecture("Lfm2MoeForCausalLM", "LFM2MOE", family="lfm2"),
     )
 }
 # A multimodal model whose language model is written (llama.cpp's converter does the same; the vision tower would be
@@ -153,35 +160,9 @@ def _check_config(arch: Architecture, config: dict[str, Any], where: str) -> Non
     if config.get("quantization_config"):
         raise ExportError(f"--gguf cannot write {where}: its config.json holds a quantization_config; export from "
                           "the merged 16/32-bit weights (--merge writes them)")
-    if arch.gguf_arch == "GEMMA3":
-        _check_gemma3(config, where)
-    if arch.gguf_arch == "GEMMA4":
-        gemma4.check(config, where)
-    if arch.gguf_arch == "QWEN3MOE":
-        _check_moe(config, where)
-    if arch.gguf_arch == "GPT_OSS":
-        _check_gpt_oss(config, where)
-    if arch.gguf_arch == "GRANITE_HYBRID":
-        granite.check(config, where)
-    if is_nemotron_h(arch):
-        nemotron_h.check(config, where)
-    if is_lfm2(arch):
-        lfm2.check(config, where)
-    if arch.gguf_arch == "QWEN3NEXT":  # no MRoPE: linear_attention.check's sections do not apply
-        qwen3_next.check(config, where)
-    elif arch.linear_attention:
-        linear_attention.check(config, where, rotary_dims(config))
-    if arch.latent_attention:
-        latent_attention.check(config, where)
+    if arch.hooks.check is not None:
+        arch.hooks.check(config, where)
     _check_rope(config, arch, where)
-
-
-def is_nemotron_h(arch: Architecture) -> bool:
-    return arch.gguf_arch in ("NEMOTRON_H", "NEMOTRON_H_MOE")
-
-
-def is_lfm2(arch: Architecture) -> bool:
-    return arch.gguf_arch in ("LFM2", "LFM2MOE")
 
 
 def _check_gemma3(config: dict[str, Any], where: str) -> None:
@@ -252,12 +233,16 @@ def _check_rope(config: dict[str, Any], arch: Architecture, where: str) -> None:
     """ExportError for a RoPE scaling llama.cpp would not reproduce: 'default', 'linear', 'yarn', 'llama3' are
     written; Phi-3 takes 'default' and 'longrope' only; Gemma 4 'default' and 'proportional' (gemma4.check)."""
     kind = rope_kind(config)
-    known = ("default", "linear", "yarn", "llama3", *(("longrope",) if arch.gguf_arch == "PHI3" else ()),
-             *(("proportional",) if arch.gguf_arch == "GEMMA4" else ()))
+    known = ("default", "linear", "yarn", "llama3", *arch.hooks.rope_kinds)
     if kind not in known:
         raise ExportError(f"--gguf cannot write RoPE scaling {kind!r} (rope_parameters of config.json) for this "
                           f"architecture; supported: {', '.join(known)}")
-    if arch.gguf_arch == "PHI3" and kind not in ("default", "longrope"):
+    if arch.hooks.rope_check is not None:
+        arch.hooks.rope_check(kind, where)
+
+
+def _check_phi3_rope(kind: str, where: str) -> None:
+    if kind not in ("default", "longrope"):
         raise ExportError(f"--gguf cannot write {where}: Phi-3 in llama.cpp takes no RoPE scaling or LongRoPE, and its "
                           f"config has {kind!r}")
 
@@ -267,18 +252,10 @@ def head_dim(config: dict[str, Any]) -> int:
 
 
 def add_hyperparameters(writer, config: dict[str, Any], arch: Architecture) -> None:
-    """The `{arch}.*` keys llama.cpp reads for these architectures."""
-    heads = config["num_attention_heads"]
-    if arch.latent_attention:
-        kv_heads, key_length, value_length, rope_dims = latent_attention.head_lengths(config)
-    elif arch.gguf_arch == "GEMMA4":  # the full-attention layers' (the sliding ones' in gemma4.add_hyperparameters)
-        kv_heads, key_length, value_length, rope_dims = gemma4.head_lengths(config)
-    elif arch.gguf_arch == "GRANITE_HYBRID":  # KV heads per layer: 0 for a Mamba layer
-        kv_heads, key_length, value_length, rope_dims = granite.head_lengths(config)
-    elif is_nemotron_h(arch):  # KV heads per layer: 0 but in the attention layers
-        kv_heads, key_length, value_length, rope_dims = nemotron_h.head_lengths(config)
-    elif is_lfm2(arch):  # KV heads per layer: 0 for a convolution layer
-        kv_heads, key_length, value_length, rope_dims = lfm2.head_lengths(config)
+    """The `{arch}.*` keys llama.cpp reads for these architectures: the common ones, then the family's own."""
+    hooks, heads = arch.hooks, config["num_attention_heads"]
+    if hooks.head_lengths is not None:  # per layer where layers differ (0 KV heads: a Mamba or convolution layer)
+        kv_heads, key_length, value_length, rope_dims = hooks.head_lengths(config)
     else:
         kv_heads, key_length, value_length, rope_dims = (
             config.get("num_key_value_heads") or heads, head_dim(config), head_dim(config), rotary_dims(config))
@@ -286,10 +263,7 @@ def add_hyperparameters(writer, config: dict[str, Any], arch: Architecture) -> N
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     if "intermediate_size" in config:  # Qwen3.5-MoE has experts only (their width below)
-        writer.add_feed_forward_length(gemma4.feed_forward_length(config) if arch.gguf_arch == "GEMMA4"
-                                       else granite.feed_forward_length(config) if arch.gguf_arch == "GRANITE_HYBRID"
-                                       else nemotron_h.feed_forward_length(config) if is_nemotron_h(arch)
-                                       else lfm2.feed_forward_length(config) if is_lfm2(arch)
+        writer.add_feed_forward_length(hooks.feed_forward_length(config) if hooks.feed_forward_length is not None
                                        else config["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
@@ -300,30 +274,14 @@ def add_hyperparameters(writer, config: dict[str, Any], arch: Architecture) -> N
                                   else config["layer_norm_epsilon"])  # Nemotron-H's name for it
     writer.add_vocab_size(config["vocab_size"])
     _add_rope(writer, config)
-    if arch.gguf_arch == "GEMMA3":
-        _add_gemma3(writer, config)
-    if arch.gguf_arch == "GEMMA4":
-        gemma4.add_hyperparameters(writer, config)
-    if arch.gguf_arch == "GRANITE_HYBRID":
-        granite.add_hyperparameters(writer, config)
-    if is_nemotron_h(arch):
-        nemotron_h.add_hyperparameters(writer, config)
-    if is_lfm2(arch):
-        lfm2.add_hyperparameters(writer, config)
     if arch.moe:
         writer.add_expert_count(expert_count(config))
         writer.add_expert_used_count(config.get("num_experts_per_tok") or config["experts_per_token"])
         # gpt-oss's intermediate_size is its expert width (it has no dense MLP); Qwen's is moe_intermediate_size
         writer.add_expert_feed_forward_length(config["intermediate_size"] if arch.experts_layout == "gpt_oss"
                                               else config["moe_intermediate_size"])
-    if arch.gguf_arch == "GPT_OSS":
-        _add_gpt_oss_window(writer, config)
-    if arch.gguf_arch == "PHI3":
-        _add_phi3(writer, config)
-    if arch.linear_attention:
-        linear_attention.add_hyperparameters(writer, config)
-    if arch.latent_attention:
-        latent_attention.add_hyperparameters(writer, config)
+    if hooks.add_hyperparameters is not None:
+        hooks.add_hyperparameters(writer, config)
 
 
 def _add_rope(writer, config: dict[str, Any]) -> None:
@@ -389,12 +347,16 @@ def phi3_longrope_factors(config: dict[str, Any]) -> tuple[np.ndarray, np.ndarra
 def caveats(config: dict[str, Any], arch: Architecture) -> list[str]:
     """Where llama.cpp will compute something else than transformers from a file written as its converter writes
     it: said once by the export, not refused (llama.cpp's own converter writes these models the same way)."""
+    return arch.hooks.caveats(config) if arch.hooks.caveats is not None else []
+
+
+def _phi3_caveats(config: dict[str, Any]) -> list[str]:
     said = []
-    if arch.gguf_arch == "PHI3" and config.get("sliding_window"):
+    if config.get("sliding_window"):
         said.append(f"llama.cpp switches Phi-3's sliding window off (src/models/phi3.cpp): beyond "
                     f"{config['sliding_window']} tokens of context it attends to every earlier token, where "
                     "transformers attends to the last sliding_window ones")
-    if arch.gguf_arch == "PHI3" and rope_kind(config) == "longrope":
+    if rope_kind(config) == "longrope":
         said.append(f"llama.cpp picks LongRoPE's long factors by the context it is started with (-c above "
                     f"{_original_context(config)}) for every token; transformers by the length of the sequence")
     return said
@@ -449,18 +411,9 @@ def llama3_rope_factors(config: dict[str, Any]) -> np.ndarray | None:
 
 
 def transform(name: str, data: np.ndarray, config: dict[str, Any], arch: Architecture) -> np.ndarray:
-    """The per-architecture change a Hugging Face tensor needs before llama.cpp reads it (float32 in and out)."""
-    if arch.gguf_arch == "QWEN3NEXT" and (changed := qwen3_next.transform(name, data, config)) is not None:
-        return changed
-    if arch.linear_attention and linear_attention.MIXER in name:  # its gated norm included: it takes no shift
-        return linear_attention.transform(name, data, config, tiled=arch.gguf_arch != "QWEN3NEXT")
-    if arch.latent_attention:
-        return latent_attention.transform(name, data, config)
-    if arch.gguf_arch == "GRANITE_HYBRID" and (changed := granite.transform(name, data, config)) is not None:
-        return changed
-    if is_nemotron_h(arch) and (changed := nemotron_h.transform(name, data, config)) is not None:
-        return changed
-    if is_lfm2(arch) and (changed := lfm2.transform(name, data)) is not None:
+    """The per-architecture change a Hugging Face tensor needs before llama.cpp reads it (float32 in and out): the
+    family's own where it changes the tensor, else the common rules (Llama's Q / K rows, Gemma's norm shift)."""
+    if arch.hooks.transform is not None and (changed := arch.hooks.transform(name, data, config)) is not None:
         return changed
     if arch.permute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
         return _permute(data, config["num_attention_heads"])
@@ -476,3 +429,96 @@ def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
     return (weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:])
             .swapaxes(1, 2)
             .reshape(weights.shape))
+
+
+Config = dict[str, Any]
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Family:
+    """What one family of architectures adds to the common conversion, as hooks the writer calls at fixed points
+    (None: the family does what every architecture does there). Each family's module holds its functions; this
+    table only plugs them in."""
+
+    check: Callable[[Config, str], None] | None = None  # ExportError where llama.cpp would compute otherwise
+    rope_kinds: tuple[str, ...] = ()  # RoPE scalings it takes beyond the common ones
+    rope_check: Callable[[str, str], None] | None = None  # (kind, where): a RoPE scaling it refuses after all
+    head_lengths: Callable[[Config], tuple[Any, int, int, int]] | None = None  # KV heads (per layer), K, V, rope dims
+    feed_forward_length: Callable[[Config], Any] | None = None  # per layer where layers differ
+    add_hyperparameters: Callable[[Any, Config], None] | None = None  # its own keys, after the common ones
+    rope_tensors: Callable[[Config], list[tuple[Any, np.ndarray]]] | None = None  # (gguf.MODEL_TENSOR, data)
+    split_parts: Callable[[list, Config], list] | None = None  # fused tensors split, per-expert ones stacked
+    rename: Callable[[str, Shape, Config], tuple[str, Shape]] | None = None  # (name TensorNameMap knows, shape)
+    gguf_name: Callable[[str, Any], str | None] | None = None  # the GGUF name, where the name map alone cannot
+    transform: Callable[[str, np.ndarray, Config], np.ndarray | None] | None = None  # None: the common rules
+    caveats: Callable[[Config], list[str]] | None = None  # what llama.cpp computes otherwise, said not refused
+
+
+def _gemma4_rope(config: Config) -> list[tuple[Any, np.ndarray]]:
+    import gguf
+
+    return [(gguf.MODEL_TENSOR.ROPE_FREQS, gemma4.rope_factors(config))]  # read by the full-attention layers only
+
+
+def _phi3_rope(config: Config) -> list[tuple[Any, np.ndarray]]:
+    import gguf
+
+    factors = phi3_longrope_factors(config)
+    kinds = (gguf.MODEL_TENSOR.ROPE_FACTORS_LONG, gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT)
+    return [] if factors is None else list(zip(kinds, factors))
+
+
+def _linear_attention_rename(name: str, shape: Shape, config: Config) -> tuple[str, Shape]:
+    return linear_attention.lookup_name(name), linear_attention.stored_shape(name, shape)
+
+
+def _linear_attention_transform(name: str, data: np.ndarray, config: Config, tiled: bool = True) -> np.ndarray | None:
+    """Its layers' tensors, the gated norm included (it takes no shift); None for the others."""
+    return linear_attention.transform(name, data, config, tiled=tiled) if linear_attention.MIXER in name else None
+
+
+def _qwen3_next_transform(name: str, data: np.ndarray, config: Config) -> np.ndarray | None:
+    changed = qwen3_next.transform(name, data, config)  # the value heads stay grouped by key head
+    return changed if changed is not None else _linear_attention_transform(name, data, config, tiled=False)
+
+
+def _hybrid_rename(module) -> Callable[[str, Shape, Config], tuple[str, Shape]]:
+    """Granite 4.0-H's and Nemotron-H's: their module's lookup name and stored shape (the Mamba-2 tensors)."""
+    return lambda name, shape, config: (module.lookup_name(name), module.stored_shape(name, shape, config))
+
+
+FAMILIES: dict[str, Family] = {
+    "common": Family(),
+    "gemma3": Family(check=_check_gemma3, add_hyperparameters=_add_gemma3),
+    "gemma4": Family(check=gemma4.check, rope_kinds=("proportional",), head_lengths=gemma4.head_lengths,
+                     feed_forward_length=gemma4.feed_forward_length, add_hyperparameters=gemma4.add_hyperparameters,
+                     rope_tensors=_gemma4_rope, gguf_name=gemma4.gguf_name),
+    "qwen3_moe": Family(check=_check_moe),
+    "gpt_oss": Family(check=_check_gpt_oss, add_hyperparameters=_add_gpt_oss_window),
+    "phi3": Family(rope_kinds=("longrope",), rope_check=_check_phi3_rope, add_hyperparameters=_add_phi3,
+                   rope_tensors=_phi3_rope, caveats=_phi3_caveats),
+    "linear_attention": Family(check=lambda config, where: linear_attention.check(config, where, rotary_dims(config)),
+                               add_hyperparameters=linear_attention.add_hyperparameters,
+                               rename=_linear_attention_rename, transform=_linear_attention_transform),
+    # Qwen3-Next: Qwen3.5's linear attention with its fused projections split, no MRoPE (so not its check)
+    "qwen3_next": Family(check=qwen3_next.check, add_hyperparameters=linear_attention.add_hyperparameters,
+                         split_parts=qwen3_next.split_parts, rename=_linear_attention_rename,
+                         transform=_qwen3_next_transform),
+    "latent_attention": Family(check=latent_attention.check, head_lengths=latent_attention.head_lengths,
+                               add_hyperparameters=latent_attention.add_hyperparameters,
+                               split_parts=latent_attention.split_parts,
+                               rename=lambda name, shape, config: (latent_attention.lookup_name(name), shape),
+                               transform=latent_attention.transform),
+    "granite": Family(check=granite.check, head_lengths=granite.head_lengths,
+                      feed_forward_length=granite.feed_forward_length, add_hyperparameters=granite.add_hyperparameters,
+                      split_parts=granite.split_parts, rename=_hybrid_rename(granite), transform=granite.transform),
+    "nemotron_h": Family(check=nemotron_h.check, head_lengths=nemotron_h.head_lengths,
+                         feed_forward_length=nemotron_h.feed_forward_length,
+                         add_hyperparameters=nemotron_h.add_hyperparameters, split_parts=nemotron_h.split_parts,
+                         rename=_hybrid_rename(nemotron_h), transform=nemotron_h.transform),
+    "lfm2": Family(check=lfm2.check, head_lengths=lfm2.head_lengths, feed_forward_length=lfm2.feed_forward_length,
+                   add_hyperparameters=lfm2.add_hyperparameters, split_parts=lfm2.split_parts,
+                   rename=lambda name, shape, config: (lfm2.lookup_name(name), lfm2.stored_shape(name, shape)),
+                   transform=lambda name, data, config: lfm2.transform(name, data)),
+}

@@ -24,17 +24,13 @@ from loguru import logger
 
 from HyperSloth.outputs import run_files
 from HyperSloth.outputs.export import ExportError
-from HyperSloth.outputs.gguf import gemma4, granite, latent_attention, lfm2, linear_attention, nemotron_h, qwen3_next
 from HyperSloth.outputs.gguf.architectures import (
     Architecture,
     add_hyperparameters,
     architecture_of,
     caveats,
     expert_count,
-    is_lfm2,
-    is_nemotron_h,
     llama3_rope_factors,
-    phi3_longrope_factors,
     text_config,
     transform,
 )
@@ -105,45 +101,23 @@ def plan_tensors(model_dir: Path, config: dict[str, Any], arch: Architecture, qt
     import gguf
 
     names = gguf.get_tensor_name_map(arch.model_arch, config["num_hidden_layers"])
-    if (factors := llama3_rope_factors(config)) is not None:
-        yield PlannedTensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", factors.shape,
-                            gguf.GGMLQuantizationType.F32, lambda: factors)
-    if arch.gguf_arch == "GEMMA4":  # read by the full-attention layers only
-        gemma4_factors = gemma4.rope_factors(config)
-        yield PlannedTensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", gemma4_factors.shape,
-                            gguf.GGMLQuantizationType.F32, lambda: gemma4_factors)
-    if arch.gguf_arch == "PHI3" and (longrope := phi3_longrope_factors(config)) is not None:
-        for kind, data in zip((gguf.MODEL_TENSOR.ROPE_FACTORS_LONG, gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT), longrope):
-            yield PlannedTensor(gguf.TENSOR_NAMES[kind] + ".weight", data.shape, gguf.GGMLQuantizationType.F32,
-                                lambda data=data: data)
+    hooks = arch.hooks
+    rope = [] if (factors := llama3_rope_factors(config)) is None else [(gguf.MODEL_TENSOR.ROPE_FREQS, factors)]
+    for kind, data in [*rope, *(hooks.rope_tensors(config) if hooks.rope_tensors is not None else [])]:
+        yield PlannedTensor(gguf.TENSOR_NAMES[kind] + ".weight", data.shape, gguf.GGMLQuantizationType.F32,
+                            lambda data=data: data)
     tied = bool(config.get("tie_word_embeddings"))
     files, shapes = _tensor_index(model_dir, tied=tied)
     parts = tensor_parts(shapes, expert_count(config) if arch.moe else None, arch.experts_layout)
-    if arch.latent_attention:
-        parts = latent_attention.split_parts(parts, config)
-    if arch.gguf_arch == "GRANITE_HYBRID":
-        parts = granite.split_parts(parts, config)
-    if is_nemotron_h(arch):
-        parts = nemotron_h.split_parts(parts, config)
-    if is_lfm2(arch):
-        parts = lfm2.split_parts(parts, config)
-    if arch.gguf_arch == "QWEN3NEXT":
-        parts = qwen3_next.split_parts(parts, config)
+    if hooks.split_parts is not None:
+        parts = hooks.split_parts(parts, config)
     if tied and arch.output_required:  # llama.cpp's graph for it reads output.weight, never token_embd
         parts.append(TensorPart("lm_head.weight", shapes[EMBEDDINGS], (EMBEDDINGS,)))
     for part in parts:
         lookup, shape = text_model_name(part.name), part.shape
-        if arch.linear_attention:
-            lookup, shape = linear_attention.lookup_name(lookup), linear_attention.stored_shape(lookup, shape)
-        if arch.latent_attention:
-            lookup = latent_attention.lookup_name(lookup)
-        if arch.gguf_arch == "GRANITE_HYBRID":
-            lookup, shape = granite.lookup_name(lookup), granite.stored_shape(lookup, shape, config)
-        if is_nemotron_h(arch):
-            lookup, shape = nemotron_h.lookup_name(lookup), nemotron_h.stored_shape(lookup, shape, config)
-        if is_lfm2(arch):
-            lookup, shape = lfm2.lookup_name(lookup), lfm2.stored_shape(lookup, shape)
-        gguf_name = (gemma4.gguf_name(lookup, names) if arch.gguf_arch == "GEMMA4"
+        if hooks.rename is not None:
+            lookup, shape = hooks.rename(lookup, shape, config)
+        gguf_name = (hooks.gguf_name(lookup, names) if hooks.gguf_name is not None
                      else names.get_name(lookup, try_suffixes=(".weight", ".bias")))
         if gguf_name is None:
             raise ExportError(f"tensor {part.sources[0]} of {model_dir} has no name in llama.cpp's {arch.arch_name} "
