@@ -91,9 +91,13 @@ def test_where_a_merge_cannot_hold_the_reason_is_given_and_the_adapter_samples(m
     assert why_not(model, limit_bytes=int(copies / merged_sampling.MAX_COPY_SHARE) + 1) is None
     assert "would take more than 25%" in why_not(model, limit_bytes=copies)
     assert "DoRA" in why_not(_adapted(use_dora=True), limit_bytes=None)
+    with monkeypatch.context() as patch:  # Unsloth's packed MXFP4 linear (gpt-oss): its weight is not the one it runs
+        patch.setattr(torch.nn.Linear, "_unsloth_mxfp4_packed_linear", True, raising=False)
+        assert "base weights stored as" in why_not(model, limit_bytes=None)
+    assert why_not(model, limit_bytes=None) is None
     weight = merged_sampling.lora_projections(model)[0].get_base_layer().weight
     monkeypatch.setattr(weight, "quant_state", object(), raising=False)  # what bitsandbytes' 4-bit weights carry
-    assert "quantized" in why_not(model, limit_bytes=None)
+    assert "quantized: they cannot hold a merge" in why_not(model, limit_bytes=None)
     sampling, lines = MergedSampling(enabled=True), []
     monkeypatch.setattr(merged_sampling.logger, "info", lines.append)
     before = _weights(model)

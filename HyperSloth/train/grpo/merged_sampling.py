@@ -56,9 +56,12 @@ def why_not(model, limit_bytes: int | None) -> str | None:
                 return "DoRA adapters (their merged weight is not W + scale * B A)"
             if adapter not in layer.lora_A:
                 return f"{name} has no LoRA weights for adapter {adapter!r}"
-        weight = layer.get_base_layer().weight
-        if weight.dtype not in FLOAT_DTYPES or hasattr(weight, "quant_state"):
-            return f"base weights stored as {type(weight).__name__} {weight.dtype} (quantized: 4-bit cannot hold a merge)"
+        base = layer.get_base_layer()
+        weight = getattr(base, "weight", None)
+        if (not isinstance(weight, torch.Tensor) or weight.dtype not in FLOAT_DTYPES or hasattr(weight, "quant_state")
+                or getattr(type(base), "_unsloth_mxfp4_packed_linear", False)):  # Unsloth's packed MXFP4 (gpt-oss)
+            stored = f"{type(weight).__name__} {weight.dtype}" if isinstance(weight, torch.Tensor) else type(base).__name__
+            return f"base weights stored as {stored} (quantized: they cannot hold a merge)"
         copy_bytes += weight.numel() * weight.element_size()
     if limit_bytes is not None and copy_bytes > MAX_COPY_SHARE * limit_bytes:
         return (f"the copies of the base weights ({copy_bytes / 2**30:.1f} GiB) would take more than "
