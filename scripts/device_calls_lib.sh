@@ -6,6 +6,7 @@
 #   show LOG...        the lines of a benchmark log that say how each system did
 #   keep_profiles W    the -profile systems' kernel tables and traces of workload W, into $OUT/profiles
 #   watch_host_memory  sample the host's memory every 10 s into $L/host-memory.log until stop_host_memory
+#   arch_runs DIR...   each scripts/arch_check.py run record in DIR: exit, packing, losses, a failed run's traceback
 #   pack               the profiles and logs as one archive (at most 8 files come back from $OUT)
 set -u
 source scripts/gpu_env.sh
@@ -34,4 +35,14 @@ stop_host_memory() { kill $HOST_MEMORY_WATCH; }
 
 pack() {
   tar czf $OUT/profiles-logs.tgz -C $OUT profiles logs && rm -rf $OUT/profiles $OUT/logs
+}
+
+arch_runs() {
+  for d in "$@"; do
+    for f in "$d"/*-graphs.json "$d"/*-eager.json; do
+      [ -f "$f" ] || continue
+      python3 -c "import json, sys; r = json.load(open(sys.argv[1])); \
+        print(r['run'], r['exit'], r.get('packing'), r.get('losses'), '\n'.join(r.get('traceback') or [])[-1200:])" "$f"
+    done
+  done
 }

@@ -21,10 +21,7 @@ callZ() {  # every architecture not yet run through Unsloth, at defaults, graphe
   timeout $(left 420) python3 scripts/arch_check.py --out $OUT/arch-sorted --work /tmp/hs_arch2 \
     --architectures qwen3_5_moe --modes eager --batching sorted-pad > $L/arch-sorted.log 2>&1 &
   wait; el "arch checks done"
-  for f in $OUT/arch/*-graphs.json $OUT/arch/*-eager.json $OUT/arch-sorted/*-eager.json; do
-    python3 -c "import json, sys; r = json.load(open(sys.argv[1])); \
-    print(r['run'], r['exit'], r.get('packing'), r.get('losses'), '\n'.join(r.get('traceback') or [])[-1200:])" $f
-  done
+  arch_runs $OUT/arch $OUT/arch-sorted
   tail -5 $L/arch-new.log | cut -c1-600; tail -5 $L/arch-sorted.log | cut -c1-600
   tar czf $OUT/arch-logs.tgz -C $OUT arch arch-sorted && rm -rf $OUT/arch/*.log $OUT/arch-sorted/*.log
   pack
@@ -61,8 +58,7 @@ callR() {  # after commit 4182e08: Qwen3.5 dense, Qwen3.5-MoE as published and G
   timeout $(left 300) python3 scripts/arch_check.py --out $OUT/arch --architectures qwen3_5,qwen3_5_moe_mm,granite4_h \
     --parallel 6 > $L/arch.log 2>&1
   el "arch check done"
-  for f in $OUT/arch/*-graphs.json $OUT/arch/*-eager.json; do python3 -c "import json, sys; r = json.load(open(sys.argv[1])); \
-    print(r['run'], r['exit'], r.get('packing'), r.get('losses'), '\n'.join(r.get('traceback') or [])[-1500:])" $f; done
+  arch_runs $OUT/arch
   tar czf $OUT/arch-logs.tgz -C $OUT arch && rm -rf $OUT/arch
   pack
 }
