@@ -17,6 +17,11 @@ ENGINE-merged (e.g. unsloth-merged): the engine sampling on merged weights, as G
 (train/grpo/merged_sampling.py: each adapted weight W + scale * B A for the call, the adapter off, every weight put
 back after; the merge and the putting back are inside the timed call). The adapter is freshly initialised (B = 0),
 so the completions are the engine's own; -no-lora is the bound it can approach.
+ENGINE-folded (e.g. unsloth-merged-folded): Unsloth's decode attention for the batch with each KV head's query
+heads folded into query rows (`patches.unsloth_folded_gqa_decode`), where Unsloth's Qwen3 decode copies K and V to
+every query head, every layer and token step (a third of the decode's GPU time on one H200, 2026-12-05); the
+completions should be the engine's own up to bf16 rounding (`same_completions_as_...`). Not GRPO's default until
+measured. On the transformers engines it changes nothing.
 ENGINE-sync (e.g. unsloth-sync, unsloth-no-lora-sync): HF generate's stop decision read on the host after every
 token step (`unfinished_sequences.max() == 0`, a sync), as GRPO sampled until 2026-12-05. GRPO now reads it one
 token step late on a GPU (`rollout.deferred_stop_check`), so the host queues the next step while the GPU runs this
@@ -61,12 +66,26 @@ sys.path.insert(0, str(ROOT))
 ENGINES = ("unsloth", "hf-dynamic", "hf-static")
 NO_LORA = "-no-lora"  # an engine's variant with the adapter switched off while sampling
 MERGED = "-merged"  # an engine's variant sampling on merged weights, as GRPO does at defaults (merged_sampling.py)
+FOLDED = "-folded"  # Unsloth's decode attention with grouped-query heads folded (patches.unsloth_folded_gqa_decode)
 SYNC = "-sync"  # an engine's variant with HF generate's stop check read after every token step (a host sync)
+VARIANTS = (NO_LORA, MERGED, FOLDED, SYNC)  # suffixes, combinable in this order (-no-lora and -merged: one of them)
+
+
+def variants(name: str) -> set[str]:
+    """The variant suffixes an engine name ends with."""
+    found = set()
+    for suffix in reversed(VARIANTS):
+        if name.endswith(suffix):
+            found.add(suffix)
+            name = name.removesuffix(suffix)
+    return found
 
 
 def base_engine(name: str) -> str:
-    """The engine an ENGINE[-no-lora|-merged][-sync] name runs."""
-    return name.removesuffix(SYNC).removesuffix(NO_LORA).removesuffix(MERGED)
+    """The engine an ENGINE[-no-lora|-merged][-folded][-sync] name runs."""
+    for suffix in reversed(VARIANTS):
+        name = name.removesuffix(suffix)
+    return name
 
 
 PROMPTS, GENERATIONS = 8, 8
@@ -102,18 +121,27 @@ def run_engine(a: argparse.Namespace) -> dict:
     if engine == "hf-static":
         config.cache_implementation, config.disable_compile = "static", False
     vocab = model.get_input_embeddings().weight.shape[0]
-    variant = a.as_engine.removesuffix(SYNC)
-    if variant.endswith(NO_LORA):
-        adapter = model.disable_adapter
-    elif variant.endswith(MERGED):  # per call, as GRPO's sample(): merge, sample, put back (its cost is timed)
+    chosen = variants(a.as_engine)
+    if NO_LORA in chosen:
+        weights = model.disable_adapter
+    elif MERGED in chosen:  # per call, as GRPO's sample(): merge, sample, put back (its cost is timed)
         from HyperSloth.train.grpo.generation_memory import measured_limit
         from HyperSloth.train.grpo.merged_sampling import MergedSampling
 
         merged = MergedSampling(enabled=True)
-        adapter = lambda: merged.context(model, measured_limit(next(model.parameters()).device))  # noqa: E731
+        weights = lambda: merged.context(model, measured_limit(next(model.parameters()).device))  # noqa: E731
     else:
-        adapter = nullcontext
-    defer_stop = not a.as_engine.endswith(SYNC)
+        weights = nullcontext
+    if FOLDED in chosen:
+        from HyperSloth.train.patches import unsloth_folded_gqa_decode as attention
+    else:
+        attention = nullcontext
+    defer_stop = SYNC not in chosen
+
+    @contextmanager
+    def adapter():
+        with weights(), attention():
+            yield
     seconds, completions = [], []
     for call in range(a.calls):
         prompts = prompts_of_call(call, vocab, a.seed, a.prompt_tokens)
@@ -209,8 +237,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="a local checkpoint folder (config, weights, tokenizer)")
     p.add_argument("--engines", default=",".join(ENGINES),
-                   help=f"comma-separated, of {', '.join(ENGINES)}, each also as ENGINE{NO_LORA}, ENGINE{MERGED} "
-                        f"and ENGINE[{NO_LORA}|{MERGED}]{SYNC}")
+                   help=f"comma-separated, of {', '.join(ENGINES)}, each also as "
+                        f"ENGINE[{NO_LORA}|{MERGED}][{FOLDED}][{SYNC}]")
     p.add_argument("--calls", type=int, default=6, help="sampling calls per engine; the first is reported apart")
     p.add_argument("--max-new", type=int, default=256, help="tokens per completion (none ends early)")
     p.add_argument("--prompt-tokens", type=int, default=100, help="median prompt length")
@@ -229,13 +257,13 @@ def main() -> None:
         Path(a.result).write_text(json.dumps(run_engine(a)))
         return
     engines = [e for e in a.engines.split(",") if e]
-    if a.device == "cpu" and any(e.endswith(SYNC) for e in engines):
+    if a.device == "cpu" and any(SYNC in variants(e) for e in engines):
         raise SystemExit(f"ENGINE{SYNC} compares with the stop check deferred, which runs on a GPU only (the CPU has no "
                          "device events): on the CPU every engine already checks after every token step")
     unknown = sorted(e for e in engines if base_engine(e) not in ENGINES)
     if unknown:
-        raise SystemExit(f"unknown engines {unknown}; known: {', '.join(ENGINES)}, each also as ENGINE{NO_LORA}, "
-                         f"ENGINE{MERGED} and ENGINE[{NO_LORA}|{MERGED}]{SYNC}")
+        raise SystemExit(f"unknown engines {unknown}; known: {', '.join(ENGINES)}, each also as "
+                         f"ENGINE[{NO_LORA}|{MERGED}][{FOLDED}][{SYNC}]")
     records, out = [], Path(a.out) if a.out else None
     scratch = Path(tempfile.mkdtemp(prefix="sampling_bench_"))  # each engine's child writes its result here
     for engine in engines:

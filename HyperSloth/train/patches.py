@@ -50,6 +50,21 @@ replaces and the versions it was checked against, and returns whether it applied
     the function or the helpers are missing; inert until the check installs its pre-hook, and kept by the check only
     where packing then measures exact.
 
+`unsloth_folded_gqa_decode` (a context manager: `scripts/sampling_bench.py`'s `-folded` engines, until measured)
+    Replaces: `_decode_attention_core` in `unsloth.models.llama` and `unsloth.models.qwen3` (module globals; the
+    attention of one decode token step that Unsloth's CUDA-graph decode runs between its captured segments), with
+    `folded_gqa_decode_attention` for a batch of rows with one new token each, the original otherwise.
+    Why: for a batch with a padding mask (GRPO's left-padded prompts), Unsloth's Qwen3 decode expands K and V to
+    every query head ("Avoid SDPA GQA drift for batched masked decode") and copies the expanded cache, every layer
+    and token step: on one H200 a third of the decode's GPU time was copies (docs/grpo.md, 2026-12-05). The folded
+    form reads the cache once, unexpanded: a KV head's query heads become that many query rows of one SDPA call over
+    the KV head's keys, under the same mask (every row sees the same keys; nothing is causal within one token
+    step). The same softmax(Q K^T) V per query head, without the copy; no `enable_gqa` either.
+    Checked with: unsloth 2026.10.9 (`_decode_attention_core(self, Qn, kv_seq_len, attention_mask, bsz,
+    sdpa_gqa_with_batch_mask)` -> (A, K, V), the cache as `paged_attention_K[:kv_seq_len]` of shape (L, B, H_kv, D),
+    `from .llama import _decode_attention_core` in qwen3.py), against an expanded reference on the CPU (fp32);
+    not yet on a GPU. A no-op where either module or the function is missing.
+
 `unsloth_static_packed_rows` (a context manager, used only while a CUDA graph is captured)
     Replaces: the entries of `unsloth.utils.packing._PACKED_INFO_CACHE` and `_PACKED_HOST_LENGTHS_CACHE`
     for the row's device (module-level dicts Unsloth fills on every packed forward), for the duration of
@@ -266,3 +281,69 @@ def unsloth_static_packed_rows(lengths, cu_seqlens, host_lengths: tuple[int, ...
     finally:
         info.pop(device, None)
         hosts.pop(device, None)
+
+
+def folded_gqa_decode_attention(self, Qn, kv_seq_len: int, attention_mask):
+    """softmax(Q K^T / sqrt(D)) V of one decode token per row over the first `kv_seq_len` cache rows, as Unsloth's
+    `_decode_attention_core` returns it ((A [B, H, 1, D], K, V)), with grouped-query heads folded: the G query heads
+    of a KV head are G query rows against that head's keys (module docstring). Qn: [B, H, 1, D]; the cache
+    `self.paged_attention_K / _V`: (L, B, H_kv, D); attention_mask: None, [B, L] (1 keep) or [B, 1, 1, L] (bool
+    keep, or additive 0 / -inf)."""
+    import torch
+
+    bsz, n_heads, _, head_dim = Qn.shape
+    n_kv = self.paged_attention_K.shape[2]
+    Kn = self.paged_attention_K[:kv_seq_len].permute(1, 2, 0, 3)
+    Vn = self.paged_attention_V[:kv_seq_len].permute(1, 2, 0, 3)
+    Knn, Vnn = Kn, Vn
+    sliding_window = getattr(self.config, "sliding_window", None)
+    if sliding_window is not None and kv_seq_len > sliding_window:  # as Unsloth's: the last sliding_window keys
+        start = kv_seq_len - sliding_window
+        Knn, Vnn = Kn[:, :, start:, :], Vn[:, :, start:, :]
+        if attention_mask is not None:
+            attention_mask = attention_mask[..., start:]
+    if attention_mask is not None and attention_mask.dim() == 2:
+        attention_mask = attention_mask[:, None, None, :].to(torch.bool)
+    elif attention_mask is not None and attention_mask.dim() == 4 and attention_mask.dtype != torch.bool:
+        attention_mask = attention_mask.eq(0)
+    folded = Qn.reshape(bsz, n_kv, n_heads // n_kv, head_dim)  # head h = kv * G + g, as repeat_kv expands
+    A = torch.nn.functional.scaled_dot_product_attention(folded, Knn, Vnn, attn_mask=attention_mask)
+    return A.reshape(bsz, n_heads, 1, head_dim), Kn, Vn
+
+
+def _folded_core(original):
+    def decode_attention_core(self, Qn, kv_seq_len, attention_mask, bsz, sdpa_gqa_with_batch_mask):
+        plain = ("_unsloth_tp_heads" not in self.__dict__ and bsz != 1 and Qn.shape[-2] == 1
+                 and self.num_key_value_groups != 1 and self.paged_attention_K.shape[2] * self.num_key_value_groups
+                 == Qn.shape[1] and (attention_mask is None or attention_mask.dim() in (2, 4)))
+        if not plain:
+            return original(self, Qn, kv_seq_len, attention_mask, bsz, sdpa_gqa_with_batch_mask)
+        return folded_gqa_decode_attention(self, Qn, kv_seq_len, attention_mask)
+
+    decode_attention_core.hypersloth_folded = True
+    return decode_attention_core
+
+
+@contextmanager
+def unsloth_folded_gqa_decode(modules=None):
+    """Inside the block, Unsloth's decode attention with grouped-query heads folded (see the module docstring);
+    `modules` (tests): the modules whose `_decode_attention_core` is replaced, else Unsloth's llama and qwen3."""
+    if modules is None:
+        try:
+            from unsloth.models import llama, qwen3
+        except ImportError:
+            modules = []
+        else:
+            modules = [llama, qwen3]
+    replaced = []
+    for module in modules:
+        original = getattr(module, "_decode_attention_core", None)
+        if original is None or getattr(original, "hypersloth_folded", False):
+            continue
+        module._decode_attention_core = _folded_core(original)
+        replaced.append((module, original))
+    try:
+        yield bool(replaced)
+    finally:
+        for module, original in replaced:
+            module._decode_attention_core = original

@@ -39,11 +39,12 @@ callP() {  # where an MoE step's 0.33 s go (issue 32 item 7, 1.00x stock): moe-s
 }
 
 callG() {  # GRPO's sampling on merged weights (grpo.sampling_weights="merged", train/grpo/merged_sampling.py) against
-  # the adapter and the adapter-free bound, the stop check deferred in all three (~4 min); then GRPO at defaults, 2
+  # the adapter and the adapter-free bound, and merged with the decode attention's GQA folded (patches.py
+  # unsloth_folded_gqa_decode: is it faster, the same completions?), the stop check deferred in all (~4 min); then GRPO at defaults, 2
   # warm-up + 20 timed steps (~4 min): the line "GRPO samples on merged weights" and generation_s per step
   [ -f $W/ckpt_0.6b/config.json ] || python3 scripts/benchmark.py --as-system build --model 0.6b --checkpoint $W/ckpt_0.6b
-  timeout $(left 260) python3 scripts/sampling_bench.py --model $W/ckpt_0.6b --engines unsloth,unsloth-merged,unsloth-no-lora \
-    --calls 6 --out $OUT/sampling-merged.json > $L/sampling.log 2>&1
+  timeout $(left 260) python3 scripts/sampling_bench.py --model $W/ckpt_0.6b --engines unsloth,unsloth-merged,unsloth-merged-folded,unsloth-no-lora \
+    --calls 5 --out $OUT/sampling-merged.json > $L/sampling.log 2>&1
   el "sampling bench done"; grep '^{' $L/sampling.log | cut -c1-600; grep -h "Error\|Traceback" $L/sampling.log | head -5 | cut -c1-300
   bench --workloads grpo-0.6b --slots hypersloth-1 --warmup 2 --steps 20 --tag grpo-merged --budget-s $(left 570) \
     > $L/bench-grpo.log 2>&1

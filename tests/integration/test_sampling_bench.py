@@ -49,6 +49,8 @@ def test_a_sync_variant_names_its_engine_and_is_refused_on_the_cpu(tiny_model_di
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     assert bench.base_engine("unsloth-no-lora-sync") == "unsloth"
+    assert bench.base_engine("unsloth-merged-folded-sync") == "unsloth"
+    assert bench.variants("unsloth-merged-folded") == {bench.MERGED, bench.FOLDED} and not bench.variants("hf-static")
     done = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tiny_model_dir), "--device", "cpu",
                            "--engines", "hf-dynamic-sync"], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "runs on a GPU only" in done.stderr, done.stderr
