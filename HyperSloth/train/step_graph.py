@@ -261,6 +261,7 @@ class DecoderGraphs:
         self.graphs: dict[int, _Graph] = {}
         self.disabled: str | None = None
         self.capture_traceback: str | None = None
+        self.capture_failed_at: list[str] = []  # the innermost frames outside torch of a failed capture (`failed_at`)
         self.replays = 0
         self.eager_rows = 0
         # The replayed output needs an input that requires grad, or autograd would not call its backward.
@@ -357,7 +358,8 @@ class DecoderGraphs:
             self.capture_traceback = traceback.format_exc()
             first_line = (str(error).splitlines() or [""])[0][:200]
             self.disabled = f"CUDA graph capture failed ({type(error).__name__}: {first_line})"
-            self._tell(self.disabled)
+            self.capture_failed_at = failed_at(error)
+            self._tell(self.disabled + (f" at {self.capture_failed_at[-1]}" if self.capture_failed_at else ""))
             torch.cuda.synchronize()
             return None
         torch.cuda.set_sync_debug_mode(sync_mode)
@@ -382,7 +384,26 @@ class DecoderGraphs:
     def summary(self) -> dict[str, Any]:
         """What the graphs did in this run (for the run summary)."""
         return {"row_lengths": sorted(self.graphs), "replays": self.replays, "eager_rows": self.eager_rows,
-                "disabled": self.disabled, **self.layout.as_dict()}
+                "disabled": self.disabled, **self.layout.as_dict(),
+                **({"capture_failed_at": self.capture_failed_at} if self.capture_failed_at else {})}
+
+
+def failed_at(error: BaseException, frames: int = 4) -> list[str]:
+    """Where a failed capture's error came from: its innermost `frames` frames outside torch itself, as
+    "path:line in function" (paths from their package on), innermost last. A host sync that fails a capture is
+    raised at the synchronising call (sync debug mode "error"), so these name the model's or library's line that
+    synchronised (Gemma 4 on Unsloth, 2026-12-05: not known without them)."""
+    kept = [frame for frame in traceback.extract_tb(error.__traceback__)
+            if "/torch/" not in frame.filename.replace("\\", "/")]
+    return [f"{_package_path(frame.filename)}:{frame.lineno} in {frame.name}" for frame in kept[-frames:]]
+
+
+def _package_path(filename: str) -> str:
+    path = filename.replace("\\", "/")
+    for marker in ("site-packages/", "dist-packages/", "unsloth_compiled_cache"):
+        if marker in path:
+            return (marker if marker == "unsloth_compiled_cache" else "") + path.split(marker, 1)[1]
+    return "/".join(path.split("/")[-3:])
 
 
 def _output(hidden: torch.Tensor, output_type: type | None = None):

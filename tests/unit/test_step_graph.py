@@ -230,3 +230,21 @@ def test_replayed_output_keeps_the_decoders_class_for_multimodal_gemma3():
         model(input_ids=ids)
     inner.forward = original
     torch.testing.assert_close(logits, model(input_ids=ids).logits)
+
+
+def test_a_failed_capture_says_which_line_outside_torch_synchronised():
+    import transformers.utils.generic as library  # any module outside torch, standing in for the model's
+
+    def model_forward(x):
+        return torch.nn.functional.relu(x).view(3)  # raises inside torch (as a host sync does in "error" mode)
+
+    try:
+        model_forward(torch.ones(2))
+        raise AssertionError("nothing raised")
+    except RuntimeError as error:
+        where = step_graph.failed_at(error)
+    assert where and where[-1].endswith("in model_forward") and "test_step_graph.py" in where[-1], where
+    assert all("/torch/" not in frame for frame in where)
+    assert step_graph._package_path(library.__file__) == "transformers/utils/generic.py"
+    assert step_graph._package_path("/work/main/unsloth_compiled_cache_rank0/unsloth_compiled_module_gemma4.py") \
+        == "unsloth_compiled_cache_rank0/unsloth_compiled_module_gemma4.py"
