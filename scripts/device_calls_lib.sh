@@ -42,7 +42,8 @@ arch_runs() {
     for f in "$d"/*-graphs.json "$d"/*-eager.json; do
       [ -f "$f" ] || continue
       python3 -c "import json, sys; r = json.load(open(sys.argv[1])); \
-        print(r['run'], r['exit'], r.get('packing'), r.get('losses'), '\n'.join(r.get('traceback') or [])[-1200:])" "$f"
+        print(r['run'], r['exit'], r.get('packing'), r.get('losses'), (r.get('cuda_graphs') or {}).get('capture_failed_at'), \
+        '\n'.join(r.get('traceback') or [])[-1200:])" "$f"
     done
   done
 }
