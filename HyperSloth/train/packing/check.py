@@ -20,7 +20,9 @@ check can judge at all: a deliberate leak that moves nothing (`BLIND`) or a roun
 of transformers 5.17 that built at tiny shapes was run through it on the CPU (2026-12-05): where it says exact, a packed
 sample's loss and gradients are the sample's alone (docs/models.md).
 
-`settle_packing` runs it once per load (worker.py, packed runs only). Where packing leaks it tries each fix
+`settle_packing` runs it once per load (worker.py, packed runs only), except on Unsloth for a model with recurrent
+mixers, whose packed rows are not tried there at all (`unsupported_on_backend`: its forward crashed Qwen3.5 on an
+H200, and the per-sample fix exists on the transformers backend only). Where packing leaks it tries each fix
 (`_fixes`) and measures again after it: the masks transformers builds from the position ids handed to the decoder
 (`masks_from_positions`, a forward pre-hook: `create_causal_mask` / `create_sliding_window_causal_mask` with
 `position_ids`, the masks a decoder that passes them would build); then, on the transformers backend, linear
