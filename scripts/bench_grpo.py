@@ -15,7 +15,10 @@ Stock system `trl-grpo-PxA`: `FastLanguageModel` + `get_peft_model` (LoRA r=16 o
 checkpointing off) + TRL's `GRPOTrainer` with HF generate (no vLLM: it cannot be installed on the device),
 P completions per device x A accumulation steps (= 64 per step; TRL generates the step's 64 in one call
 whatever the split), fused AdamW, bf16. Its generation time is the seconds in its model's `generate` per step
-(`GenerateTimer`); HyperSloth's is `timing/generation_s` (rank 0).
+(`GenerateTimer`); HyperSloth's is `timing/generation_s` (rank 0). Its `generate` gets HyperSloth's patch of
+transformers too (`with_deferred_stop_check`: the stop check read a token step late, `rollout.deferred_stop_check`),
+as the SFT rows get HyperSloth's varlen and loss patches: the same library behaviour on both sides. Sampling on
+merged weights is HyperSloth's own way of sampling, not a library patch; TRL without vLLM has none.
 
 FLOPs (for MFU) count the training pass over every prompt + completion sequence, as for SFT; generation is
 not counted (it is memory-bound decoding), so MFU understates both systems alike.
@@ -98,6 +101,20 @@ def hypersloth_grpo_lines() -> tuple[str, str]:
     return REWARD_SOURCE + "\nreward_funcs = [length_reward]\n", training
 
 
+def with_deferred_stop_check(model) -> None:
+    """The model's `generate` with HF's stop check a token step late (rollout.deferred_stop_check; on a GPU only),
+    as HyperSloth's GRPO samples: given to the stock system so both sides run the same transformers."""
+    from HyperSloth.train.grpo.rollout import deferred_stop_check
+
+    original = model.generate
+
+    def deferred(*args, **kwargs):
+        with deferred_stop_check(model.device):
+            return original(*args, **kwargs)
+
+    model.generate = deferred
+
+
 class GenerateTimer:
     """Seconds a TRL trainer spends in its model's `generate` per optimizer step. TRL's own
     `profiling/Time taken: ...generate` metric goes only to wandb / mlflow / trackio, never to the log history
@@ -157,6 +174,7 @@ def run_trl_grpo(a, *, max_len: int, lr: float, seed: int, projections: list[str
                       report_to="none", save_strategy="no", bf16=True, num_generations=NUM_GENERATIONS,
                       max_completion_length=MAX_COMPLETION, temperature=1.0, beta=0.0, use_vllm=False,
                       shuffle_dataset=False, gradient_checkpointing=bool(a.gc), seed=seed)
+    with_deferred_stop_check(model)
     timer = GenerateTimer(model)
     trainer = GRPOTrainer(model=model, reward_funcs=[length_reward], args=args, processing_class=tok,
                           train_dataset=load_from_disk(a.work + "/stock_data"), callbacks=[clock, timer.callback()])

@@ -85,3 +85,18 @@ def test_trl_generation_seconds_are_the_generate_calls_of_each_step(monkeypatch)
     timer.step_done()
     assert timer.per_step == [3.0, 0.0, 1.0] and len(synced) == 3
     assert np.isfinite(bench_workloads.flops_per_step("0.6b", [300] * 64))
+
+
+def test_the_stock_generate_gets_the_same_deferred_stop_check():
+    from types import SimpleNamespace
+
+    import torch
+    from transformers.generation.utils import DeferredStopCheck
+
+    cuda = torch.device("cuda")
+    seen = []
+    model = SimpleNamespace(device=cuda, generate=lambda: seen.append(
+        DeferredStopCheck.is_supported(cuda, None, cache_is_returned=False, is_assistant=False)) or "out")
+    bench_grpo.with_deferred_stop_check(model)
+    assert model.generate() == "out" and seen == [True]
+    assert not DeferredStopCheck.is_supported(cuda, None, cache_is_returned=False, is_assistant=False)
