@@ -91,6 +91,10 @@ def test_where_a_merge_cannot_hold_the_reason_is_given_and_the_adapter_samples(m
     assert why_not(model, limit_bytes=int(copies / merged_sampling.MAX_COPY_SHARE) + 1) is None
     assert "would take more than 25%" in why_not(model, limit_bytes=copies)
     assert "DoRA" in why_not(_adapted(use_dora=True), limit_bytes=None)
+    biased = _adapted()
+    layer = merged_sampling.lora_projections(biased)[0]
+    layer.lora_B["default"].bias = torch.nn.Parameter(torch.zeros(layer.lora_B["default"].out_features))
+    assert "lora_bias=True" in why_not(biased, limit_bytes=None)
     with monkeypatch.context() as patch:  # Unsloth's packed MXFP4 linear (gpt-oss): its weight is not the one it runs
         patch.setattr(torch.nn.Linear, "_unsloth_mxfp4_packed_linear", True, raising=False)
         assert "base weights stored as" in why_not(model, limit_bytes=None)

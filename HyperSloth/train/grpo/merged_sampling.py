@@ -15,7 +15,8 @@ in TRL, do); the loss's log-probabilities come from the training forward as befo
 weights, so 1 and N GPUs still sample the same completions.
 
 Where it does not apply, sampling keeps the adapter, with one log line saying why (`why_not`): base weights that
-are not plain float tensors (4-bit QLoRA), adapters PEFT does not merge as B A alone (DoRA, MoE expert parameters),
+are not plain float tensors (4-bit QLoRA), adapters PEFT does not merge as B A alone (DoRA, a bias on B, MoE expert
+parameters),
 or a copy that would take more than `MAX_COPY_SHARE` of the memory sampling may use.
 """
 
@@ -52,10 +53,12 @@ def why_not(model, limit_bytes: int | None) -> str | None:
         if not isinstance(layer, LoraLinear):
             return f"{name} adapters (not a LoRA linear projection: PEFT merges them otherwise)"
         for adapter in layer.active_adapters:
+            if adapter not in layer.lora_A or adapter not in layer.lora_B:
+                return f"{name} has no LoRA weights for adapter {adapter!r}"
             if layer.use_dora.get(adapter, False):
                 return "DoRA adapters (their merged weight is not W + scale * B A)"
-            if adapter not in layer.lora_A:
-                return f"{name} has no LoRA weights for adapter {adapter!r}"
+            if getattr(layer.lora_B[adapter], "bias", None) is not None:
+                return "LoRA with a bias on B (lora_bias=True: it adds to the output, not to W)"
         base = layer.get_base_layer()
         weight = getattr(base, "weight", None)
         if (not isinstance(weight, torch.Tensor) or weight.dtype not in FLOAT_DTYPES or hasattr(weight, "quant_state")
