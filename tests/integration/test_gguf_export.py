@@ -92,6 +92,14 @@ def read_export(base: Path, out: Path, gguf_name: str, arch: str) -> tuple[dict,
     return tensors, load_file(str(out / "merged" / "model.safetensors")), load_file(str(base / "model.safetensors"))
 
 
+def assert_folded(tensors: dict, merged: dict, before: dict, hf: str, gguf_name: str | None) -> None:
+    """The run's adapters changed the merged tensor `hf` (by more than 1e-3), and the GGUF holds it exactly as merged
+    under `gguf_name` (None: the GGUF stores it otherwise, checked apart)."""
+    assert np.abs(merged[hf] - before[hf]).max() > 1e-3, hf  # the adapters were folded in
+    if gguf_name is not None:
+        np.testing.assert_array_equal(tensors[gguf_name], merged[hf], err_msg=gguf_name)
+
+
 @pytest.fixture(scope="module")
 def exported_moe(tmp_path_factory) -> tuple[Path, Path]:
     """(base, OUT): one CLI export of a tiny Qwen3-MoE run with adapters on its experts, in f32 from a float32
@@ -117,9 +125,7 @@ def test_the_phi3_gguf_holds_the_merged_fused_projections(exported_phi3):
     tensors, merged, before = read_export(base, out, "fused-run-f32.gguf", "phi3")
     for layer in (0, 1):
         for hf, name in (("self_attn.qkv_proj", "attn_qkv"), ("mlp.gate_up_proj", "ffn_up")):
-            weight = merged[f"model.layers.{layer}.{hf}.weight"]
-            assert np.abs(weight - before[f"model.layers.{layer}.{hf}.weight"]).max() > 1e-3  # adapters folded in
-            np.testing.assert_array_equal(tensors[f"blk.{layer}.{name}.weight"], weight)
+            assert_folded(tensors, merged, before, f"model.layers.{layer}.{hf}.weight", f"blk.{layer}.{name}.weight")
 
 
 def test_llama_cpp_agrees_with_the_merged_phi3(exported_phi3):
@@ -163,10 +169,7 @@ def test_the_dense_qwen35_gguf_holds_the_merged_linear_attention_and_mlp(exporte
     base, out = exported_qwen35_dense
     tensors, merged, before = read_export(base, out, "qwen35-dense-run-f32.gguf", "qwen35")
     for hf, name in (("linear_attn.out_proj", None), ("mlp.down_proj", "ffn_down")):
-        weight = merged[f"model.layers.0.{hf}.weight"]
-        assert np.abs(weight - before[f"model.layers.0.{hf}.weight"]).max() > 1e-3  # the adapters were folded in
-        if name:
-            np.testing.assert_array_equal(tensors[f"blk.0.{name}.weight"], weight)
+        assert_folded(tensors, merged, before, f"model.layers.0.{hf}.weight", name and f"blk.0.{name}.weight")
 
 
 def test_llama_cpp_agrees_with_the_merged_dense_qwen35(exported_qwen35_dense):
@@ -214,9 +217,8 @@ def test_a_run_on_the_published_gemma4_layout_exports_its_language_model(exporte
     assert not any(name.startswith(("v.", "mm.")) for name in tensors)  # llama.cpp's vision tensors: an mmproj's
     for layer in (0, 1):  # a sliding layer, then a full-attention one with heads twice as wide
         for hf, name in (("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"), ("mlp.down_proj", "ffn_down")):
-            weight = merged[f"model.language_model.layers.{layer}.{hf}.weight"]
-            assert np.abs(weight - before[f"model.language_model.layers.{layer}.{hf}.weight"]).max() > 1e-3
-            np.testing.assert_array_equal(tensors[f"blk.{layer}.{name}.weight"], weight)
+            assert_folded(tensors, merged, before, f"model.language_model.layers.{layer}.{hf}.weight",
+                          f"blk.{layer}.{name}.weight")
         np.testing.assert_array_equal(tensors[f"blk.{layer}.layer_output_scale.weight"],
                                       merged[f"model.language_model.layers.{layer}.layer_scalar"])
     assert tensors["blk.1.attn_q.weight"].shape == (2 * tensors["blk.0.attn_q.weight"].shape[0], 64)
@@ -239,8 +241,7 @@ def test_the_gemma4_moe_gguf_holds_the_merged_fused_experts(exported_gemma4_moe)
         stem = f"model.language_model.layers.{layer}"
         for hf, name in (("experts.gate_up_proj", "ffn_gate_up_exps.weight"),
                          ("experts.down_proj", "ffn_down_exps.weight")):
-            assert np.abs(merged[f"{stem}.{hf}"] - before[f"{stem}.{hf}"]).max() > 1e-3  # the adapters were folded in
-            np.testing.assert_array_equal(tensors[f"blk.{layer}.{name}"], merged[f"{stem}.{hf}"])
+            assert_folded(tensors, merged, before, f"{stem}.{hf}", f"blk.{layer}.{name}")
         np.testing.assert_array_equal(tensors[f"blk.{layer}.ffn_gate_inp.scale"], merged[f"{stem}.router.scale"])
         np.testing.assert_array_equal(tensors[f"blk.{layer}.ffn_down_exps.scale"],
                                       merged[f"{stem}.router.per_expert_scale"])
@@ -273,8 +274,7 @@ def test_a_run_on_granite4_h_exports_the_merged_mamba_attention_and_experts(expo
                      ("layers.1.self_attn.o_proj.weight", "blk.1.attn_output.weight"),
                      ("layers.0.block_sparse_moe.output_linear.weight", "blk.0.ffn_down_exps.weight"),
                      ("layers.1.shared_mlp.output_linear.weight", "blk.1.ffn_down_shexp.weight")):
-        assert np.abs(merged[f"model.{hf}"] - before[f"model.{hf}"]).max() > 1e-3, hf  # the adapters were folded in
-        np.testing.assert_array_equal(tensors[name], merged[f"model.{hf}"])
+        assert_folded(tensors, merged, before, f"model.{hf}", name)
     for layer in (0, 1):
         experts = merged[f"model.layers.{layer}.block_sparse_moe.input_linear.weight"]
         shared = merged[f"model.layers.{layer}.shared_mlp.input_linear.weight"]
@@ -324,9 +324,7 @@ def test_a_run_on_nemotron_h_exports_the_merged_mixers_and_stacked_experts(expor
     for hf, name in (("layers.0.mixer.in_proj.weight", "blk.0.ssm_in.weight"),
                      ("layers.2.mixer.q_proj.weight", None), ("layers.2.mixer.v_proj.weight", "blk.2.attn_v.weight"),
                      ("layers.1.mixer.shared_experts.up_proj.weight", "blk.1.ffn_up_shexp.weight")):
-        assert np.abs(merged[f"backbone.{hf}"] - before[f"backbone.{hf}"]).max() > 1e-3, hf  # adapters folded in
-        if name:
-            np.testing.assert_array_equal(tensors[name], merged[f"backbone.{hf}"])
+        assert_folded(tensors, merged, before, f"backbone.{hf}", name)
     for layer in (1, 3):
         for proj in ("up", "down"):
             stacked = np.stack([merged[f"backbone.layers.{layer}.mixer.experts.{expert}.{proj}_proj.weight"]
@@ -365,8 +363,7 @@ def test_a_run_on_lfm2_exports_the_merged_convolution_attention_and_mlp(exported
                      ("layers.1.self_attn.q_proj.weight", "blk.1.attn_q.weight"),
                      ("layers.1.self_attn.out_proj.weight", "blk.1.attn_output.weight"),
                      ("layers.1.feed_forward.w2.weight", "blk.1.ffn_down.weight")):
-        assert np.abs(merged[f"model.{hf}"] - before[f"model.{hf}"]).max() > 1e-3, hf  # the adapters were folded in
-        np.testing.assert_array_equal(tensors[name], merged[f"model.{hf}"])
+        assert_folded(tensors, merged, before, f"model.{hf}", name)
     np.testing.assert_array_equal(tensors["blk.0.shortconv.conv.weight"],
                                   merged["model.layers.0.conv.conv.weight"][:, 0])
 
@@ -427,8 +424,7 @@ def test_a_run_on_qwen3_next_exports_the_merged_linear_attention_and_experts(exp
     for hf, name in (("layers.2.self_attn.q_proj.weight", "blk.2.attn_q.weight"),
                      ("layers.0.linear_attn.out_proj.weight", "blk.0.ssm_out.weight"),
                      ("layers.2.self_attn.o_proj.weight", "blk.2.attn_output.weight")):
-        assert np.abs(merged[f"model.{hf}"] - before[f"model.{hf}"]).max() > 1e-3, hf  # the adapters were folded in
-        np.testing.assert_array_equal(tensors[name], merged[f"model.{hf}"])
+        assert_folded(tensors, merged, before, f"model.{hf}", name)
     stacked = np.stack([merged[f"model.layers.1.mlp.experts.{e}.gate_proj.weight"] for e in range(4)])
     assert np.abs(stacked[0] - before["model.layers.1.mlp.experts.0.gate_proj.weight"]).max() > 1e-3
     np.testing.assert_array_equal(tensors["blk.1.ffn_gate_exps.weight"], stacked)

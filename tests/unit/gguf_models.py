@@ -205,6 +205,14 @@ def build_arch_model(architecture: str, out: Path, tokenizer_dir: Path, seed: in
     return save_random(model, out, tokenizer_dir, norms_at=0.0 if architecture.startswith("Gemma3") else 1.0)
 
 
+def saved_fused(model: Path, out: Path) -> Path:
+    """`model` loaded and saved again as transformers 5 holds it (its experts fused, save_original_format=False)."""
+    AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).save_pretrained(
+        str(out), save_original_format=False)
+    AutoTokenizer.from_pretrained(str(model)).save_pretrained(str(out))
+    return out
+
+
 def save_random(model, out: Path, tokenizer_dir: Path, norms_at: float = 1.0, gated_norms_at: float | None = None
                 ) -> Path:
     """`model` with every weight drawn around 0 (std 0.1), its norms around `norms_at` (Qwen3.5's gated norm inside

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from gguf_models import (GEMMA4, GEMMA4_VARIANTS, GRANITE4_H, LFM2, LFM2_MOE, NEMOTRON_H, QWEN3_NEXT, SPM_IDS,
-                         SPM_SPECIALS, build_arch_model, build_spm_tokenizer)
+                         SPM_SPECIALS, build_arch_model, build_spm_tokenizer, saved_fused)
 from safetensors.numpy import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -40,6 +40,16 @@ TOLERANCE = {"f32": 0.0, "f16": 1e-3, "bf16": 4e-3, "q8_0": 3e-3}
 def arch_dirs(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("gguf-archs")
     return {arch: build_arch_model(arch, root / arch, tiny_model_dir) for arch in ARCHS}
+
+
+def stacked_experts(experts: dict[str, dict[int, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Per-expert tensors gathered as {GGUF name: {expert index: data}}, each stacked in expert order (llama.cpp's
+    `*_exps` tensors); every index from 0 on must be there."""
+    stacked = {}
+    for name, by_expert in experts.items():
+        assert sorted(by_expert) == list(range(len(by_expert))), (name, sorted(by_expert))
+        stacked[name] = np.stack([by_expert[index] for index in range(len(by_expert))])
+    return stacked
 
 
 def read(path: Path) -> tuple[dict, dict[str, gguf.ReaderTensor]]:
@@ -94,9 +104,7 @@ def expected_tensors(model_dir: Path, arch: str) -> dict[str, np.ndarray]:
                 out[f"blk.{layer}.ffn_up_exps.weight"] = data[:, data.shape[1] // 2:]
             continue
         out[names.get_name(hf_name, try_suffixes=(".weight", ".bias"))] = data
-    for name, by_expert in experts.items():
-        out[name] = np.stack([by_expert[index] for index in range(len(by_expert))])
-    return out
+    return {**out, **stacked_experts(experts)}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -113,10 +121,7 @@ def test_every_tensor_round_trips_under_llama_cpp_names(arch_dirs, tmp_path, arc
 def moe_fused(arch_dirs, tmp_path_factory) -> Path:
     """The tiny Qwen3-MoE saved as transformers 5 holds it (save_original_format=False): fused
     mlp.experts.gate_up_proj (experts, 2 x 96, 64) and down_proj, where arch_dirs has one tensor per expert."""
-    out = tmp_path_factory.mktemp("moe-fused")
-    AutoModelForCausalLM.from_pretrained(str(arch_dirs[MOE]), dtype=torch.float32).save_pretrained(
-        str(out), save_original_format=False)
-    AutoTokenizer.from_pretrained(str(arch_dirs[MOE])).save_pretrained(str(out))
+    out = saved_fused(arch_dirs[MOE], tmp_path_factory.mktemp("moe-fused"))
     assert load_file(str(out / "model.safetensors"))["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 192, 64)
     return out
 
@@ -183,6 +188,19 @@ def test_qwen3_moe_keys_and_tensor_types(arch_dirs, tmp_path):
 QWEN35 = "Qwen3_5MoeForCausalLM"
 
 
+# What the tiny linear-attention MoEs (Qwen3.5-MoE, Qwen3-Next) hold under llama.cpp's keys: hidden 64, 2 key heads
+# and 4 value heads of 16, kernel 4, 4 experts of width 96 (2 active) beside a shared one of 96, a full-attention
+# layer every 4th; their rotated dimensions differ (MRoPE or not) and are checked per model.
+LINEAR_MOE_KEYS = {"ssm.conv_kernel": 4, "ssm.state_size": 16, "ssm.group_count": 2, "ssm.time_step_rank": 4,
+                   "ssm.inner_size": 64, "expert_count": 4, "expert_used_count": 2, "expert_feed_forward_length": 96,
+                   "expert_shared_feed_forward_length": 96, "full_attention_interval": 4}
+
+
+def linear_moe_keys(fields: dict, arch: str) -> dict:
+    """The file's values of LINEAR_MOE_KEYS and the rotated dimensions, under `arch`'s prefix."""
+    return {key: fields[f"{arch}.{key}"] for key in [*LINEAR_MOE_KEYS, "rope.dimension_count"]}
+
+
 @pytest.fixture(scope="module")
 def qwen35_dir(tiny_model_dir, tmp_path_factory) -> Path:
     return build_arch_model(QWEN35, tmp_path_factory.mktemp("qwen35") / "tiny-linear", tiny_model_dir)
@@ -193,13 +211,7 @@ def test_qwen35_moe_keys_and_tensors_as_llama_cpps_loader_reads_them(qwen35_dir,
     hidden 64, 2 key heads and 4 value heads of 16 (key_dim 32, value_dim 64, conv_dim 128), kernel 4."""
     fields, tensors = read(write_gguf(qwen35_dir, tmp_path / "m.gguf", "q8_0"))
     assert fields["general.architecture"] == "qwen35moe"
-    keys = ("ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size",
-            "expert_count", "expert_used_count", "expert_feed_forward_length", "expert_shared_feed_forward_length",
-            "full_attention_interval", "rope.dimension_count")
-    assert {key: fields[f"qwen35moe.{key}"] for key in keys} == {
-        "ssm.conv_kernel": 4, "ssm.state_size": 16, "ssm.group_count": 2, "ssm.time_step_rank": 4,
-        "ssm.inner_size": 64, "expert_count": 4, "expert_used_count": 2, "expert_feed_forward_length": 96,
-        "expert_shared_feed_forward_length": 96, "full_attention_interval": 4, "rope.dimension_count": 8}
+    assert linear_moe_keys(fields, "qwen35moe") == {**LINEAR_MOE_KEYS, "rope.dimension_count": 8}
     assert list(fields["qwen35moe.attention.recurrent_layers"]) == [True, True, False]
     assert list(fields["qwen35moe.rope.dimension_sections"]) == [2, 1, 1, 0]
     shape = lambda name: [int(n) for n in tensors[name].shape]  # noqa: E731
@@ -266,13 +278,7 @@ def test_qwen3_next_keys_and_tensors_as_llama_cpps_loader_reads_them(qwen3_next_
     qwen3next takes them so, unlike qwen35moe) and attn_gate, in_proj_ba as ssm_ba as it is."""
     fields, tensors = read(write_gguf(qwen3_next_dir, tmp_path / "m.gguf", "f32"))
     assert fields["general.architecture"] == "qwen3next"
-    keys = ("ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size",
-            "expert_count", "expert_used_count", "expert_feed_forward_length", "expert_shared_feed_forward_length",
-            "full_attention_interval", "rope.dimension_count")
-    assert {key: fields[f"qwen3next.{key}"] for key in keys} == {
-        "ssm.conv_kernel": 4, "ssm.state_size": 16, "ssm.group_count": 2, "ssm.time_step_rank": 4,
-        "ssm.inner_size": 64, "expert_count": 4, "expert_used_count": 2, "expert_feed_forward_length": 96,
-        "expert_shared_feed_forward_length": 96, "full_attention_interval": 4, "rope.dimension_count": 4}
+    assert linear_moe_keys(fields, "qwen3next") == {**LINEAR_MOE_KEYS, "rope.dimension_count": 4}
     hf = load_file(str(qwen3_next_dir / "model.safetensors"))
     stem = "model.layers.0.linear_attn."
     qkvz = hf[stem + "in_proj_qkvz.weight"].reshape(2, 16 + 16 + 32 + 32, 64)  # per key head: q, k, 2 v, 2 z
@@ -641,9 +647,7 @@ def nemotron_h_expected(model: Path) -> dict[str, np.ndarray]:
                 "dt_bias": ("ssm_dt.bias", None), "A_log": ("ssm_a", lambda x: -np.exp(x)[:, None]),
                 "D": ("ssm_d", lambda x: x[:, None])}[name]
             out[blk + gguf_name] = change(data) if change else data
-    for name, by_expert in experts.items():
-        out[name] = np.stack([by_expert[index] for index in sorted(by_expert)])
-    return out
+    return {**out, **stacked_experts(experts)}
 
 
 @pytest.fixture(scope="module")
@@ -652,9 +656,7 @@ def nemotron_dirs(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("nemotron-h")
     dirs = {"dense": build_arch_model(NEMOTRON_H, root / "dense", tiny_model_dir),
             "moe": build_arch_model(NEMOTRON_H, root / "moe", tiny_model_dir, moe=True)}
-    AutoModelForCausalLM.from_pretrained(str(dirs["moe"]), dtype=torch.float32).save_pretrained(
-        str(root / "fused"), save_original_format=False)
-    AutoTokenizer.from_pretrained(str(dirs["moe"])).save_pretrained(str(root / "fused"))
+    saved_fused(dirs["moe"], root / "fused")
     assert load_file(str(root / "fused" / "model.safetensors"))["model.layers.1.mixer.experts.up_proj"].shape == (
         4, 96, 64)
     return {**dirs, "fused": root / "fused"}
@@ -771,9 +773,7 @@ def lfm2_expected(model: Path) -> dict[str, np.ndarray]:
             "feed_forward.gate.weight": ("ffn_gate_inp.weight", None),
             "feed_forward.expert_bias": ("exp_probs_b.bias", None)}[name]
         out[blk + gguf_name] = change(data) if change else data
-    for name, by_expert in experts.items():
-        out[name] = np.stack([by_expert[index] for index in sorted(by_expert)])
-    return out
+    return {**out, **stacked_experts(experts)}
 
 
 @pytest.fixture(scope="module")
@@ -782,9 +782,7 @@ def lfm2_dirs(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("lfm2")
     dirs = {"dense": build_arch_model(LFM2, root / "dense", tiny_model_dir),
             "moe": build_arch_model(LFM2_MOE, root / "moe", tiny_model_dir)}
-    AutoModelForCausalLM.from_pretrained(str(dirs["moe"]), dtype=torch.float32).save_pretrained(
-        str(root / "fused"), save_original_format=False)
-    AutoTokenizer.from_pretrained(str(dirs["moe"])).save_pretrained(str(root / "fused"))
+    saved_fused(dirs["moe"], root / "fused")
     assert load_file(str(root / "fused" / "model.safetensors"))[
         "model.layers.1.feed_forward.experts.gate_up_proj"].shape == (4, 192, 64)
     return {**dirs, "fused": root / "fused"}

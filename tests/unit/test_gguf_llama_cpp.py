@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from gguf_models import (CHAT, GEMMA4, GEMMA4_VARIANTS, GRANITE4_H, LFM2, LFM2_MOE, NEMOTRON_H, QWEN3_NEXT, SPM_IDS,
-                         SPM_SPECIALS, build_arch_model, build_spm_tokenizer, gemma_style)
+                         SPM_SPECIALS, build_arch_model, build_spm_tokenizer, gemma_style, saved_fused)
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 llama_cpp = pytest.importorskip("llama_cpp")
@@ -67,14 +67,6 @@ def compare(model_dir: Path, gguf_file: Path, weights: torch.dtype = torch.float
             "tokens": len(ids)}
 
 
-def saved_fused(model: Path, out: Path) -> Path:
-    """`model` loaded and saved again as transformers 5 holds it (its experts fused, save_original_format=False)."""
-    AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).save_pretrained(
-        str(out), save_original_format=False)
-    AutoTokenizer.from_pretrained(str(model)).save_pretrained(str(out))
-    return out
-
-
 def write_tensor_as(monkeypatch, tensor: str, fill) -> None:
     """The GGUF writer writes every tensor whose name ends with `tensor` as `fill` of its data (np.ones_like: a
     neutral scale, np.zeros_like: a neutral bias), to show that llama.cpp reads it."""
@@ -87,6 +79,22 @@ def write_tensor_as(monkeypatch, tensor: str, fill) -> None:
         return (lambda: fill(load())) if part.name.endswith(tensor) else load
 
     monkeypatch.setattr(writer, "_loader", filled)
+
+
+def measured_export(model: Path, tmp_path: Path, gguf_type: str, label: str) -> dict[str, float]:
+    """`compare` of `model` written as `gguf_type` (tmp_path / m.gguf), printed as "`label` `gguf_type`: ..."."""
+    measured = compare(model, write_gguf(model, tmp_path / "m.gguf", gguf_type))
+    print(f"{label} {gguf_type}: {measured}")
+    return measured
+
+
+def assert_read_by_llama_cpp(model: Path, tmp_path: Path, measured: dict[str, float], label: str) -> None:
+    """Written again in f32 with the caller's change in place (a monkeypatch of what the writer writes), llama.cpp's
+    logits move away from transformers' by more than 10x the export's own difference (`measured`): llama.cpp reads
+    what was changed."""
+    changed = compare(model, write_gguf(model, tmp_path / "changed.gguf", "f32"))
+    print(f"{label}: {changed} (as written: {measured})")
+    assert changed["max_diff_over_range"] > 10 * measured["max_diff_over_range"], (changed, measured)
 
 
 def check(measured: dict[str, float], gguf_type: str) -> None:
@@ -110,8 +118,7 @@ def test_llama_cpp_runs_each_architecture(tiny_model_dir, tmp_path, arch):
     # not named "phi3": llama.cpp gives a model so named Phi-3's special-token attributes, which needs its vocab's
     # "</s>", "<unk>", "<s>" and "<|endoftext|>" (llama-vocab.cpp); the tiny tokenizer has none of them
     model = build_arch_model(arch, tmp_path / arch.replace("Phi3", "FusedProjections"), tiny_model_dir)
-    measured = compare(model, write_gguf(model, tmp_path / "m.gguf", "f16"))
-    print(f"{arch} f16: {measured}")
+    measured = measured_export(model, tmp_path, "f16", arch)
     check(measured, "f16")
 
 
@@ -123,7 +130,7 @@ def test_llama_cpp_runs_phi3_longrope_with_its_factors(tiny_model_dir, tmp_path,
     from transformers import Phi3Config
 
     from gguf_models import SHAPE, save_random
-    from HyperSloth.outputs.gguf import writer
+    from HyperSloth.outputs.gguf import architectures
 
     rng, pairs = np.random.default_rng(0), int(16 * rotary_share) // 2
     config = Phi3Config(**SHAPE, original_max_position_embeddings=64, rope_parameters={
@@ -132,15 +139,11 @@ def test_llama_cpp_runs_phi3_longrope_with_its_factors(tiny_model_dir, tmp_path,
     config.architectures, config.bos_token_id, config.eos_token_id, config.pad_token_id = ["Phi3ForCausalLM"], None, 2, 0
     torch.manual_seed(0)
     save_random(AutoModelForCausalLM.from_config(config, dtype=torch.float32), tmp_path / "longrope", tiny_model_dir)
-    measured = compare(tmp_path / "longrope", write_gguf(tmp_path / "longrope", tmp_path / "m.gguf", "f32"))
-    print(f"Phi-3 LongRoPE, rotary share {rotary_share}: {measured}")
+    measured = measured_export(tmp_path / "longrope", tmp_path, "f32", f"Phi-3 LongRoPE, rotary share {rotary_share}")
     check(measured, "f32")
-    from HyperSloth.outputs.gguf import architectures
-
     written = architectures.phi3_longrope_factors
     monkeypatch.setattr(architectures, "phi3_longrope_factors", lambda c: written(c)[::-1])  # (short, long)
-    swapped = compare(tmp_path / "longrope", write_gguf(tmp_path / "longrope", tmp_path / "swapped.gguf", "f32"))
-    assert swapped["max_diff_over_range"] > 10 * measured["max_diff_over_range"], (swapped, measured)
+    assert_read_by_llama_cpp(tmp_path / "longrope", tmp_path, measured, "Phi-3 LongRoPE with its factors swapped")
 
 
 @pytest.mark.parametrize("gguf_type", ["f32", "f16"])
@@ -149,8 +152,7 @@ def test_llama_cpp_runs_qwen35_moe(tiny_model_dir, tmp_path, gguf_type):
     the model as it is; f16 with room for one flipped position (measured: 0.51% of the range, 1 of 79 positions;
     not traced to a router near tie)."""
     model = build_arch_model("Qwen3_5MoeForCausalLM", tmp_path / "tiny-linear", tiny_model_dir)
-    measured = compare(model, write_gguf(model, tmp_path / "m.gguf", gguf_type))
-    print(f"Qwen3.5-MoE {gguf_type}: {measured}")
+    measured = measured_export(model, tmp_path, gguf_type, "Qwen3.5-MoE")
     if gguf_type == "f32":
         check(measured, "f32")
     else:
@@ -161,8 +163,7 @@ def test_llama_cpp_runs_qwen35_moe(tiny_model_dir, tmp_path, gguf_type):
 def test_llama_cpp_runs_dense_qwen35(tiny_model_dir, tmp_path, gguf_type):
     """Qwen3.5 dense (llama.cpp's qwen35): the gated-delta-rule layers, a full-attention layer, a dense MLP."""
     model = build_arch_model("Qwen3_5ForCausalLM", tmp_path / "tiny-dense-linear", tiny_model_dir)
-    measured = compare(model, write_gguf(model, tmp_path / "m.gguf", gguf_type))
-    print(f"Qwen3.5 dense {gguf_type}: {measured}")
+    measured = measured_export(model, tmp_path, gguf_type, "Qwen3.5 dense")
     check(measured, gguf_type)
 
 
@@ -172,8 +173,7 @@ def test_llama_cpp_runs_a_multimodal_gemma3s_language_model(tiny_model_dir, tmp_
     from gguf_models import build_gemma3_multimodal
 
     model = build_gemma3_multimodal(tmp_path / "gemma-mm", tiny_model_dir)
-    measured = compare(model, write_gguf(model, tmp_path / "m.gguf", "f32"))
-    print(f"Gemma 3 multimodal, its language model f32: {measured}")
+    measured = measured_export(model, tmp_path, "f32", "Gemma 3 multimodal, its language model")
     check(measured, "f32")
 
 
@@ -186,8 +186,7 @@ def test_llama_cpp_runs_gemma4(tiny_model_dir, tmp_path, variant, gguf_type):
     The MoE not in f16: its near-uniform random router ties on this text closer than f16 rounding moves it (smallest
     gap between the 2nd and 3rd expert 7.9e-5, f16 shift 1.4e-4; measured 29% of the range off at that one token)."""
     model = build_arch_model(GEMMA4, tmp_path / variant, tiny_model_dir, **GEMMA4_VARIANTS[variant])
-    measured = compare(model, write_gguf(model, tmp_path / "m.gguf", gguf_type))
-    print(f"Gemma 4 {variant} {gguf_type}: {measured}")
+    measured = measured_export(model, tmp_path, gguf_type, f"Gemma 4 {variant}")
     check(measured, gguf_type)
 
 
@@ -199,14 +198,12 @@ def test_llama_cpp_reads_what_gemma4_writes_beyond_the_weights(tiny_model_dir, t
     from HyperSloth.outputs.gguf import gemma4
 
     model = build_arch_model(GEMMA4, tmp_path / "moe", tiny_model_dir, **GEMMA4_VARIANTS["moe"])
-    measured = compare(model, write_gguf(model, tmp_path / "m.gguf", "f32"))
+    measured = measured_export(model, tmp_path, "f32", "Gemma 4 MoE")
     if tensor == "rope_freqs":
         monkeypatch.setattr(gemma4, "rope_factors", lambda config: np.ones(16, dtype=np.float32))
     else:
         write_tensor_as(monkeypatch, tensor, np.ones_like)
-    changed = compare(model, write_gguf(model, tmp_path / "ones.gguf", "f32"))
-    print(f"Gemma 4 MoE with {tensor} written as ones: {changed} (as written: {measured})")
-    assert changed["max_diff_over_range"] > 10 * measured["max_diff_over_range"], (changed, measured)
+    assert_read_by_llama_cpp(model, tmp_path, measured, f"Gemma 4 MoE with {tensor} written as ones")
 
 
 @pytest.mark.parametrize("variant, gguf_type", [("moe", "f32"), ("moe", "f16"), ("dense", "f32"), ("tied", "f32")])
@@ -215,8 +212,7 @@ def test_llama_cpp_runs_granite4_h(tiny_model_dir, tmp_path, variant, gguf_type)
     beside a shared MLP; Granite's multipliers away from 1), without experts, and with tied embeddings."""
     changes = {"moe": {}, "dense": {"num_local_experts": 0}, "tied": {"tie_word_embeddings": True}}[variant]
     model = build_arch_model(GRANITE4_H, tmp_path / variant, tiny_model_dir, **changes)
-    measured = compare(model, write_gguf(model, tmp_path / "m.gguf", gguf_type))
-    print(f"Granite 4.0-H {variant} {gguf_type}: {measured}")
+    measured = measured_export(model, tmp_path, gguf_type, f"Granite 4.0-H {variant}")
     check(measured, gguf_type)
 
 
@@ -236,7 +232,7 @@ def test_llama_cpp_reads_granites_multipliers(tiny_model_dir, tmp_path, monkeypa
     from HyperSloth.outputs.gguf import granite
 
     model = build_arch_model(GRANITE4_H, tmp_path / "moe", tiny_model_dir)
-    measured = compare(model, write_gguf(model, tmp_path / "m.gguf", "f32"))
+    measured = measured_export(model, tmp_path, "f32", "Granite 4.0-H")
     add = granite.add_hyperparameters
 
     def one(writer, config):
@@ -244,9 +240,7 @@ def test_llama_cpp_reads_granites_multipliers(tiny_model_dir, tmp_path, monkeypa
         writer.kv_data[0][f"granitehybrid.{key}"].value = 1.0
 
     set_hook(monkeypatch, "granite", add_hyperparameters=one)
-    changed = compare(model, write_gguf(model, tmp_path / "one.gguf", "f32"))
-    print(f"Granite 4.0-H with {key} written as 1: {changed} (as written: {measured})")
-    assert changed["max_diff_over_range"] > 10 * measured["max_diff_over_range"], (changed, measured)
+    assert_read_by_llama_cpp(model, tmp_path, measured, f"Granite 4.0-H with {key} written as 1")
 
 
 @pytest.mark.parametrize("variant, gguf_type", [("dense", "f32"), ("dense", "f16"), ("moe", "f32"), ("moe", "f16"),
@@ -258,8 +252,7 @@ def test_llama_cpp_runs_nemotron_h(tiny_model_dir, tmp_path, variant, gguf_type)
     model = build_arch_model(NEMOTRON_H, tmp_path / variant, tiny_model_dir, moe=variant != "dense")
     if variant == "fused":
         model = saved_fused(model, tmp_path / "fused-saved")
-    measured = compare(model, write_gguf(model, tmp_path / "m.gguf", gguf_type))
-    print(f"Nemotron-H {variant} {gguf_type}: {measured}")
+    measured = measured_export(model, tmp_path, gguf_type, f"Nemotron-H {variant}")
     check(measured, gguf_type)
 
 
@@ -270,7 +263,7 @@ def test_llama_cpp_reads_nemotron_hs_routing(tiny_model_dir, tmp_path, monkeypat
     from HyperSloth.outputs.gguf import nemotron_h
 
     model = build_arch_model(NEMOTRON_H, tmp_path / "moe", tiny_model_dir, moe=True)
-    measured = compare(model, write_gguf(model, tmp_path / "m.gguf", "f32"))
+    measured = measured_export(model, tmp_path, "f32", "Nemotron-H MoE")
     if tensor == "routed_scaling_factor":
         add = nemotron_h.add_hyperparameters
 
@@ -281,9 +274,7 @@ def test_llama_cpp_reads_nemotron_hs_routing(tiny_model_dir, tmp_path, monkeypat
         set_hook(monkeypatch, "nemotron_h", add_hyperparameters=unscaled)
     else:
         write_tensor_as(monkeypatch, tensor, np.zeros_like)
-    changed = compare(model, write_gguf(model, tmp_path / "changed.gguf", "f32"))
-    print(f"Nemotron-H MoE with {tensor} neutral: {changed} (as written: {measured})")
-    assert changed["max_diff_over_range"] > 10 * measured["max_diff_over_range"], (changed, measured)
+    assert_read_by_llama_cpp(model, tmp_path, measured, f"Nemotron-H MoE with {tensor} neutral")
 
 
 @pytest.mark.parametrize("variant, gguf_type", [("dense", "f32"), ("dense", "f16"), ("moe", "f32"), ("moe", "f16"),
@@ -295,8 +286,7 @@ def test_llama_cpp_runs_lfm2(tiny_model_dir, tmp_path, variant, gguf_type):
     model = build_arch_model(LFM2 if variant == "dense" else LFM2_MOE, tmp_path / variant, tiny_model_dir)
     if variant == "fused":
         model = saved_fused(model, tmp_path / "fused-saved")
-    measured = compare(model, write_gguf(model, tmp_path / "m.gguf", gguf_type))
-    print(f"LFM2 {variant} {gguf_type}: {measured}")
+    measured = measured_export(model, tmp_path, gguf_type, f"LFM2 {variant}")
     check(measured, gguf_type)
 
 
@@ -305,11 +295,9 @@ def test_llama_cpp_reads_lfm2s_expert_bias_and_convolution(tiny_model_dir, tmp_p
     """The expert bias (written as zeros) and the short convolution's kernel (written as ones) are load-bearing:
     llama.cpp's logits move away from transformers' by more than 10x the export's difference."""
     model = build_arch_model(LFM2_MOE, tmp_path / "moe", tiny_model_dir)
-    measured = compare(model, write_gguf(model, tmp_path / "m.gguf", "f32"))
+    measured = measured_export(model, tmp_path, "f32", "LFM2-MoE")
     write_tensor_as(monkeypatch, tensor, np.zeros_like if tensor == "expert_bias" else np.ones_like)
-    changed = compare(model, write_gguf(model, tmp_path / "changed.gguf", "f32"))
-    print(f"LFM2-MoE with {tensor} neutral: {changed} (as written: {measured})")
-    assert changed["max_diff_over_range"] > 10 * measured["max_diff_over_range"], (changed, measured)
+    assert_read_by_llama_cpp(model, tmp_path, measured, f"LFM2-MoE with {tensor} neutral")
 
 
 @pytest.mark.parametrize("value_heads", [4, 2])
@@ -320,8 +308,7 @@ def test_llama_cpp_runs_qwen3_next(tiny_model_dir, tmp_path, value_heads):
     model's router moves under f16 weights in transformers itself (by 6e-3, against a smallest top-2 gap of 2e-4),
     so an f16 file measures routing flips, not the export (docs/export.md)."""
     model = build_arch_model(QWEN3_NEXT, tmp_path / "next", tiny_model_dir, linear_num_value_heads=value_heads)
-    measured = compare(model, write_gguf(model, tmp_path / "m.gguf", "f32"))
-    print(f"Qwen3-Next ({value_heads} value heads) f32: {measured}")
+    measured = measured_export(model, tmp_path, "f32", f"Qwen3-Next ({value_heads} value heads)")
     check(measured, "f32")
 
 
@@ -332,8 +319,7 @@ def test_llama_cpp_runs_a_qwen35_text_model_saved_from_the_multimodal_checkpoint
     from gguf_models import build_qwen35_from_multimodal
 
     model = build_qwen35_from_multimodal(tmp_path / "q35", tiny_model_dir)
-    measured = compare(model, write_gguf(model, tmp_path / "m.gguf", "f32"))
-    print(f"Qwen3.5-MoE from the multimodal checkpoint f32: {measured}")
+    measured = measured_export(model, tmp_path, "f32", "Qwen3.5-MoE from the multimodal checkpoint")
     assert measured["max_diff_over_range"] <= 2e-2 and measured["argmax_agreement"] >= 0.95, measured
 
 
@@ -343,8 +329,7 @@ def test_llama_cpp_runs_glm_4_7_flash(tiny_model_dir, tmp_path, gguf_type):
     dense layer first. Written with softmax gating or without the correction, llama.cpp is 31% / 47% of the range
     off (measured)."""
     model = build_arch_model("Glm4MoeLiteForCausalLM", tmp_path / "tiny-latent", tiny_model_dir)
-    measured = compare(model, write_gguf(model, tmp_path / "m.gguf", gguf_type))
-    print(f"GLM-4.7-Flash {gguf_type}: {measured}")
+    measured = measured_export(model, tmp_path, gguf_type, "GLM-4.7-Flash")
     check(measured, gguf_type)
 
 
