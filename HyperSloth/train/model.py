@@ -50,6 +50,36 @@ def resolve_dtype(args: FastModelArgs) -> torch.dtype:
     return _DTYPES[args.resolved_dtype(cuda_available=torch.cuda.is_available())]
 
 
+def mixed_precision(dtype: torch.dtype, cuda: bool) -> str | None:
+    """The Trainer's mixed precision for a model loaded in `dtype`: "bf16" or "fp16" on CUDA (sft_config_for
+    sets it; accelerate then runs every forward of the prepared model under torch.autocast in that dtype),
+    None otherwise (CPU runs train in fp32 without autocast)."""
+    if not cuda:
+        return None
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
+
+
+def training_autocast(model):
+    """The autocast context the Trainer's forward runs under, for forwards that run before the Trainer has
+    wrapped the model: the budget probe and the packed-row check measure training's forward, not a plain one.
+    A plain forward can differ: Granite 4.0-H's Mamba mixer through Unsloth raised "expected mat1 and mat2 to
+    have the same dtype" outside autocast (one H200, 2026-12-05), and autocast runs norms and losses in fp32.
+    The model's dtype is its input embeddings' (a 4-bit model's too: the compute dtype), else its first floating
+    parameter's."""
+    import contextlib
+
+    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
+    parameter = getattr(embeddings, "weight", None)
+    if parameter is None:
+        parameter = next((p for p in model.parameters() if p.is_floating_point()), None)
+    if parameter is None:
+        return contextlib.nullcontext()
+    precision = mixed_precision(parameter.dtype, parameter.device.type == "cuda")
+    if precision is None:
+        return contextlib.nullcontext()
+    return torch.autocast("cuda", dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+
+
 def import_backend(backend: str) -> None:
     """Import Unsloth first when it is the backend: it patches transformers/trl on import."""
     if backend == "unsloth":

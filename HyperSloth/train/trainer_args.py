@@ -18,7 +18,7 @@ from HyperSloth.plan.run import RunDescription, rank_seed
 from HyperSloth.train.collate import packed_row_tokens
 from HyperSloth.train.dist import DistInfo, GradientSync
 from HyperSloth.train.evaluation import Evaluator, eval_callbacks, eval_sft_kwargs
-from HyperSloth.train.model import trainable_parameters
+from HyperSloth.train.model import mixed_precision, trainable_parameters
 from HyperSloth.train.plan_loader import PlanSteps
 from HyperSloth.train.step_graph import DecoderGraphs, graph_layout, rows_to_capture, run_graph_refusal
 
@@ -37,6 +37,7 @@ def sft_config_for(targs: TrainingArgsConfig, dtype: torch.dtype, rank: int,
     """
     kwargs = targs.to_sft_kwargs()
     cuda = torch.cuda.is_available()
+    precision = mixed_precision(dtype, cuda)  # the probe and the packed-row check forward under the same autocast
     kwargs.update(
         seed=rank_seed(targs.seed, rank),  # HF seeds torch with it: this rank's dropout stream
         # One plan step per optimizer step. Said explicitly: Unsloth's patched SFTConfig defaults to 2, which
@@ -47,8 +48,8 @@ def sft_config_for(targs: TrainingArgsConfig, dtype: torch.dtype, rank: int,
         packing=False,
         padding_free=False,
         use_cpu=not cuda,
-        bf16=cuda and dtype == torch.bfloat16,
-        fp16=cuda and dtype == torch.float16,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
     )
     # An MoE model's load-balancing loss: TRL 1.15 turns it on with the architecture's coefficient (0.001 on
     # Qwen3-MoE) unless told 0. transformers computes it per forward, over that micro-batch's tokens only: the

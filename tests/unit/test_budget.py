@@ -130,6 +130,20 @@ def test_probe_forward_backward_leaves_the_model_unchanged():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+def test_the_probe_forwards_under_trainings_autocast_and_backwards_outside_it(monkeypatch):
+    from HyperSloth.train import model as model_lib
+
+    monkeypatch.setattr(model_lib, "training_autocast", lambda m: torch.autocast("cpu", dtype=torch.bfloat16))
+    model, seen = _TinyLM(), []
+    model.register_forward_pre_hook(lambda *_: seen.append(torch.is_autocast_enabled("cpu")))
+    model.head.register_full_backward_hook(lambda *_: seen.append(torch.is_autocast_enabled("cpu")))
+    batch = budget_probe.probe_batch(64, longest=[16], vocab_size=11)
+    batch.pop("packed_seq_lengths")
+    budget_probe.forward_backward(model, batch, 64)
+    assert seen == [True, False]  # as HF's training_step: the forward inside accelerate's autocast, backward out
+    assert model.head.weight.grad.dtype == torch.float32
+
+
 class _TinyLM(torch.nn.Module):
     """Embedding + linear head with HF's output shape (`.loss`), enough to run a probe on CPU."""
 

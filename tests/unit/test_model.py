@@ -107,3 +107,26 @@ def test_unsloth_adapter_to_continue_gets_the_checkpointing_setting(fake_unsloth
     assert [name for name, _ in fake_unsloth.calls] == ["from_pretrained", "patch_peft_model"]
     assert fake_unsloth.calls[1][1] == {"use_gradient_checkpointing": checkpointing, "model": "PeftModelForCausalLM"}
     assert any(p.requires_grad for p in model.parameters())
+
+
+def test_training_autocast_is_the_trainers_for_the_models_dtype_and_device():
+    import warnings
+
+    assert model_lib.mixed_precision(torch.bfloat16, cuda=True) == "bf16"
+    assert model_lib.mixed_precision(torch.float16, cuda=True) == "fp16"
+    assert model_lib.mixed_precision(torch.float32, cuda=True) is None
+    assert model_lib.mixed_precision(torch.bfloat16, cuda=False) is None
+    with model_lib.training_autocast(torch.nn.Linear(2, 2).to(torch.bfloat16)):  # on the CPU: none
+        assert not torch.is_autocast_enabled("cpu")
+
+    def on_gpu(*dtypes):  # a model seen through its parameters only: the first floating one decides
+        params = [types.SimpleNamespace(is_floating_point=lambda d=d: d.is_floating_point, dtype=d,
+                                        device=torch.device("cuda")) for d in dtypes]
+        return types.SimpleNamespace(parameters=lambda: iter(params))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # this CPU build of torch says autocast on CUDA is disabled
+        context = model_lib.training_autocast(on_gpu(torch.uint8, torch.bfloat16, torch.float32))
+    assert isinstance(context, torch.autocast) and context.device == "cuda" and context.fast_dtype == torch.bfloat16
+    assert not isinstance(model_lib.training_autocast(on_gpu(torch.float32)), torch.autocast)
+

@@ -87,6 +87,18 @@ def test_a_model_that_still_leaks_is_refused_with_what_to_change(monkeypatch, me
     assert removed == [True]  # the fix that did not help is taken off again
 
 
+def test_every_forward_of_the_check_runs_under_trainings_autocast(monkeypatch):
+    # Granite 4.0-H through Unsloth raised a dtype error in a plain forward (H200, 2026-12-05): the check runs the
+    # forward training runs, under the Trainer's autocast (CUDA bf16 there; CPU bf16 stands in for it here)
+    model = _tiny("qwen3")
+    monkeypatch.setattr(packing_check, "training_autocast", lambda m: torch.autocast("cpu", dtype=torch.bfloat16))
+    seen = []
+    model.register_forward_pre_hook(lambda *_: seen.append(torch.is_autocast_enabled("cpu")))
+    measure(model)
+    assert len(seen) == 4 and all(seen)  # the sample alone, packed, packed the other way round, leaked
+    assert not torch.is_autocast_enabled("cpu")
+
+
 def test_the_check_leaves_dropout_and_the_mode_as_they_were():
     model = _tiny("qwen3")
     model.model.layers[0].self_attn.attention_dropout = 0.3

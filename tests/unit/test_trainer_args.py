@@ -34,6 +34,30 @@ def test_collating_workers_default_to_one_on_gpus_and_none_on_cpu(monkeypatch, t
     assert trainer_args.sft_config_for(explicit, torch.bfloat16, rank=0)["dataloader_num_workers"] == 3
 
 
+def test_mixed_precision_is_the_models_dtype_on_gpus_and_off_on_cpu(monkeypatch, tmp_path):
+    targs = TrainingArgsConfig(output_dir=str(tmp_path), report_to="none")
+    cpu = trainer_args.sft_config_for(targs, torch.float32, rank=0)
+    assert not cpu.bf16 and not cpu.fp16
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(trainer_args, "SFTConfig", lambda **kwargs: kwargs)
+    flags = {dtype: (kw["bf16"], kw["fp16"]) for dtype in (torch.bfloat16, torch.float16, torch.float32)
+             for kw in [trainer_args.sft_config_for(targs, dtype, rank=0)]}
+    assert flags == {torch.bfloat16: (True, False), torch.float16: (False, True), torch.float32: (False, False)}
+
+
+def test_micro_batch_forwards_run_under_trainings_autocast_also_before_accelerate_wraps_the_model(monkeypatch):
+    # the graphs captured ahead of train() (capture_planned_graphs) run their forwards through HF's context hook
+    import types
+
+    monkeypatch.setattr(trainer, "training_autocast", lambda m: torch.autocast("cpu", dtype=torch.bfloat16))
+    fake = types.SimpleNamespace(model=torch.nn.Linear(2, 2))
+    fake.autocast_smart_context_manager = types.MethodType(trainer.HyperSlothTrainer.autocast_smart_context_manager,
+                                                           fake)
+    with trainer.HyperSlothTrainer.compute_loss_context_manager(fake):
+        assert torch.is_autocast_enabled("cpu")
+    assert not torch.is_autocast_enabled("cpu")
+
+
 def test_garbage_collection_runs_at_fixed_steps_only(monkeypatch):
     import gc
 

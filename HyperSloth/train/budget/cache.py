@@ -33,7 +33,7 @@ from loguru import logger
 
 from HyperSloth.outputs import run_files
 
-CACHE_VERSION = 2  # bump when the probe's rows or what it measures change
+CACHE_VERSION = 3  # bump when the probe's rows or what it measures change (3: forwards under training's autocast)
 CACHE_FILE = "budget-probes.json"
 MAX_ENTRIES = 64  # oldest dropped first
 REVERIFY_TOLERANCE = (0.02, 128 * 2**20)  # relative, absolute bytes: the re-verified pass may differ by the larger

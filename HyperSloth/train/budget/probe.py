@@ -69,8 +69,12 @@ def probe_batch(tokens: int, longest: Sequence[int], vocab_size: int, seed: int 
 
 def forward_backward(model, batch: dict[str, Any], num_items: int) -> None:
     """One training forward+backward of a probe batch, as the trainer runs a micro-batch; gradients
-    accumulate in `.grad` (callers drop them with `release_memory`)."""
-    loss = model(**batch, num_items_in_batch=num_items, use_cache=False).loss
+    accumulate in `.grad` (callers drop them with `release_memory`). The forward runs under the autocast the
+    Trainer's does (`training_autocast`), the backward outside it, as HF's training_step runs them."""
+    from HyperSloth.train.model import training_autocast
+
+    with training_autocast(model):
+        loss = model(**batch, num_items_in_batch=num_items, use_cache=False).loss
     loss.backward()
 
 

@@ -51,6 +51,7 @@ from HyperSloth.train.packing.exactness import decoder_and_head
 from HyperSloth.train.packing.recurrent import kind_of, layer_mixers, per_sample_recurrent_mixers, recurrent_mixers
 from HyperSloth.train.packing.sink_attention import document_masks_for_sink_attention
 from HyperSloth.train.lora.install import decoder_layers
+from HyperSloth.train.model import training_autocast
 
 # Packing is exact when, in every layer, the packed difference is within NOISE_FACTOR x that layer's rounding
 # difference of a row that cannot leak, plus LEAK_SHARE of its deliberate leak's. Measured on every tiny architecture
@@ -184,7 +185,7 @@ def _outputs(model, modules: Sequence[torch.nn.Module], batch: dict[str, torch.T
     batch = {k: v if k == "packed_seq_lengths" else v.to(device) for k, v in batch.items()}
     hooks = [m.register_forward_hook(keeper(i)) for i, m in enumerate(modules)]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), training_autocast(model):  # training's forward, not a plain one
             model(**batch, use_cache=False)
     finally:
         for hook in hooks:

@@ -50,6 +50,7 @@ from HyperSloth.plan.run import RunDescription, write_run
 from HyperSloth.train.collate import to_device
 from HyperSloth.train.dist import DistInfo, GradientSync, all_ranks_ok
 from HyperSloth.train.evaluation import Evaluator, build_evaluator, evaluate_in_trainer
+from HyperSloth.train.model import training_autocast
 from HyperSloth.train.plan_loader import PlanDataLoader, PlanSteps, StepSampler, as_tensors, host_step
 from HyperSloth.train.profiling import (
     MEMORY_SNAPSHOT,
@@ -301,6 +302,13 @@ class HyperSlothTrainer(SFTTrainer):
         self.graph_capture_s = time.perf_counter() - started
         logger.info(f"CUDA graphs for {len(self.graphs.graphs)} packed row lengths captured in "
                     f"{self.graph_capture_s:.1f} s" + (f"; {self.graphs.disabled}" if self.graphs.disabled else ""))
+
+    def autocast_smart_context_manager(self, cache_enabled: bool | None = True):
+        """The micro-batch forward's autocast (HF's hook; its own is empty, leaving it to accelerate, which wraps
+        the model's forward when `train()` prepares it). Said here too for the forwards that run before that:
+        the graphs captured ahead of training record the kernels of training's forward, not a plain one's.
+        Inside training it nests in accelerate's, the same dtype (no effect)."""
+        return training_autocast(self.model)
 
     def graphs_summary(self) -> dict[str, Any]:
         """What the CUDA graphs did in this run, or why there were none (for train_summary.json)."""
