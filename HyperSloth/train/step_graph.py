@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import numpy as np
@@ -337,7 +337,7 @@ class DecoderGraphs:
         self._stream.wait_stream(torch.cuda.current_stream())
         sync_mode = torch.cuda.get_sync_debug_mode()
         try:
-            with torch.cuda.stream(self._stream):
+            with torch.cuda.stream(self._stream), without_autocast_cache():
                 hidden = self._decoder_hidden(graph, call)  # warm-up: compiles, tunes, fills caches
                 torch.autograd.grad(hidden, self.params, torch.ones_like(hidden), allow_unused=True)
             del hidden
@@ -346,11 +346,12 @@ class DecoderGraphs:
             # A host sync inside a capture fails it with a CUDA error far from its cause: make torch raise
             # at the synchronising call itself (its traceback is kept in `capture_traceback`).
             torch.cuda.set_sync_debug_mode("error")
-            with torch.cuda.graph(graph.forward, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph.forward, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"), \
+                    without_autocast_cache():
                 graph.hidden = self._decoder_hidden(graph, call)
             graph.grad_hidden = torch.empty_like(graph.hidden)
             with torch.cuda.graph(graph.backward, pool=graph.forward.pool(), stream=self._stream,
-                                  capture_error_mode="thread_local"):
+                                  capture_error_mode="thread_local"), without_autocast_cache():
                 grads = torch.autograd.grad(graph.hidden, self.params, graph.grad_hidden, allow_unused=True)
                 graph.grads = tuple(torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads))
         except Exception as error:  # noqa: BLE001 - whatever fails a capture, training goes on eagerly
@@ -386,6 +387,22 @@ class DecoderGraphs:
         return {"row_lengths": sorted(self.graphs), "replays": self.replays, "eager_rows": self.eager_rows,
                 "disabled": self.disabled, **self.layout.as_dict(),
                 **({"capture_failed_at": self.capture_failed_at} if self.capture_failed_at else {})}
+
+
+@contextmanager
+def without_autocast_cache():
+    """Autocast (training's forward runs under it) without its cache of cast weights, for a warm-up and a capture.
+    The cache keeps a parameter's low-precision copy for the rest of the outermost autocast region: a capture
+    after a warm-up in the same region would read the warm-up's copy, a tensor outside the graph pool that is
+    freed when the region ends and stale once the optimizer moves the weight. torch refuses the cache in
+    `make_graphed_callables` for that reason; here every cast is recorded in the graph and redone on replay."""
+    was = torch.is_autocast_cache_enabled()
+    torch.clear_autocast_cache()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(was)
 
 
 def failed_at(error: BaseException, frames: int = 4) -> list[str]:

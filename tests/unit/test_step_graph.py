@@ -248,3 +248,18 @@ def test_a_failed_capture_says_which_line_outside_torch_synchronised():
     assert step_graph._package_path(library.__file__) == "transformers/utils/generic.py"
     assert step_graph._package_path("/work/main/unsloth_compiled_cache_rank0/unsloth_compiled_module_gemma4.py") \
         == "unsloth_compiled_cache_rank0/unsloth_compiled_module_gemma4.py"
+
+
+def test_warm_up_and_capture_cast_the_weights_afresh_under_autocast():
+    # Under autocast a cast weight is cached for the rest of the region: a capture after its warm-up would
+    # read the warm-up's copy (freed when the region ends, stale after an optimizer step)
+    weight = torch.nn.Parameter(torch.ones(2, 2))
+    x = torch.ones(1, 2, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        warm_up = torch.nn.functional.linear(x, weight)
+        with torch.no_grad():
+            weight.mul_(2)
+        assert torch.equal(torch.nn.functional.linear(x, weight), warm_up)  # the cache's stale copy
+        with step_graph.without_autocast_cache():
+            assert torch.equal(torch.nn.functional.linear(x, weight), 2 * warm_up)
+        assert torch.is_autocast_cache_enabled()
