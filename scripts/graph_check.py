@@ -5,7 +5,8 @@ On one GPU, with a random-weight Qwen3-shaped checkpoint loaded through Unsloth 
 - eager forward+backward time per micro-batch (median of --repeats after 3 warm-ups),
 - the graph's replay time per micro-batch,
 - loss and gradients of a replay against eager on the same micro-batch, for two different micro-batches
-  per length (the second proves that a replay reads the new data, lengths and denominator),
+  per length (the second proves that a replay reads the new data, lengths and denominator), and once more after
+  every trainable weight moved ("after-update": a replay reads the weights as they are, no cast copy of the capture's),
 - the GPU memory the graphs hold.
 
     python scripts/graph_check.py --model 0.6b --rows 16384,24576 --out /tmp/graph_check.json
@@ -142,10 +143,14 @@ def main() -> None:
                "segments": [int(len(b["packed_seq_lengths"])) for b in batches]}
         if rows in graphs.graphs:
             checks = []
-            for i in (1, 0, 1, "eager-twice", *(["vs-flash"] if registry is not None else [])):
+            for i in (1, 0, 1, "eager-twice", *(["vs-flash"] if registry is not None else []), "after-update"):
                 kind = i if isinstance(i, str) else "graphed"
                 graphed = kind != "eager-twice"  # eager vs eager: the run-to-run noise floor
                 i = 1 if kind != "graphed" else i
+                if kind == "after-update":  # an optimizer step's worth of change: replays must read the new weights
+                    with torch.no_grad():
+                        for q in params:
+                            q.add_(torch.randn_like(q), alpha=1e-3)
                 loss_g = float(step(batches[i], denominators[i], graphed=graphed))
                 grads_g = [q.grad.detach().float().clone() for q in params]
                 loss_e = float(step(batches[i], denominators[i], graphed=False, bundled_flash=kind == "vs-flash"))

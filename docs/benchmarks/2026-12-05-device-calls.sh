@@ -54,14 +54,20 @@ callG() {  # GRPO's sampling on merged weights (grpo.sampling_weights="merged", 
   pack
 }
 
-callR() {  # after commit 4182e08: Qwen3.5 dense, Qwen3.5-MoE as published and Granite 4.0-H through Unsloth at
-  # defaults (no packed-row check on Unsloth for recurrent mixers: sorted-pad), graphed and eager; and Gemma 4
-  # graphed, whose capture failed on a host sync: where (the summary's capture_failed_at) (~5 min)
+callR() {  # after commits 4182e08 and 09c0b70: Qwen3.5 dense, Qwen3.5-MoE as published and Granite 4.0-H through
+  # Unsloth at defaults (no packed-row check on Unsloth for recurrent mixers: sorted-pad; the budget probe under
+  # training's autocast, where Granite's Mamba raised a dtype error outside it), graphed and eager; and Gemma 4
+  # graphed, whose capture failed on a host sync: where (the summary's capture_failed_at) (~5 min). Then
+  # scripts/graph_check.py at 8k with its "after-update" pair (33cf022: a replay after every weight moved, captures
+  # without autocast's weight cache) (~2 min)
   timeout $(left 330) python3 scripts/arch_check.py --out $OUT/arch --architectures qwen3_5,qwen3_5_moe_mm,granite4_h,gemma4 \
     --parallel 8 > $L/arch.log 2>&1
   el "arch check done"
   arch_runs $OUT/arch
   tar czf $OUT/arch-logs.tgz -C $OUT arch && rm -rf $OUT/arch
+  timeout $(left 560) python3 scripts/graph_check.py --model 0.6b --checkpoint $W/ckpt_0.6b --rows 8192 --repeats 5 \
+    --out $OUT/graph-check-after-update.json > $L/graph-check.log 2>&1
+  el "graph check done"; grep -h '"kind"\|loss_rel_diff\|grad_rel_l2_diff\|Error' $L/graph-check.log | head -30 | cut -c1-200
   pack
 }
 
