@@ -78,6 +78,24 @@ replaces and the versions it was checked against, and returns whether it applied
     `cover_padded_cu_seqlens`), torch 2.11.0+cu130 on an H200: replays gave eager's loss exactly
     (scripts/graph_check.py). Raises if those caches are missing (another Unsloth version): the capture
     then fails and training goes on eagerly, saying why.
+    Also replaces, for the same duration (`unsloth_capture_safe_mask_checks`): `_mask_is_block_causal` in
+    `unsloth.utils.hf_packed_attention` and `_mask_is_plain_band` in
+    `unsloth_zoo.temporary_patches.gemma4_flash_sliding` (module globals).
+    Why: on the transformers modeling path (Gemma 4, Qwen2, Gemma 3, Phi-3 under Unsloth) each attention call checks
+    on the host that transformers' mask is the packed row's block-causal mask (`.item()`, `bool()`; the verdict
+    cached on the mask object, which is new every forward), and Gemma 4's sliding-window router first checks whether
+    it is a plain band. A host sync fails a capture ("called a synchronizing CUDA operation": Gemma 4, one H200,
+    2026-12-05), and transformers' own mask code skips its syncs while a stream captures (CPU, every tiny
+    architecture: none left). So the warm-up, the eager call just before each capture on the same row, asks
+    `_mask_is_block_causal` as usual and the capture reuses its verdict per row length and window; the graph keeps
+    that branch for every replay, right for every row it serves: the mask is built from the row's restarting
+    position ids, block-causal by construction, and the varlen kernel reads the replayed `cu_seqlens`. A mask is
+    never a plain band inside warm-up and capture: a one-sample row would take the band kernel, which knows no
+    sample boundaries, and a replay of that graph may carry several samples; the other path is exact for both.
+    Checked with: unsloth 2026.10.9 and unsloth_zoo 2026.10.9 (signatures `_mask_is_block_causal(attention_mask,
+    cu_seqlens, total, window=None)`, `_mask_is_plain_band(mask, S, w, _block=1024, packed_seq_lengths=None)`; the
+    callers look both names up at call time); on the CPU with stand-ins, not yet on a GPU. A no-op where a module is
+    not loaded or a function is missing.
 """
 
 from __future__ import annotations
@@ -85,6 +103,7 @@ from __future__ import annotations
 import inspect
 import os
 from contextlib import contextmanager
+from typing import Any
 
 
 def _gqa_wrapper(varlen_attn):
@@ -277,10 +296,55 @@ def unsloth_static_packed_rows(lengths, cu_seqlens, host_lengths: tuple[int, ...
     info[device] = {"seq_lengths": lengths, "result": (lengths, cu_seqlens, int(max_seqlen)), "inference": False}
     hosts[device] = (lengths, cu_seqlens, tuple(host_lengths))
     try:
-        yield
+        with unsloth_capture_safe_mask_checks():
+            yield
     finally:
         info.pop(device, None)
         hosts.pop(device, None)
+
+
+# The warm-up's `_mask_is_block_causal` verdicts by (row length, window), for the capture that follows it.
+_BLOCK_CAUSAL_VERDICTS: dict[tuple[int, Any], bool] = {}
+
+
+@contextmanager
+def unsloth_capture_safe_mask_checks():
+    """Unsloth's host-side mask checks, answered without a host sync inside a capture (module docstring)."""
+    import sys
+
+    import torch
+
+    def remembered_block_causal(original):
+        def check(attention_mask, cu_seqlens, total, window=None):
+            key = (int(total), window)
+            if torch.cuda.is_current_stream_capturing() and key in _BLOCK_CAUSAL_VERDICTS:
+                return _BLOCK_CAUSAL_VERDICTS[key]
+            verdict = original(attention_mask, cu_seqlens, total, window)
+            _BLOCK_CAUSAL_VERDICTS[key] = verdict
+            return verdict
+        return check
+
+    def no_plain_band(original):
+        def check(mask, S, w, _block=1024, packed_seq_lengths=None):
+            if mask is not None:  # a mask-free call is checked without touching the GPU
+                return False
+            return original(mask, S, w, _block, packed_seq_lengths=packed_seq_lengths)
+        return check
+
+    patched = []
+    for name, attribute, wrap in (("unsloth.utils.hf_packed_attention", "_mask_is_block_causal", remembered_block_causal),
+                                  ("unsloth_zoo.temporary_patches.gemma4_flash_sliding", "_mask_is_plain_band",
+                                   no_plain_band)):
+        owner = sys.modules.get(name)  # only what Unsloth loaded: nothing else can call it
+        original = getattr(owner, attribute, None)
+        if original is not None:
+            setattr(owner, attribute, wrap(original))
+            patched.append((owner, attribute, original))
+    try:
+        yield
+    finally:
+        for owner, attribute, original in patched:
+            setattr(owner, attribute, original)
 
 
 def folded_gqa_decode_attention(self, Qn, kv_seq_len: int, attention_mask):

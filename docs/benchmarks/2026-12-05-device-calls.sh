@@ -57,10 +57,13 @@ callG() {  # GRPO's sampling on merged weights (grpo.sampling_weights="merged", 
 callR() {  # after commits 4182e08 and 09c0b70: Qwen3.5 dense, Qwen3.5-MoE as published and Granite 4.0-H through
   # Unsloth at defaults (no packed-row check on Unsloth for recurrent mixers: sorted-pad; the budget probe under
   # training's autocast, where Granite's Mamba raised a dtype error outside it), graphed and eager; and Gemma 4
-  # graphed, whose capture failed on a host sync: where (the summary's capture_failed_at) (~5 min). Then
+  # graphed, whose capture failed on a host sync (Unsloth's mask checks, answered from the warm-up since the commit
+  # after 33cf022: does it capture now? if not, capture_failed_at says where), with Qwen2, Gemma 3 and Phi-3, whose
+  # graphs were last run before Unsloth's varlen routing for transformers' attention was switched on (~6 min). Then
   # scripts/graph_check.py at 8k with its "after-update" pair (33cf022: a replay after every weight moved, captures
   # without autocast's weight cache) (~2 min)
-  timeout $(left 330) python3 scripts/arch_check.py --out $OUT/arch --architectures qwen3_5,qwen3_5_moe_mm,granite4_h,gemma4 \
+  timeout $(left 400) python3 scripts/arch_check.py --out $OUT/arch \
+    --architectures qwen3_5,qwen3_5_moe_mm,granite4_h,gemma4,qwen2,gemma3,phi3 \
     --parallel 8 > $L/arch.log 2>&1
   el "arch check done"
   arch_runs $OUT/arch

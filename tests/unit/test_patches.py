@@ -190,3 +190,41 @@ def test_unsloths_sink_attention_is_wrapped_once_and_only_with_its_helpers(monke
     assert patches.enable_unsloth_packed_sink_attention() is False and package.flex_attention_with_sink is wrapped
     attn = torch.nn.Linear(1, 1)
     assert wrapped(attn, torch.zeros(1, 1, 2, 1), torch.zeros(1, 1, 2, 1), torch.zeros(1, 1, 2, 1)) == "unsloth's"
+
+
+def test_unsloths_mask_checks_are_answered_without_the_gpu_inside_a_capture(monkeypatch):
+    """The warm-up asks Unsloth's host-side mask check; the capture after it reuses that verdict (a host sync fails a
+    capture); a mask is never a plain band there (the band kernel knows no sample boundaries)."""
+    import types
+
+    calls, answers = [], {(8, 4): True, (8, None): False, (16, 4): True}
+    packed = types.ModuleType("unsloth.utils.hf_packed_attention")
+    packed._mask_is_block_causal = lambda mask, cu, total, window=None: (calls.append(("block", total, window))
+                                                                         or answers[total, window])
+    sliding = types.ModuleType("unsloth_zoo.temporary_patches.gemma4_flash_sliding")
+    sliding._mask_is_plain_band = lambda mask, S, w, _block=1024, packed_seq_lengths=None: (calls.append(("band", S, w))
+                                                                                              or True)
+    monkeypatch.setitem(sys.modules, packed.__name__, packed)
+    monkeypatch.setitem(sys.modules, sliding.__name__, sliding)
+    monkeypatch.setattr(patches, "_BLOCK_CAUSAL_VERDICTS", {})
+    originals = packed._mask_is_block_causal, sliding._mask_is_plain_band
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    mask = torch.ones(1, 1, 8, 8, dtype=torch.bool)
+    with patches.unsloth_capture_safe_mask_checks():  # the warm-up: Unsloth's checks run
+        assert packed._mask_is_block_causal(mask, None, 8, 4) is True
+        assert packed._mask_is_block_causal(mask, None, 8) is False
+        assert sliding._mask_is_plain_band(mask, 8, 4) is False
+        assert sliding._mask_is_plain_band(None, 8, 4) is True  # mask-free: Unsloth's answer (no GPU read)
+    assert calls == [("block", 8, 4), ("block", 8, None), ("band", 8, 4)]
+    with patches.unsloth_capture_safe_mask_checks():
+        capturing[0] = True
+        assert packed._mask_is_block_causal(mask, None, 8, 4) is True  # the warm-up's verdicts, unchecked
+        assert packed._mask_is_block_causal(mask, None, 8) is False
+        assert sliding._mask_is_plain_band(mask, 8, 4) is False
+        assert packed._mask_is_block_causal(mask, None, 16, 4) is True  # no warm-up of this row: Unsloth's check
+    assert calls[3:] == [("block", 16, 4)]
+    assert (packed._mask_is_block_causal, sliding._mask_is_plain_band) == originals
+    monkeypatch.delitem(sys.modules, sliding.__name__)  # an Unsloth without the router: the other check alone
+    with patches.unsloth_capture_safe_mask_checks():
+        assert packed._mask_is_block_causal is not originals[0]
