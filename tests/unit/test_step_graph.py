@@ -263,3 +263,54 @@ def test_warm_up_and_capture_cast_the_weights_afresh_under_autocast():
         with step_graph.without_autocast_cache():
             assert torch.equal(torch.nn.functional.linear(x, weight), 2 * warm_up)
         assert torch.is_autocast_cache_enabled()
+
+
+class _HostReads:
+    """Every read of a tensor's value back to the host (`.item()`, `bool()`, `nonzero`): inside a CUDA graph
+    capture each one fails the capture ("called a synchronizing CUDA operation")."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        reads = self.reads = []
+        syncing = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default}
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func in syncing:
+                    import traceback
+
+                    frames = [f for f in traceback.extract_stack() if "/torch/" not in f.filename][-3:-1]
+                    reads.append(" <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in frames[::-1]))
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "llama", "mistral", "qwen2", "phi3", "gemma3", "gemma3_mm", "gemma4"])
+def test_the_decoders_packed_forward_and_backward_read_nothing_back_while_a_stream_captures(monkeypatch, architecture):
+    # What a graph captures (the decoder body, forward and backward) must not read a value back to the host.
+    # transformers skips its own reads while a stream captures (is_cuda_stream_capturing); without that, packing's
+    # boundary search reads one back. Unsloth's reads are answered by patches.unsloth_capture_safe_mask_checks.
+    from HyperSloth.train.collate import collate_packed
+    from HyperSloth.train.tiny_architectures import tiny_config, tiny_causal_lm
+
+    config = tiny_config(architecture, vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512,
+                         initializer_range=0.02, pad_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    decoder = tiny_causal_lm(config).train().model  # what DecoderGraphs.install wraps
+    rng = np.random.default_rng(0)
+    batch = collate_packed([(ids, ids.copy()) for ids in (rng.integers(2, 128, 20), rng.integers(2, 128, 12))],
+                           with_lengths=True)
+    batch.pop("labels")
+
+    def host_reads() -> list[str]:
+        probe = _HostReads()
+        with probe.mode:
+            decoder(**batch, use_cache=False).last_hidden_state.sum().backward()
+        return probe.reads
+
+    assert host_reads(), "the control: outside a capture transformers reads the packed boundaries back"
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert host_reads() == []
