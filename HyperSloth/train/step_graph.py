@@ -346,12 +346,12 @@ class DecoderGraphs:
             # A host sync inside a capture fails it with a CUDA error far from its cause: make torch raise
             # at the synchronising call itself (its traceback is kept in `capture_traceback`).
             torch.cuda.set_sync_debug_mode("error")
-            with torch.cuda.graph(graph.forward, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"), \
-                    without_autocast_cache():
+            with without_autocast_cache(), torch.cuda.graph(graph.forward, pool=self._pool, stream=self._stream,
+                                                            capture_error_mode="thread_local"):
                 graph.hidden = self._decoder_hidden(graph, call)
             graph.grad_hidden = torch.empty_like(graph.hidden)
-            with torch.cuda.graph(graph.backward, pool=graph.forward.pool(), stream=self._stream,
-                                  capture_error_mode="thread_local"), without_autocast_cache():
+            with without_autocast_cache(), torch.cuda.graph(graph.backward, pool=graph.forward.pool(),
+                                                            stream=self._stream, capture_error_mode="thread_local"):
                 grads = torch.autograd.grad(graph.hidden, self.params, graph.grad_hidden, allow_unused=True)
                 graph.grads = tuple(torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads))
         except Exception as error:  # noqa: BLE001 - whatever fails a capture, training goes on eagerly
