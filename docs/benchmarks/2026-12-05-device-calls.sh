@@ -5,9 +5,10 @@
 # (where an MoE step's time goes), then callA + callM of 2026-12-02-fa4-device-calls.sh (long-0.6b FA4 profile), then
 # callW of 2026-12-03-device-calls.sh (GRPO's sampling profiled) if time is left.
 # Ran (second session of 2026-12-05): callZ, callP, callA + callM, and callW's sampling profile cut to three engines
-# and 3 calls (docs/benchmarks.md). Next, in this order: callG (merged sampling, then GRPO's 20 steps, ours), callQ of
-# 2026-12-03-device-calls.sh (TRL's GRPO, 20 steps, on the same data), callR (the recurrent models sorted-pad on
-# Unsloth at defaults, after commit 4182e08).
+# and 3 calls (docs/benchmarks.md). Next, in this order: callG (the sampling engines; merge next/folded-grpo-decode if
+# -folded wins), callG2 (GRPO's 20 steps, ours), callQ of 2026-12-03-device-calls.sh (TRL's GRPO, 20 steps, on the
+# same data), callR (the recurrent models sorted-pad on Unsloth at defaults, Gemma 4 / Qwen2 / Gemma 3 / Phi-3
+# graphed, graph_check's after-update pair).
 source scripts/device_calls_lib.sh  # the GPU environment, $W / $L, el, left, bench, show, pack, ...
 
 callZ() {  # every architecture not yet run through Unsloth, at defaults, graphed and eager: gpt-oss with the sink
@@ -40,12 +41,18 @@ callP() {  # where an MoE step's 0.33 s go (issue 32 item 7, 1.00x stock): moe-s
 
 callG() {  # GRPO's sampling on merged weights (grpo.sampling_weights="merged", train/grpo/merged_sampling.py) against
   # the adapter and the adapter-free bound, and merged with the decode attention's GQA folded (patches.py
-  # unsloth_folded_gqa_decode: is it faster, the same completions?), the stop check deferred in all (~4 min); then GRPO at defaults, 2
-  # warm-up + 20 timed steps (~4 min): the line "GRPO samples on merged weights" and generation_s per step
+  # unsloth_folded_gqa_decode: is it faster, the same completions?), the stop check deferred in all (~4 min).
+  # If -folded gives the same completions faster: `git merge next/folded-grpo-decode` (GRPO samples folded, and the
+  # stock side of bench_grpo gets it too) before callG2 and callQ
   [ -f $W/ckpt_0.6b/config.json ] || python3 scripts/benchmark.py --as-system build --model 0.6b --checkpoint $W/ckpt_0.6b
-  timeout $(left 260) python3 scripts/sampling_bench.py --model $W/ckpt_0.6b --engines unsloth,unsloth-merged,unsloth-merged-folded,unsloth-no-lora \
+  timeout $(left 560) python3 scripts/sampling_bench.py --model $W/ckpt_0.6b --engines unsloth,unsloth-merged,unsloth-merged-folded,unsloth-no-lora \
     --calls 5 --out $OUT/sampling-merged.json > $L/sampling.log 2>&1
   el "sampling bench done"; grep '^{' $L/sampling.log | cut -c1-600; grep -h "Error\|Traceback" $L/sampling.log | head -5 | cut -c1-300
+  pack
+}
+
+callG2() {  # GRPO at defaults, 2 warm-up + 20 timed steps (~5 min): the line "GRPO samples on merged weights" and
+  # generation_s per step; then callQ of 2026-12-03-device-calls.sh (TRL's GRPO on the same data) for the headline
   bench --workloads grpo-0.6b --slots hypersloth-1 --warmup 2 --steps 20 --tag grpo-merged --budget-s $(left 570) \
     > $L/bench-grpo.log 2>&1
   el "bench done"; show $L/bench-grpo.log
