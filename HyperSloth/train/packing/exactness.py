@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from HyperSloth.train.collate import IGNORE_INDEX, collate_packed
+from HyperSloth.train.model import training_autocast
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,8 @@ def _loss_and_grad(model, batch: dict[str, torch.Tensor], targets: int) -> tuple
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.grad = None
-    loss = model(**batch, num_items_in_batch=targets, use_cache=False).loss
+    with training_autocast(model):  # the forward training runs (the backward outside, as HF's training step)
+        loss = model(**batch, num_items_in_batch=targets, use_cache=False).loss
     loss.backward()
     grads = [p.grad.detach().float().clone() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32)
              for p in params]
