@@ -8,7 +8,7 @@
 # and 3 calls (docs/benchmarks.md). Next, in this order: callG (the sampling engines; merge next/folded-grpo-decode if
 # -folded wins), callG2 (GRPO's 20 steps, ours), callQ of 2026-12-03-device-calls.sh (TRL's GRPO, 20 steps, on the
 # same data), callR (the recurrent models sorted-pad on Unsloth at defaults, Gemma 4 / Qwen2 / Gemma 3 / Phi-3
-# graphed, graph_check's after-update pair).
+# graphed, graph_check's after-update pair), then callL if time is left.
 source scripts/device_calls_lib.sh  # the GPU environment, $W / $L, el, left, bench, show, pack, ...
 
 callZ() {  # every architecture not yet run through Unsloth, at defaults, graphed and eager: gpt-oss with the sink
@@ -78,6 +78,20 @@ callR() {  # after commits 4182e08 and 09c0b70: Qwen3.5 dense, Qwen3.5-MoE as pu
   timeout $(left 560) python3 scripts/graph_check.py --model 0.6b --checkpoint $W/ckpt_0.6b --rows 8192 --repeats 5 \
     --out $OUT/graph-check-after-update.json > $L/graph-check.log 2>&1
   el "graph check done"; grep -h '"kind"\|loss_rel_diff\|grad_rel_l2_diff\|Error' $L/graph-check.log | head -30 | cut -c1-200
+  pack
+}
+
+callL() {  # if time is left: the fused loss's host time on long-0.6b. The 2026-12-05 FA4 profile left the GPU idle 8-13%
+  # of a step around the eager loss and the optimizer; Unsloth's fused cross-entropy runs a packed row in 4,096-row
+  # chunks (~100 kernels a step on 45k-token rows). Ours at defaults, then with its chunk rows at 16,384
+  # (unsloth_zoo/fused_losses/fused_linear.py's environment knobs), 20 steps each (~4 min; bundled flash unless the
+  # .fa4 parts were unpacked on this machine). If it pays, the setting goes to both sides (stock runs the same loss)
+  bench --workloads long-0.6b --slots hypersloth-1 --warmup 3 --steps 20 --tag loss-rows-4k --budget-s $(left 270) \
+    > $L/bench-loss4k.log 2>&1
+  el "4k rows done"; show $L/bench-loss4k.log
+  UNSLOTH_FUSED_LINEAR_MAX_ROWS=16384 UNSLOTH_FUSED_LINEAR_BWD_ROWS=16384 bench --workloads long-0.6b \
+    --slots hypersloth-1 --warmup 3 --steps 20 --tag loss-rows-16k --budget-s $(left 560) > $L/bench-loss16k.log 2>&1
+  el "16k rows done"; show $L/bench-loss16k.log
   pack
 }
 
