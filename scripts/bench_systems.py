@@ -222,6 +222,7 @@ def hypersloth_result(out: Path, gpus: int) -> dict:
             "padding_pct": summary.get("padding_pct"), "token_budget": summary.get("token_budget"),
             "gradient_checkpointing": summary.get("gradient_checkpointing"), "tiled_mlp": summary.get("tiled_mlp"),
             "attention": summary.get("attention"),
+            "attention_reuse": summary.get("attention_reuse"),  # outputs kept through checkpointing, when switched on
             "packing": summary.get("packing"), "batching": summary.get("batching"),  # the packed-row check, the mode
             "first_step_end_unix": summary.get("first_step_end_unix"), "cuda_graphs": summary.get("cuda_graphs"),
             "startup": summary.get("startup"),  # launch to the end of step 1, phase by phase

@@ -65,6 +65,21 @@ replaces and the versions it was checked against, and returns whether it applied
     `from .llama import _decode_attention_core` in qwen3.py), against an expanded reference on the CPU (fp32);
     not yet on a GPU. A no-op where either module or the function is missing.
 
+`enable_unsloth_attention_reuse` (while measured: only with `run_files.ENV_REUSE_ATTENTION` = 1)
+    Replaces: `unsloth.utils.attention_dispatch._LeanFlashVarlen` (a module global, looked up at every packed call by
+    `_varlen_attn_call`) with `attention.recompute.reusing` around it, and puts a forward pre-hook and hook on the
+    decoder.
+    Why: with gradient checkpointing the backward recomputes every layer's forward, attention's included: on one
+    262,144-token sample about a quarter of attention's time, ~11 s of Qwen3-0.6B's 75.4 s step. The first pass
+    keeps each layer's attention output and log-sum-exp within the memory the budget left (train/attention/
+    recompute.py), and the recompute returns them; the backward is Unsloth's own (`_LeanFlashVarlen.backward`).
+    Checked with: unsloth 2026.10.9 (`_LeanFlashVarlen.forward(ctx, query, key, value, cu_seqlens, max_seqlen,
+    is_causal, scale, window_left, window_right)` saves (query, key, value, cu_seqlens, out, lse, philox_seed,
+    philox_offset); `_varlen_attn_call` calls `_LeanFlashVarlen.apply` when `_LEAN_VARLEN`), unsloth_zoo 2026.10.9
+    (`gradient_checkpointing.in_gradient_checkpoint_recompute`); on the CPU with a stand-in kernel and checkpointer,
+    not yet on a GPU. Not installed where either is missing, where the lean path is off, or where a decoder layer has
+    more or fewer than one attention module (the kept outputs are a stack, one entry a layer).
+
 `unsloth_static_packed_rows` (a context manager, used only while a CUDA graph is captured)
     Replaces: the entries of `unsloth.utils.packing._PACKED_INFO_CACHE` and `_PACKED_HOST_LENGTHS_CACHE`
     for the row's device (module-level dicts Unsloth fills on every packed forward), for the duration of
@@ -281,6 +296,32 @@ def pad_unsloth_loss_rows(fused_linear=None) -> bool:
     fused_linear._logits_into = padded_logits_into
     fused_linear._dz_w_acc = padded_dz_w_acc
     return True
+
+
+def enable_unsloth_attention_reuse(decoder, cap_bytes: int):
+    """Keep attention's outputs through checkpointing on Unsloth's lean varlen path (see module docstring):
+    (the `attention.recompute.KeptAttention` installed, None) or (None, why not)."""
+    from HyperSloth.train.attention.recompute import KeptAttention, reusing
+
+    try:
+        from unsloth.utils import attention_dispatch
+        from unsloth_zoo.gradient_checkpointing import in_gradient_checkpoint_recompute
+    except ImportError:
+        return None, "this Unsloth has no lean varlen attention or no recompute marker"
+    base = getattr(attention_dispatch, "_LeanFlashVarlen", None)
+    if base is None or not getattr(attention_dispatch, "_LEAN_VARLEN", False):
+        return None, "Unsloth's lean varlen attention is off"
+    if getattr(base, "wrapped", None) is not None:
+        return None, "already installed"
+    layers = list(getattr(decoder, "layers", []))
+    counts = {sum(type(m).__name__.endswith("Attention") for m in layer.modules()) for layer in layers}
+    if not layers or counts != {1}:
+        return None, "its decoder layers do not each have one attention module"
+    kept = KeptAttention(cap_bytes)
+    attention_dispatch._LeanFlashVarlen = reusing(base, kept, in_gradient_checkpoint_recompute)
+    decoder.register_forward_pre_hook(lambda module, args: kept.start_forward(module.training))
+    decoder.register_forward_hook(lambda module, args, output: kept.end_forward())
+    return kept, None
 
 
 @contextmanager

@@ -169,6 +169,7 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path, time
     logger.info(f"model {description.hyper_config.fast_model_args.model_name} loaded with {loaded_model.backend} ({loaded_model.dtype})")
     # After the budget (checkpointing and tiling settled: whether the decoder is graphed), before any graph capture.
     attention = settle_attention(description, loaded_model, int(lengths.max()) if len(lengths) else 0)
+    kept_attention = _keep_attention(description, loaded_model, budget_decision)
     if info.is_main:
         run_files.atomic_write_json(run_files.resolved_file(out_dir), {
             "token_budget": budget_decision.as_record(),
@@ -205,6 +206,8 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path, time
     summary["lora_targets"] = loaded_model.lora_targets
     summary["packing"] = loaded_model.packing  # packed rows measured to keep samples apart (train/packing/check.py)
     summary["attention"] = attention.as_record()  # the kernel packed rows ran on, what was asked and why
+    if kept_attention is not None:  # attention outputs kept through checkpointing (train/attention/recompute.py)
+        summary["attention_reuse"] = kept_attention.summary()
     summary["startup"] = timeline.record()  # launch to the end of step 1, phase by phase (outputs/startup.py)
     summary.update(eval_summary(trainer.state.log_history, description.eval_set, out_dir))
     run_files.atomic_write_json(out_dir / run_files.SUMMARY_FILE, summary)
@@ -212,6 +215,26 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path, time
     _print_summary(summary, out_dir)
     logger.info(f"{report.format_console(summary)}\nreport: {report.write_report(out_dir)}")
     return summary
+
+
+def _keep_attention(description: RunDescription, loaded_model, decision):
+    """Attention's outputs kept through gradient checkpointing (train/attention/recompute.py), SFT on Unsloth with
+    checkpointing on, in the memory the budget left above its peak; while it is measured, only with
+    `run_files.ENV_REUSE_ATTENTION` = 1. The installed `KeptAttention`, or None (one log line says why)."""
+    if os.environ.get(run_files.ENV_REUSE_ATTENTION) != "1":
+        return None
+    if description.method != "sft" or loaded_model.backend != "unsloth" or not description.gradient_checkpointing:
+        logger.info("attention outputs are not kept through checkpointing: it applies to SFT on the Unsloth backend "
+                    "with gradient checkpointing on")
+        return None
+    from HyperSloth.train.attention.recompute import cap_from_budget
+    from HyperSloth.train.patches import enable_unsloth_attention_reuse
+
+    cap = cap_from_budget(decision)
+    kept, why = enable_unsloth_attention_reuse(loaded_model.model.get_base_model().model, cap)
+    logger.info(f"attention outputs kept through checkpointing, up to {cap / 2**30:.1f} GiB" if kept is not None
+                else f"attention outputs are not kept through checkpointing: {why}")
+    return kept
 
 
 def _settle(description: RunDescription, timeline: StartupTimeline, lengths, setup, info: dist.DistInfo):

@@ -12,6 +12,8 @@
 # after the one before; then 2026-12-02-device-calls.sh callI (GRPO) as the time allows.
 # Fourth session: callA, callHJ (long-0.6b at defaults 1.39x, auto picked FA4; FA4's gradients), callE (short-8b
 # 1.05x); then GRPO. Next: callA, then callM (profiles of long-0.6b, FA4 against stock), then callF's 8B half.
+# 2026-12-05 (second session): callA + callM ran. Next: callA, then callK (262k on 0.6B with attention's outputs kept
+# through checkpointing, and without), then callF's 8B half (never run with FA4).
 # Before the calls, on this machine, from the repository root:
 #   bash ../shared/device/wheelhouse.sh   # .whl/ (unsloth, trl, ...: 25 MB), if not there yet
 #   bash scripts/fa4_wheels.sh            # .fa4/part1 (the DSL's 193 MB compiler library as xz), .fa4/part2 (the rest)
@@ -141,5 +143,19 @@ callM() {  # after callA, carry [".whl", ".fa4/part2"]: why long-0.6b stops at 1
 callH() { fa4_ready; long_defaults 400; pack; }
 callJ() { fa4_ready; fa4_gradients 560; pack; }
 callHJ() { fa4_ready; long_defaults 330; fa4_gradients 570; pack; }  # both in one call (one start fewer)
+
+callK() {  # after callA, carry [".whl", ".fa4/part2"]: one 262,144-token sample on Qwen3-0.6B, first step (<= 60 s; 75.4 s
+  # on 2026-12-03), with attention's outputs kept through checkpointing (HYPERSLOTH_REUSE_ATTENTION=1,
+  # train/attention/recompute.py: the recompute skips attention's forward) and then without, same machine (~8 min)
+  fa4_ready
+  HYPERSLOTH_REUSE_ATTENTION=1 bench --workloads longctx-0.6b --long-tokens 262144 --warmup 0 --steps 1 \
+    --slots hypersloth-1 --tag fa4-lc262k-kept --budget-s $(left 290) > $L/bench-lc06-kept.log 2>&1
+  el "kept done"; show $L/bench-lc06-kept.log
+  grep -h "attention outputs\|Traceback\|Error" $W/longctx-0.6b/out_hypersloth-1/logs/rank0.log | head -5 | cut -c1-300
+  bench --workloads longctx-0.6b --long-tokens 262144 --warmup 0 --steps 1 --slots hypersloth-1 --tag fa4-lc262k \
+    --budget-s $(left 570) > $L/bench-lc06.log 2>&1
+  el "without done"; show $L/bench-lc06.log
+  pack
+}
 
 "$@"

@@ -228,3 +228,40 @@ def test_unsloths_mask_checks_are_answered_without_the_gpu_inside_a_capture(monk
     monkeypatch.delitem(sys.modules, sliding.__name__)  # an Unsloth without the router: the other check alone
     with patches.unsloth_capture_safe_mask_checks():
         assert packed._mask_is_block_causal is not originals[0]
+
+
+def test_attention_reuse_is_installed_on_unsloths_lean_varlen_path_only_where_it_can_be_exact(monkeypatch):
+    import types
+
+    class LeanFlashVarlen(torch.autograd.Function):  # the name and protocol only: no call is made here
+        pass
+
+    class FakeAttention(torch.nn.Module):
+        pass
+
+    def decoder(attention_modules: int):
+        layer = torch.nn.Module()
+        for i in range(attention_modules):
+            layer.add_module(f"attn{i}", FakeAttention())
+        model = torch.nn.Module()
+        model.layers = torch.nn.ModuleList([layer])
+        return model
+
+    dispatch = types.ModuleType("unsloth.utils.attention_dispatch")
+    dispatch._LeanFlashVarlen, dispatch._LEAN_VARLEN = LeanFlashVarlen, False
+    marker = types.ModuleType("unsloth_zoo.gradient_checkpointing")
+    marker.in_gradient_checkpoint_recompute = lambda: False
+    monkeypatch.setitem(sys.modules, "unsloth", types.ModuleType("unsloth"))
+    utils = types.ModuleType("unsloth.utils")
+    utils.attention_dispatch = dispatch
+    monkeypatch.setitem(sys.modules, "unsloth.utils", utils)
+    monkeypatch.setitem(sys.modules, "unsloth.utils.attention_dispatch", dispatch)
+    monkeypatch.setitem(sys.modules, "unsloth_zoo", types.ModuleType("unsloth_zoo"))
+    monkeypatch.setitem(sys.modules, "unsloth_zoo.gradient_checkpointing", marker)
+    assert patches.enable_unsloth_attention_reuse(decoder(1), 2**30) == (None, "Unsloth's lean varlen attention is off")
+    dispatch._LEAN_VARLEN = True
+    kept, why = patches.enable_unsloth_attention_reuse(decoder(2), 2**30)
+    assert kept is None and "one attention module" in why and dispatch._LeanFlashVarlen is LeanFlashVarlen
+    kept, why = patches.enable_unsloth_attention_reuse(decoder(1), 2**30)
+    assert why is None and kept.cap_bytes == 2**30 and dispatch._LeanFlashVarlen.wrapped is LeanFlashVarlen
+    assert patches.enable_unsloth_attention_reuse(decoder(1), 2**30) == (None, "already installed")

@@ -201,3 +201,26 @@ def test_a_leaking_run_that_asked_for_packed_rows_or_needs_them_is_refused(monke
     with pytest.raises(PackedRowsLeak, match="gpt_oss on the unsloth backend lets the samples") as err:
         settle()
     assert says in str(err.value) and settled == ["packed"]
+
+
+def test_attention_outputs_are_kept_only_when_switched_on_for_checkpointed_sft_on_unsloth(monkeypatch, logs):
+    from HyperSloth.outputs import run_files
+    from HyperSloth.train import patches
+
+    installed = []
+    monkeypatch.setattr(patches, "enable_unsloth_attention_reuse",
+                        lambda decoder, cap: installed.append((decoder, cap)) or ("kept", None))
+    decoder = object()
+    loaded = types.SimpleNamespace(backend="unsloth", model=types.SimpleNamespace(
+        get_base_model=lambda: types.SimpleNamespace(model=decoder)))
+    sft = types.SimpleNamespace(method="sft", gradient_checkpointing="unsloth")
+    decision = types.SimpleNamespace(limit_bytes=10 * 2**30, verified_peak_bytes=2 * 2**30, tokens=1, fit=None)
+    monkeypatch.delenv(run_files.ENV_REUSE_ATTENTION, raising=False)
+    assert worker._keep_attention(sft, loaded, decision) is None and installed == []  # off until measured
+    monkeypatch.setenv(run_files.ENV_REUSE_ATTENTION, "1")
+    for description in (types.SimpleNamespace(method="dpo", gradient_checkpointing="unsloth"),
+                        types.SimpleNamespace(method="sft", gradient_checkpointing=False)):
+        assert worker._keep_attention(description, loaded, decision) is None
+    assert installed == [] and "applies to SFT on the Unsloth backend with gradient checkpointing on" in logs[-1]
+    assert worker._keep_attention(sft, loaded, decision) == "kept"
+    assert installed == [(decoder, int(0.75 * 8 * 2**30))] and "up to 6.0 GiB" in logs[-1]
