@@ -146,10 +146,14 @@ callHJ() { fa4_ready; long_defaults 330; fa4_gradients 570; pack; }  # both in o
 
 callK() {  # after callA, carry [".whl", ".fa4/part2"]: one 262,144-token sample on Qwen3-0.6B, first step (<= 60 s; 75.4 s
   # on 2026-12-03), with attention's outputs kept through checkpointing (HYPERSLOTH_REUSE_ATTENTION=1,
-  # train/attention/recompute.py: the recompute skips attention's forward) and then without, same machine (~8 min)
+  # train/attention/recompute.py: the recompute skips attention's forward) and then without, same machine; first
+  # scripts/reuse_check.py: the kept outputs' loss and gradients against the plain recompute at 32k (~9 min in all)
   fa4_ready
+  timeout $(left 120) python3 scripts/reuse_check.py --model 0.6b --checkpoint $W/ckpt_0.6b --rows 32768 \
+    --out $OUT/reuse-check-0.6b.json > $L/reuse-check.log 2>&1
+  el "reuse check done"; grep -v "^Unsloth\|^==\|^ *$" $L/reuse-check.log | tail -25 | cut -c1-300
   HYPERSLOTH_REUSE_ATTENTION=1 bench --workloads longctx-0.6b --long-tokens 262144 --warmup 0 --steps 1 \
-    --slots hypersloth-1 --tag fa4-lc262k-kept --budget-s $(left 290) > $L/bench-lc06-kept.log 2>&1
+    --slots hypersloth-1 --tag fa4-lc262k-kept --budget-s $(left 350) > $L/bench-lc06-kept.log 2>&1
   el "kept done"; show $L/bench-lc06-kept.log
   grep -h "attention outputs\|Traceback\|Error" $W/longctx-0.6b/out_hypersloth-1/logs/rank0.log | head -5 | cut -c1-300
   bench --workloads longctx-0.6b --long-tokens 262144 --warmup 0 --steps 1 --slots hypersloth-1 --tag fa4-lc262k \
