@@ -96,8 +96,9 @@ class _Checkpointed(torch.autograd.Function):
 
 
 class _Layer(torch.nn.Module):
-    def __init__(self, width=16, heads=4, kv_heads=2):
+    def __init__(self, width=16, heads=4, kv_heads=2, in_place=False):
         super().__init__()
+        self.in_place = in_place  # writes into attention's output (a model doing so must not get a stale copy)
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, width // heads
         self.q = torch.nn.Linear(width, width)
         self.kv = torch.nn.Linear(width, 2 * kv_heads * self.head_dim)
@@ -108,14 +109,18 @@ class _Layer(torch.nn.Module):
         q = self.q(hidden).view(t, self.heads, self.head_dim)
         k, v = self.kv(hidden).view(t, 2, self.kv_heads, self.head_dim).unbind(1)
         a = DISPATCH.Function.apply(q, k, v, cu_seqlens, 8, True, self.head_dim ** -0.5, -1, 0)
+        if self.in_place and not torch.is_grad_enabled():
+            a.mul_(2)
+        elif self.in_place:
+            a = a * 2
         return hidden + self.o(torch.tanh(a.reshape(t, -1)))
 
 
 class _Decoder(torch.nn.Module):
-    def __init__(self, layers=3, checkpointed=True):
+    def __init__(self, layers=3, checkpointed=True, in_place=False):
         super().__init__()
         torch.manual_seed(0)
-        self.layers = torch.nn.ModuleList(_Layer() for _ in range(layers))
+        self.layers = torch.nn.ModuleList(_Layer(in_place=in_place) for _ in range(layers))
         self.checkpointed = checkpointed
 
     def forward(self, hidden, cu_seqlens):
@@ -205,6 +210,16 @@ def test_without_checkpointing_every_call_is_the_kernels_own(installed):
     kept = installed(decoder)
     forwards, grads = _grads(decoder, hidden, cu)
     assert forwards == 3 and (kept.kept, kept.reused) == (0, 0)
+    assert all(torch.equal(g, r) for g, r in zip(grads, reference))
+
+
+def test_an_output_written_in_place_after_the_kernel_is_not_reused(installed):
+    hidden, cu = _row()
+    _, reference = _grads(_Decoder(in_place=True), hidden, cu)
+    decoder = _Decoder(in_place=True)
+    kept = installed(decoder)
+    forwards, grads = _grads(decoder, hidden, cu)
+    assert forwards == 6 and (kept.kept, kept.reused, kept.dropped) == (3, 0, 3)
     assert all(torch.equal(g, r) for g, r in zip(grads, reference))
 
 

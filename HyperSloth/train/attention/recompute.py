@@ -17,7 +17,9 @@ instead of running the kernel. The backward is the kernel's own, on the recomput
 - Which calls take: those inside a recompute (unsloth_zoo's marker, `in_gradient_checkpoint_recompute`). The backward
   recomputes layers last to first, so the kept outputs are a stack, one entry a layer: every layer makes exactly one
   attention call (required where this is installed). An entry is taken only when the call's shapes and kernel
-  arguments are the ones it was kept with; anything else drops the stack and the call recomputes.
+  arguments are the ones it was kept with (anything else drops the stack) and nothing wrote into the output since
+  (its version counter; a model that writes into attention's output in place recomputes); otherwise the call
+  recomputes.
 - Memory: at most `cap_bytes` are kept; past it a layer keeps nothing and recomputes as before. The cap is the room
   the token budget left above the checkpointed peak (`cap_from_budget`), and the stack is dropped when the next
   micro-batch's forward starts.
@@ -44,6 +46,7 @@ class _Entry:
     key: tuple
     saved: tuple  # (out, lse, philox_seed, philox_offset), as the kernel's forward saved them
     nbytes: int
+    versions: tuple  # out's and lse's version counters when kept: an in-place write since makes them not the kernel's
 
 
 class KeptAttention:
@@ -78,7 +81,7 @@ class KeptAttention:
         if self.kept_bytes + nbytes > self.cap_bytes:
             self.stack.append(None)  # this layer recomputes: the stack still has one entry per layer
             return
-        self.stack.append(_Entry(key, saved, nbytes))
+        self.stack.append(_Entry(key, saved, nbytes, (saved[0]._version, saved[1]._version)))
         self.kept_bytes += nbytes
         self.kept += 1
         self.peak_bytes = max(self.peak_bytes, self.kept_bytes)
@@ -93,6 +96,10 @@ class KeptAttention:
         if entry.key != key:  # not the layer it was kept for: nothing left can be trusted
             self.dropped += 1 + sum(e is not None for e in self.stack)
             self.clear()
+            self.recomputed += 1
+            return None
+        if (entry.saved[0]._version, entry.saved[1]._version) != entry.versions:  # written in place after the kernel
+            self.dropped += 1
             self.recomputed += 1
             return None
         self.reused += 1
