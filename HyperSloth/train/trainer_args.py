@@ -85,11 +85,12 @@ def decoder_graphs(description: RunDescription, loaded_model, steps: PlanSteps, 
 
     targs = description.training_config
     total = targs.max_steps or (targs.num_train_epochs or 1) * steps.steps_per_epoch
-    counts, longest_row = planned_rows(steps, lengths, rank, total, spec.token_budget)
-    layout = graph_layout(spec.samples_per_step, int(lengths.max()), spec.token_budget, longest_row)
+    counts, longest_row = planned_rows(steps, lengths, rank, total, spec.token_budget)  # rows <= the plan's cap
+    # The graph pool and any eager row beside it share the memory budget (description.token_budget), not the cap
+    layout = graph_layout(spec.samples_per_step, int(lengths.max()), description.token_budget, longest_row)
     if layout.max_rows < MIN_GRAPH_ROWS:
         reason = (f"the longest planned row ({longest_row:,} tokens) runs eagerly and leaves room for graphs of "
-                  f"only {layout.max_rows:,} tokens within the token budget ({spec.token_budget:,}) beside it")
+                  f"only {layout.max_rows:,} tokens within the token budget ({description.token_budget:,}) beside it")
         logger.info(f"eager decoder forward+backward: {reason}")
         return {"graphs_off": reason}
     params = trainable_parameters(loaded_model.model)

@@ -170,10 +170,12 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path, time
     # After the budget (checkpointing and tiling settled: whether the decoder is graphed), before any graph capture.
     attention = settle_attention(description, loaded_model, int(lengths.max()) if len(lengths) else 0)
     kept_attention = _keep_attention(description, loaded_model, budget_decision)
+    description = _rows_within_graphs(description, loaded_model, int(lengths.max()) if len(lengths) else 0)
     if info.is_main:
         run_files.atomic_write_json(run_files.resolved_file(out_dir), {
             "token_budget": budget_decision.as_record(),
             "gradient_checkpointing": description.gradient_checkpointing, "tiled_mlp": description.tiled_mlp,
+            "row_cap": description.row_cap,
             "attention": attention.as_record(), "lora_targets": loaded_model.lora_targets,
             "packing": loaded_model.packing})
     # A hold-out leaves the training rows; the eval rows are checked against the resolved fingerprint.
@@ -215,6 +217,32 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path, time
     _print_summary(summary, out_dir)
     logger.info(f"{report.format_console(summary)}\nreport: {report.write_report(out_dir)}")
     return summary
+
+
+def _rows_within_graphs(description: RunDescription, loaded_model, longest_sample: int) -> RunDescription:
+    """The run with its packed rows capped at the CUDA graphs' reach (`RunDescription.row_cap`), where the decoder is
+    graphed: the graph pool and a row that runs eagerly beside it share the token budget (step_graph.graph_rows_limit),
+    so a row past the reach runs eagerly, about twice a graphed row's time per token on Qwen3-0.6B (one H200,
+    2026-12-05: 921 ms for 451 ms of GPU work); capped, the planner cuts such a step into rows the graphs serve. A
+    sample longer than the cap still trains whole, alone. While it is measured, only with
+    `run_files.ENV_GRAPH_ROWS` = 1; SFT's packed rows only."""
+    if os.environ.get(run_files.ENV_GRAPH_ROWS) != "1" or description.method != "sft" or description.batching != "packed":
+        return description
+    from HyperSloth.train.attention.setting import decoder_graphed
+    from HyperSloth.train.collate import packed_row_tokens
+    from HyperSloth.train.step_graph import graph_rows_limit
+    from HyperSloth.train.trainer_args import MIN_GRAPH_ROWS
+
+    if not decoder_graphed(description, loaded_model.backend, getattr(loaded_model.model, "config", None)):
+        return description
+    budget = description.token_budget
+    alone = packed_row_tokens(int(longest_sample), budget)  # the longest sample's row: beside the graphs, eagerly
+    cap = graph_rows_limit(budget, alone if alone > budget // 2 else None)
+    if cap >= budget or cap < MIN_GRAPH_ROWS:
+        return description
+    logger.info(f"packed rows of at most {cap:,} tokens (the CUDA graphs' reach within the token budget of "
+                f"{budget:,}): a step with more is cut into rows the graphs serve")
+    return description.model_copy(update={"row_cap": cap})
 
 
 def _keep_attention(description: RunDescription, loaded_model, decision):

@@ -13,7 +13,8 @@
 # Fourth session: callA, callHJ (long-0.6b at defaults 1.39x, auto picked FA4; FA4's gradients), callE (short-8b
 # 1.05x); then GRPO. Next: callA, then callM (profiles of long-0.6b, FA4 against stock), then callF's 8B half.
 # 2026-12-05 (second session): callA + callM ran. Next: callA, then callK (262k on 0.6B with attention's outputs kept
-# through checkpointing, and without), then callF's 8B half (never run with FA4).
+# through checkpointing, and without), callR2 (long-0.6b with rows within the graphs' reach), then callF's 8B half
+# (never run with FA4); each after callA when the machine went cold.
 # Before the calls, on this machine, from the repository root:
 #   bash ../shared/device/wheelhouse.sh   # .whl/ (unsloth, trl, ...: 25 MB), if not there yet
 #   bash scripts/fa4_wheels.sh            # .fa4/part1 (the DSL's 193 MB compiler library as xz), .fa4/part2 (the rest)
@@ -159,6 +160,20 @@ callK() {  # after callA, carry [".whl", ".fa4/part2"]: one 262,144-token sample
   bench --workloads longctx-0.6b --long-tokens 262144 --warmup 0 --steps 1 --slots hypersloth-1 --tag fa4-lc262k \
     --budget-s $(left 570) > $L/bench-lc06.log 2>&1
   el "without done"; show $L/bench-lc06.log
+  pack
+}
+
+callR2() {  # after callA, carry [".whl", ".fa4/part2"]: long-0.6b with packed rows capped at the CUDA graphs' reach
+  # (HYPERSLOTH_GRAPH_ROWS=1, worker._rows_within_graphs: 3 of 23 steps ran eagerly at ~2x a graphed row's cost per
+  # token, 2026-12-02/05) with stock at its best in the same run, then ours at defaults; mean, p90 and median (~6 min)
+  fa4_ready
+  HYPERSLOTH_GRAPH_ROWS=1 bench --workloads long-0.6b --slots "hypersloth-1,unsloth-best" --warmup 3 --steps 20 \
+    --tag rows-capped --budget-s $(left 330) > $L/bench-long-capped.log 2>&1
+  el "capped done"; show $L/bench-long-capped.log; grep -h "packed rows of at most\|eager decoder" \
+    $W/long-0.6b/out_hypersloth-1/logs/rank0.log | head -3 | cut -c1-300
+  bench --workloads long-0.6b --slots hypersloth-1 --warmup 3 --steps 20 --tag rows-default --budget-s $(left 570) \
+    > $L/bench-long-default.log 2>&1
+  el "default done"; show $L/bench-long-default.log
   pack
 }
 

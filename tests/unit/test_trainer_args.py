@@ -138,3 +138,34 @@ def test_trl_never_adds_the_moe_router_loss(tmp_path):
     """TRL 1.15 turns an MoE model's load-balancing loss on with the architecture's coefficient unless told 0."""
     args = trainer_args.sft_config_for(TrainingArgsConfig(output_dir=str(tmp_path)), torch.float32, rank=0)
     assert args.router_aux_loss_coef == 0.0
+
+
+def test_with_rows_capped_every_planned_row_is_graphed_and_the_pool_is_sized_from_the_memory_budget(monkeypatch):
+    # long-0.6b's shape: a 114,176-token budget, steps of ~40-60k tokens; rows capped at half the budget (the graphs'
+    # reach) leave no row eager, where uncapped the longest row shrinks the reach below the others
+    import types
+
+    import numpy as np
+
+    from HyperSloth.plan.batching import PlanSpec, adaptive_partition_batches
+
+    monkeypatch.setattr(trainer_args, "run_graph_refusal", lambda *args: None)
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(7.5, 0.8, size=256), 64, 6_900).astype(np.int64)
+    budget, cap = 114_176, 57_088
+    decoder = torch.nn.Linear(2, 2)
+    loaded = types.SimpleNamespace(backend="unsloth", model=types.SimpleNamespace(
+        config=None, parameters=decoder.parameters, get_base_model=lambda: types.SimpleNamespace(model=decoder)))
+    monkeypatch.setattr(trainer_args, "trainable_parameters", lambda model: list(decoder.parameters()))
+    graphed = {}
+    for rows in (None, cap):
+        plan = adaptive_partition_batches(lengths, lengths - 1, PlanSpec(
+            num_ranks=1, samples_per_step=32, mode="packed", token_budget=min(budget, rows or budget), seed=0))
+        steps = types.SimpleNamespace(plan=lambda epoch, plan=plan: plan, steps_per_epoch=len(plan.steps))
+        description = types.SimpleNamespace(token_budget=budget, training_config=types.SimpleNamespace(
+            max_steps=len(plan.steps), num_train_epochs=1))
+        made = trainer_args.decoder_graphs(description, loaded, steps, lengths, rank=0)
+        counts, longest = trainer_args.planned_rows(steps, lengths, 0, len(plan.steps), plan.spec.token_budget)
+        graphed[rows] = (made["graphs"].layout.max_rows, sum(n for r, n in counts.items() if r > made["graphs"].layout.max_rows))
+    assert graphed[cap] == (cap, 0)  # every row within the graphs' reach
+    assert graphed[None][0] < cap and graphed[None][1] > 0  # uncapped: the longest rows run eagerly

@@ -224,3 +224,29 @@ def test_attention_outputs_are_kept_only_when_switched_on_for_checkpointed_sft_o
     assert installed == [] and "applies to SFT on the Unsloth backend with gradient checkpointing on" in logs[-1]
     assert worker._keep_attention(sft, loaded, decision) == "kept"
     assert installed == [(decoder, int(0.75 * 8 * 2**30))] and "up to 6.0 GiB" in logs[-1]
+
+
+def test_rows_are_capped_at_the_graphs_reach_only_when_switched_on_for_graphed_packed_sft(monkeypatch, logs):
+    from HyperSloth.outputs import run_files
+    from HyperSloth.train.attention import setting
+
+    class Description(types.SimpleNamespace):
+        def model_copy(self, update):
+            return Description(**{**vars(self), **update})
+
+    graphed = [True]
+    monkeypatch.setattr(setting, "decoder_graphed", lambda description, backend, config: graphed[0])
+    loaded = types.SimpleNamespace(backend="unsloth", model=types.SimpleNamespace(config=None))
+    sft = Description(method="sft", batching="packed", token_budget=114_176, row_cap=None)
+    monkeypatch.delenv(run_files.ENV_GRAPH_ROWS, raising=False)
+    assert worker._rows_within_graphs(sft, loaded, 6_900) is sft  # off until measured
+    monkeypatch.setenv(run_files.ENV_GRAPH_ROWS, "1")
+    assert worker._rows_within_graphs(sft, loaded, 6_900).row_cap == 57_088  # half the budget: the graphs' reach
+    assert "packed rows of at most 57,088 tokens" in logs[-1]
+    # a sample longer than half the budget trains alone beside the graphs: the rest fit in what it leaves
+    assert worker._rows_within_graphs(sft, loaded, 70_000).row_cap == 114_176 - 70_000  # (past 65,536: unbucketed)
+    for other in (Description(**{**vars(sft), "method": "dpo"}), Description(**{**vars(sft), "batching": "sorted-pad"})):
+        assert worker._rows_within_graphs(other, loaded, 6_900) is other
+    graphed[0] = False
+    assert worker._rows_within_graphs(sft, loaded, 6_900) is sft
+
