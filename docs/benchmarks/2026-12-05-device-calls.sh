@@ -6,9 +6,9 @@
 # callW of 2026-12-03-device-calls.sh (GRPO's sampling profiled) if time is left.
 # Ran (second session of 2026-12-05): callZ, callP, callA + callM, and callW's sampling profile cut to three engines
 # and 3 calls (docs/benchmarks.md). Next, in this order: callG (the sampling engines; merge next/folded-grpo-decode if
-# -folded wins), callG2 (GRPO's 20 steps, ours), callQ of 2026-12-03-device-calls.sh (TRL's GRPO, 20 steps, on the
-# same data), callR (the recurrent models sorted-pad on Unsloth at defaults, Gemma 4 / Qwen2 / Gemma 3 / Phi-3
-# graphed, graph_check's after-update pair), then callL if time is left.
+# -folded wins), callG2 (GRPO's 20 steps, ours), callQ2 (TRL's GRPO, 20 steps, on the same data), callR (the
+# recurrent models sorted-pad on Unsloth at defaults, Gemma 4 / Qwen2 / Gemma 3 / Phi-3 graphed, graph_check's
+# after-update pair), then callL if time is left.
 source scripts/device_calls_lib.sh  # the GPU environment, $W / $L, el, left, bench, show, pack, ...
 
 callZ() {  # every architecture not yet run through Unsloth, at defaults, graphed and eager: gpt-oss with the sink
@@ -58,6 +58,15 @@ callG2() {  # GRPO at defaults, 2 warm-up + 20 timed steps (~5 min): the line "G
   el "bench done"; show $L/bench-grpo.log
   grep -h "merged weights\|samples with the adapter\|CUDA-graph decode\|Error\|Traceback" \
     $W/grpo-0.6b/out_hypersloth-1/logs/rank0.log | head -5 | cut -c1-400
+  pack
+}
+
+callQ2() {  # TRL GRPOTrainer + Unsloth at 64x1, 2 warm-up + 20 timed steps, on callG2's data (the benchmark builds it
+  # again on a fresh machine), with the same deferred stop check (and the folded decode if it was merged): the other
+  # half of the GRPO headline (~6 min)
+  bench --workloads grpo-0.6b --slots trl-grpo-64x1 --warmup 2 --steps 20 --tag grpo-merged-trl \
+    --budget-s $(left 570) > $L/bench-trl.log 2>&1
+  el "bench (TRL) done"; show $L/bench-trl.log
   pack
 }
 
