@@ -4,7 +4,7 @@
 passes and the graphs, what the packed-row check measured (train/packing/check.py), and how far the graphed losses
 are from eager's. One JSON record per architecture.
 
-    python scripts/arch_check.py --out $OUT/arch [--architectures qwen3,phi3,...] [--parallel 4] [--modes graphs,eager] [--batching sorted-pad] [--launch-blocking]
+    python scripts/arch_check.py --out $OUT/arch [--architectures qwen3,phi3,...] [--parallel 4] [--modes graphs,eager] [--batching sorted-pad] [--load-in-4bit] [--launch-blocking]
 
 Runs where Unsloth and a GPU are; the tiny models are built here on the CPU (random weights, bf16 at load).
 """
@@ -32,14 +32,16 @@ TRACEBACK_LINES = 40  # of a failed run's rank 0 log, into its record
 LINES = ("LoRA projections:", "LoRA targets", "packed rows", "eager decoder", "CUDA graphs for", "budget:", "Unsloth")
 
 
-def config_text(work: Path, arch: str, graphs: bool, out: Path, batching: str | None = None) -> str:
+def config_text(work: Path, arch: str, graphs: bool, out: Path, batching: str | None = None,
+                four_bit: bool = False) -> str:
     batching_arg = f", batching={batching!r}" if batching else ""
+    four_bit_arg = ", load_in_4bit=True" if four_bit else ""
     return f'''
 from HyperSloth.config import *
 hyper_config_model = HyperConfig(
     data=DataConfig(dataset_name="chat", data_dir="{work}/data"),
     training=TrainingConfig(gpus=[0], loss_type="all", cuda_graphs={graphs}, tokens_per_micro_batch=16384{batching_arg}),
-    fast_model_args=FastModelArgs(model_name="{work}/models/{arch}", max_seq_length=2048, backend="unsloth"),
+    fast_model_args=FastModelArgs(model_name="{work}/models/{arch}", max_seq_length=2048, backend="unsloth"{four_bit_arg}),
     lora_args=LoraArgs(r=16, lora_alpha=16),
 )
 training_config_model = TrainingArgsConfig(
@@ -62,12 +64,12 @@ def prepare(work: Path, archs: list[str]) -> None:
 
 
 def run_one(work: Path, out_dir: Path, arch: str, graphs: bool, launch_blocking: bool = False,
-            batching: str | None = None) -> dict:
-    name = f"{arch}-{'graphs' if graphs else 'eager'}"
+            batching: str | None = None, four_bit: bool = False) -> dict:
+    name = f"{arch}{'-4bit' if four_bit else ''}-{'graphs' if graphs else 'eager'}"
     out = work / "runs" / name
     cfg = work / "configs" / f"{name}.py"
     cfg.parent.mkdir(parents=True, exist_ok=True)
-    cfg.write_text(config_text(work, arch, graphs, out, batching))
+    cfg.write_text(config_text(work, arch, graphs, out, batching, four_bit))
     started = time.time()
     env = {**os.environ, **({"CUDA_LAUNCH_BLOCKING": "1"} if launch_blocking else {})}
     done = subprocess.run([sys.executable, "-m", "HyperSloth.cli.train", str(cfg), "--overwrite"],
@@ -110,6 +112,8 @@ def main() -> None:
     p.add_argument("--batching", choices=["packed", "sorted-pad"], default=None,
                    help="training.batching for every run (default: unset, packed if the packed-row check passes); "
                         "sorted-pad skips the check")
+    p.add_argument("--load-in-4bit", action="store_true",
+                   help="QLoRA: fast_model_args.load_in_4bit=True (bitsandbytes NF4; MoE experts as Unsloth loads them)")
     a = p.parse_args()
     modes = [m for m in a.modes.split(",") if m]
     if not modes or set(modes) - {"graphs", "eager"}:
@@ -120,7 +124,8 @@ def main() -> None:
     prepare(work, archs)
     jobs = [(arch, graphs) for arch in archs for graphs in (True, False) if ("graphs" if graphs else "eager") in modes]
     with ThreadPoolExecutor(a.parallel) as pool:
-        results = dict(zip(jobs, pool.map(lambda job: run_one(work, out_dir, *job, a.launch_blocking, a.batching), jobs)))
+        results = dict(zip(jobs, pool.map(lambda job: run_one(work, out_dir, *job, a.launch_blocking, a.batching,
+                                                                         a.load_in_4bit), jobs)))
     records = []
     for arch in archs:
         graphed, eager = results.get((arch, True), {}), results.get((arch, False), {})

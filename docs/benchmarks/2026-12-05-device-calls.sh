@@ -8,7 +8,8 @@
 # and 3 calls (docs/benchmarks.md). Next, in this order: callG (the sampling engines; merge next/folded-grpo-decode if
 # -folded wins), callG2 (GRPO's 20 steps, ours), callQ2 (TRL's GRPO, 20 steps, on the same data), callR (the
 # recurrent models sorted-pad on Unsloth at defaults, Gemma 4 / Qwen2 / Gemma 3 / Phi-3 graphed, graph_check's
-# after-update pair), then callL if time is left.
+# after-update pair), callQL (QLoRA of the tiny Qwen3 and Qwen3-MoE through Unsloth, never run), then callL if time
+# is left.
 source scripts/device_calls_lib.sh  # the GPU environment, $W / $L, el, left, bench, show, pack, ...
 
 callZ() {  # every architecture not yet run through Unsloth, at defaults, graphed and eager: gpt-oss with the sink
@@ -101,6 +102,17 @@ callL() {  # if time is left: the fused loss's host time on long-0.6b. The 2026-
   UNSLOTH_FUSED_LINEAR_MAX_ROWS=16384 UNSLOTH_FUSED_LINEAR_BWD_ROWS=16384 bench --workloads long-0.6b \
     --slots hypersloth-1 --warmup 3 --steps 20 --tag loss-rows-16k --budget-s $(left 560) > $L/bench-loss16k.log 2>&1
   el "16k rows done"; show $L/bench-loss16k.log
+  pack
+}
+
+callQL() {  # QLoRA at defaults through Unsloth (load_in_4bit=True), the way most fine-tune Qwen3-30B-A3B on one GPU:
+  # the tiny Qwen3 and Qwen3-MoE (do the experts load in NF4 through Unsloth's MoE path, do they get adapters, does it
+  # train?), graphed (MoE steps aside) (~3 min); never run before
+  timeout $(left 300) python3 scripts/arch_check.py --out $OUT/arch4 --work /tmp/hs_arch4 --load-in-4bit \
+    --architectures qwen3,qwen3_moe --modes graphs --parallel 2 > $L/arch4.log 2>&1
+  el "4-bit arch check done"
+  arch_runs $OUT/arch4
+  tar czf $OUT/arch4-logs.tgz -C $OUT arch4 && rm -rf $OUT/arch4
   pack
 }
 
