@@ -119,6 +119,19 @@ def build_checkpoint(model: str, folder: Path) -> None:
     build_tiny_tokenizer(texts, vocab_size=512).save_pretrained(folder)
 
 
+def checkpoint_for_check(model: str, folder: Path) -> Path:
+    """`folder` holding the random-weight checkpoint of `model`'s shape, built in a child process
+    (`benchmark.py --as-system build`) when it holds none: the GPU checks (graph_check.py, reuse_check.py) load it
+    afterwards in their own process, with Unsloth imported first."""
+    import subprocess
+    import sys
+
+    if not (folder / "config.json").exists():
+        subprocess.run([sys.executable, str(Path(__file__).with_name("benchmark.py")), "--as-system", "build",
+                        "--model", model, "--checkpoint", str(folder)], check=True)
+    return folder
+
+
 def build_data(work: Path, w: Workload, steps: int, checkpoint: Path | None = None) -> dict:
     """Synthetic samples, registered for HyperSloth and ordered by its plan for the stock trainers (GRPO's
     prompts are tokenised with the `checkpoint`'s tokenizer, as TRL tokenises them)."""

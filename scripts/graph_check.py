@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -72,10 +71,10 @@ def main() -> None:
     p.add_argument("--attention", choices=["flash", "fa4"], default="flash",
                    help="the packed rows' kernel: torch's bundled flash, or FlashAttention-4 (adds the vs-flash check)")
     a = p.parse_args()
-    ckpt = Path(a.checkpoint.format(model=a.model))
-    if not (ckpt / "config.json").exists():
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--as-system", "build",
-                        "--model", a.model, "--checkpoint", str(ckpt)], check=True)
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_workloads import FOUR_BIT, PROJECTIONS, checkpoint_for_check
+
+    ckpt = checkpoint_for_check(a.model, Path(a.checkpoint.format(model=a.model)))
 
     import unsloth  # noqa: F401  (first: it patches transformers)
     import torch
@@ -84,9 +83,6 @@ def main() -> None:
     from HyperSloth.train.step_graph import DecoderGraphs, graph_layout
     from HyperSloth.train.model import load_model, trainable_parameters
     from HyperSloth.train.patches import enable_unsloth_torch_varlen, unsloth_static_packed_rows
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from bench_workloads import FOUR_BIT, PROJECTIONS
 
     shim = enable_unsloth_torch_varlen()
     loaded = load_model(

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,10 +35,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="/tmp/reuse_check.json")
     a = p.parse_args()
-    ckpt = Path(a.checkpoint.format(model=a.model))
-    if not (ckpt / "config.json").exists():
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--as-system", "build",
-                        "--model", a.model, "--checkpoint", str(ckpt)], check=True)
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_workloads import FOUR_BIT, PROJECTIONS, checkpoint_for_check
+
+    ckpt = checkpoint_for_check(a.model, Path(a.checkpoint.format(model=a.model)))
 
     import unsloth  # noqa: F401  (first: it patches transformers)
     import torch
@@ -48,9 +47,6 @@ def main() -> None:
     from HyperSloth.train.collate import collate_packed
     from HyperSloth.train.model import load_model, trainable_parameters, training_autocast
     from HyperSloth.train.patches import enable_unsloth_attention_reuse, enable_unsloth_torch_varlen
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from bench_workloads import FOUR_BIT, PROJECTIONS
 
     enable_unsloth_torch_varlen()
     rows_list = [int(r) for r in a.rows.split(",")]

@@ -156,6 +156,18 @@ def _grads(decoder, hidden, cu):
     return FORWARDS[0], [p.grad.clone() for p in decoder.parameters()]
 
 
+def _against_the_plain_recompute(installed, cap_bytes=2**30, **decoder):
+    """(attention forwards run, the KeptAttention) of one micro-batch with outputs kept, after checking its gradients
+    equal those of the same decoder without (every layer's attention recomputed), exactly."""
+    hidden, cu = _row()
+    _, reference = _grads(_Decoder(**decoder), hidden, cu)
+    model = _Decoder(**decoder)
+    kept = installed(model, cap_bytes)
+    forwards, grads = _grads(model, hidden, cu)
+    assert all(torch.equal(g, r) for g, r in zip(grads, reference))
+    return forwards, kept
+
+
 def test_the_stand_in_kernels_backward_is_attentions_gradient():
     q, k, v = (torch.randn(13, h, 4, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
     cu = torch.tensor([0, 5, 8, 13], dtype=torch.int32)
@@ -163,26 +175,16 @@ def test_the_stand_in_kernels_backward_is_attentions_gradient():
 
 
 def test_kept_outputs_give_the_recomputes_gradients_with_one_attention_forward_per_layer(installed):
-    hidden, cu = _row()
-    forwards, reference = _grads(_Decoder(), hidden, cu)
-    assert forwards == 6  # each layer's attention twice: the first pass and the recompute
-    decoder = _Decoder()
-    kept = installed(decoder)
-    forwards, grads = _grads(decoder, hidden, cu)
+    assert _grads(_Decoder(), *_row())[0] == 6  # each layer's attention twice: the first pass and the recompute
+    forwards, kept = _against_the_plain_recompute(installed)
     assert forwards == 3
-    assert all(torch.equal(g, r) for g, r in zip(grads, reference))
     assert (kept.kept, kept.reused, kept.recomputed, kept.stack, kept.kept_bytes) == (3, 3, 0, [], 0)
     assert kept.peak_bytes == 3 * (13 * 4 * 4 * 4 + 4 * 13 * 4)  # out [T, H, D] and lse [H, T], fp32
 
 
 def test_past_the_cap_layers_recompute_and_the_gradients_stay_the_same(installed):
-    hidden, cu = _row()
-    _, reference = _grads(_Decoder(), hidden, cu)
-    decoder = _Decoder()
-    kept = installed(decoder, cap_bytes=13 * 4 * 4 * 4 + 4 * 13 * 4)  # room for one layer's
-    forwards, grads = _grads(decoder, hidden, cu)
+    forwards, kept = _against_the_plain_recompute(installed, cap_bytes=13 * 4 * 4 * 4 + 4 * 13 * 4)  # one layer's
     assert forwards == 3 + 2 and (kept.kept, kept.reused, kept.recomputed) == (1, 1, 2)
-    assert all(torch.equal(g, r) for g, r in zip(grads, reference))
 
 
 def test_micro_batches_start_afresh_and_forwards_without_training_gradients_keep_nothing(installed):
@@ -204,23 +206,13 @@ def test_micro_batches_start_afresh_and_forwards_without_training_gradients_keep
 
 
 def test_without_checkpointing_every_call_is_the_kernels_own(installed):
-    hidden, cu = _row()
-    _, reference = _grads(_Decoder(checkpointed=False), hidden, cu)
-    decoder = _Decoder(checkpointed=False)
-    kept = installed(decoder)
-    forwards, grads = _grads(decoder, hidden, cu)
+    forwards, kept = _against_the_plain_recompute(installed, checkpointed=False)
     assert forwards == 3 and (kept.kept, kept.reused) == (0, 0)
-    assert all(torch.equal(g, r) for g, r in zip(grads, reference))
 
 
 def test_an_output_written_in_place_after_the_kernel_is_not_reused(installed):
-    hidden, cu = _row()
-    _, reference = _grads(_Decoder(in_place=True), hidden, cu)
-    decoder = _Decoder(in_place=True)
-    kept = installed(decoder)
-    forwards, grads = _grads(decoder, hidden, cu)
+    forwards, kept = _against_the_plain_recompute(installed, in_place=True)
     assert forwards == 6 and (kept.kept, kept.reused, kept.dropped) == (3, 0, 3)
-    assert all(torch.equal(g, r) for g, r in zip(grads, reference))
 
 
 def test_an_entry_kept_for_other_shapes_is_not_used_and_drops_the_stack():
