@@ -76,8 +76,9 @@ replaces and the versions it was checked against, and returns whether it applied
     Checked with: unsloth 2026.10.9 (`_LeanFlashVarlen.forward(ctx, query, key, value, cu_seqlens, max_seqlen,
     is_causal, scale, window_left, window_right)` saves (query, key, value, cu_seqlens, out, lse, philox_seed,
     philox_offset); `_varlen_attn_call` calls `_LeanFlashVarlen.apply` when `_LEAN_VARLEN`), unsloth_zoo 2026.10.9
-    (`gradient_checkpointing.in_gradient_checkpoint_recompute`); on the CPU with a stand-in kernel and checkpointer,
-    not yet on a GPU. Not installed where either is missing, where the lean path is off, or where a decoder layer has
+    (`gradient_checkpointing.in_gradient_checkpoint_recompute`); on the CPU with a stand-in kernel and checkpointer
+    (tests), and once with `_LeanFlashVarlen`'s own source, aten's two flash ops stood in by CPU attention: the same
+    gradients with 3 attention forwards instead of 6 on 3 checkpointed layers. Not yet on a GPU. Not installed where either is missing, where the lean path is off, or where a decoder layer has
     more or fewer than one attention module (the kept outputs are a stack, one entry a layer).
 
 `unsloth_static_packed_rows` (a context manager, used only while a CUDA graph is captured)
@@ -109,8 +110,10 @@ replaces and the versions it was checked against, and returns whether it applied
     sample boundaries, and a replay of that graph may carry several samples; the other path is exact for both.
     Checked with: unsloth 2026.10.9 and unsloth_zoo 2026.10.9 (signatures `_mask_is_block_causal(attention_mask,
     cu_seqlens, total, window=None)`, `_mask_is_plain_band(mask, S, w, _block=1024, packed_seq_lengths=None)`; the
-    callers look both names up at call time); on the CPU with stand-ins, not yet on a GPU. A no-op where a module is
-    not loaded or a function is missing.
+    callers look both names up at call time); on the CPU with stand-ins (tests), and once with Unsloth's own two
+    functions loaded from its source: on a packed row's mask each made host reads (2, and 1), and inside the context
+    under a simulated capture, after a warm-up, none, with the same verdicts. Not yet on a GPU. A no-op where a module
+    is not loaded or a function is missing.
 """
 
 from __future__ import annotations
