@@ -11,6 +11,9 @@ Loads the model once through HyperSloth's Unsloth backend (varlen shim on), then
   (`collate.bucket_tokens`): per-iteration seconds, to see whether new shapes cost spikes;
 - `--torch-profile T`: torch.profiler over 3 iterations of forward+backward+AdamW step at T tokens:
   the top kernels and CPU ops, kernel launches per iteration, and GPU busy time against wall time;
+- `--profile-long T`: the same for one sample of T tokens (a long-context step: one warm-up, one profiled
+  iteration), e.g. `--gc unsloth --attention fa4 --profile-long 131072`, and with `--reuse-attention` (attention's
+  outputs kept through checkpointing, train/attention/recompute.py) for the A/B;
 - `--longest`: one sample of each length alone: does forward+backward fit, and its peak memory.
 """
 
@@ -44,7 +47,10 @@ def fwd_bwd_seconds(model, batch: dict, optimizer=None) -> float:
     torch.cuda.synchronize()
     start = time.perf_counter()
     batch = {k: v if k == "packed_seq_lengths" else v.cuda(non_blocking=True) for k, v in batch.items()}
-    loss = model(**batch, num_items_in_batch=int(batch["input_ids"].shape[1]), use_cache=False).loss
+    from HyperSloth.train.model import training_autocast
+
+    with training_autocast(model):  # the forward training runs (the backward outside it, as HF's training step)
+        loss = model(**batch, num_items_in_batch=int(batch["input_ids"].shape[1]), use_cache=False).loss
     loss.backward()
     if optimizer is not None:
         optimizer.step()
@@ -98,27 +104,36 @@ def churn(model, n: int, rng) -> dict:
     return out
 
 
-def torch_profile(model, tokens: int, rng, table_path: str | None) -> dict:
+def torch_profile(model, tokens: int, rng, table_path: str | None, one_sample: bool = False) -> dict:
+    """`--torch-profile` (3 iterations of packed short chats after 2 warm-ups) or, with `one_sample`,
+    `--profile-long` (one sample of `tokens`, 1 warm-up and 1 profiled iteration)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from HyperSloth.train.budget.probe import release_memory
+    from HyperSloth.train.collate import collate_packed
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-9)
-    batches = [packed_row(tokens, rng) for _ in range(5)]
-    for b in batches[:2]:
+    if one_sample:
+        ids = rng.integers(100, VOCAB - 100, size=tokens)
+        batches = [collate_packed([(ids, ids.copy())], with_lengths=True)] * 2
+    else:
+        batches = [packed_row(tokens, rng) for _ in range(5)]
+    warmups = 1 if one_sample else 2
+    iterations = len(batches) - warmups
+    for b in batches[:warmups]:
         fwd_bwd_seconds(model, b, optimizer)
     torch.cuda.synchronize()
     start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for b in batches[2:]:
+        for b in batches[warmups:]:
             fwd_bwd_seconds(model, b, optimizer)
-    wall = (time.perf_counter() - start) / 3
+    wall = (time.perf_counter() - start) / iterations
     events = prof.key_averages()
     kernels = [e for e in events if e.device_type.name == "CUDA"]
-    busy = sum(e.self_device_time_total for e in kernels) / 1e6 / 3
-    launches = sum(e.count for e in kernels) / 3
+    busy = sum(e.self_device_time_total for e in kernels) / 1e6 / iterations
+    launches = sum(e.count for e in kernels) / iterations
     by_gpu = events.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70)
     by_cpu = events.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=70)
     if table_path:
@@ -130,8 +145,9 @@ def torch_profile(model, tokens: int, rng, table_path: str | None) -> dict:
     del optimizer
     release_memory(model)
     top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:15]
-    return {"tokens": tokens, "wall_s_per_iter": wall, "gpu_busy_s_per_iter": busy, "kernels_per_iter": launches,
-            "top_kernels": [(e.key[:90], e.self_device_time_total / 1e6 / 3, e.count / 3) for e in top]}
+    return {"tokens": tokens, "one_sample": one_sample, "wall_s_per_iter": wall, "gpu_busy_s_per_iter": busy,
+            "kernels_per_iter": launches,
+            "top_kernels": [(e.key[:90], e.self_device_time_total / 1e6 / iterations, e.count / iterations) for e in top]}
 
 
 def longest(model, lengths: list[int], rng) -> list[dict]:
@@ -169,6 +185,11 @@ def main() -> None:
     p.add_argument("--churn", type=int, default=0)
     p.add_argument("--torch-profile", type=int, default=0)
     p.add_argument("--longest", default="")
+    p.add_argument("--profile-long", type=int, default=0, help="torch.profiler over one sample of this many tokens")
+    p.add_argument("--attention", choices=["flash", "fa4"], default="flash",
+                   help="torch's bundled flash, or FlashAttention-4 through torch's flash-impl registry")
+    p.add_argument("--reuse-attention", action="store_true",
+                   help="keep attention's outputs through checkpointing (needs --gc unsloth; train/attention/recompute.py)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
 
@@ -182,13 +203,25 @@ def main() -> None:
 
     results: dict = {"varlen_shim": enable_unsloth_torch_varlen(), "gc": a.gc, "checkpoint": a.checkpoint}
     gc = {"True": True, "False": False}.get(a.gc, a.gc)
-    max_seq = max([a.max_seq] + [int(x) for x in a.longest.split(",") if x])
+    max_seq = max([a.max_seq, a.profile_long] + [int(x) for x in a.longest.split(",") if x])
     fast = FastModelArgs(model_name=a.checkpoint, max_seq_length=max_seq, dtype="bfloat16", backend="unsloth",
                          load_in_4bit=a.four_bit, use_gradient_checkpointing=gc)
     started = time.perf_counter()
     model = load_model(fast, LoraArgs(r=16, lora_alpha=16)).model
     results["load_s"] = time.perf_counter() - started
     model.train()
+    if a.attention == "fa4":
+        from HyperSloth.train.attention.fa4 import route_torch_fa4_here
+        from HyperSloth.train.attention.setting import torch_registry
+
+        route_torch_fa4_here()
+        torch_registry().activate_flash_attention_impl("FA4")
+    results["attention"] = a.attention
+    if a.reuse_attention:
+        from HyperSloth.train.patches import enable_unsloth_attention_reuse
+
+        kept, why = enable_unsloth_attention_reuse(model.get_base_model().model, 100 * 2**30)
+        results["attention_reuse"] = why or "installed"
     rng = np.random.default_rng(0)
 
     def save():
@@ -212,6 +245,12 @@ def main() -> None:
         save()
     if a.longest:
         results["longest"] = longest(model, [int(x) for x in a.longest.split(",")], rng)
+        save()
+    if a.profile_long:
+        results["profile_long"] = torch_profile(model, a.profile_long, rng, a.out.replace(".json", "-long.txt"),
+                                                one_sample=True)
+        if a.reuse_attention and kept is not None:
+            results["attention_reuse"] = kept.summary()
         save()
     print("PROFILE " + json.dumps({k: v for k, v in results.items() if k != "torch_profile"}, default=str))
 

@@ -13,8 +13,9 @@
 # Fourth session: callA, callHJ (long-0.6b at defaults 1.39x, auto picked FA4; FA4's gradients), callE (short-8b
 # 1.05x); then GRPO. Next: callA, then callM (profiles of long-0.6b, FA4 against stock), then callF's 8B half.
 # 2026-12-05 (second session): callA + callM ran. Next: callA, then callK (262k on 0.6B with attention's outputs kept
-# through checkpointing, and without), callR2 (long-0.6b with rows within the graphs' reach), then callF's 8B half
-# (never run with FA4); each after callA when the machine went cold.
+# through checkpointing, and without), callR2 (long-0.6b with rows within the graphs' reach), callP2 (a 131k
+# sample's step profiled, plain and kept), then callF's 8B half (never run with FA4); each after callA when the machine
+# went cold.
 # Before the calls, on this machine, from the repository root:
 #   bash ../shared/device/wheelhouse.sh   # .whl/ (unsloth, trl, ...: 25 MB), if not there yet
 #   bash scripts/fa4_wheels.sh            # .fa4/part1 (the DSL's 193 MB compiler library as xz), .fa4/part2 (the rest)
@@ -174,6 +175,21 @@ callR2() {  # after callA, carry [".whl", ".fa4/part2"]: long-0.6b with packed r
   bench --workloads long-0.6b --slots hypersloth-1 --warmup 3 --steps 20 --tag rows-default --budget-s $(left 570) \
     > $L/bench-long-default.log 2>&1
   el "default done"; show $L/bench-long-default.log
+  pack
+}
+
+callP2() {  # after callA, carry [".whl", ".fa4/part2"]: where one long sample's step goes (262,144 tokens on Qwen3-0.6B:
+  # 75.4 s against 60; attention's forward+backward and the recompute explain ~57 s): torch.profiler over one
+  # 131,072-token sample with checkpointing and FA4 (scripts/profile_step.py --profile-long), plain and with
+  # attention's outputs kept (~5 min)
+  fa4_ready
+  [ -f $W/ckpt_0.6b/config.json ] || python3 scripts/benchmark.py --as-system build --model 0.6b --checkpoint $W/ckpt_0.6b
+  for reuse in "" "--reuse-attention"; do
+    timeout $(left 560) python3 scripts/profile_step.py --checkpoint $W/ckpt_0.6b --gc unsloth --attention fa4 \
+      --profile-long 131072 $reuse --out $OUT/profile-long-131k${reuse:+-kept}.json > $L/profile-long${reuse:+-kept}.log 2>&1
+    el "profile ${reuse:-plain} done"; grep -h "^PROFILE" $L/profile-long${reuse:+-kept}.log | cut -c1-800
+    head -c 3000 $OUT/profile-long-131k${reuse:+-kept}-long.txt 2>/dev/null; echo
+  done
   pack
 }
 
