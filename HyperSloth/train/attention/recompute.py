@@ -145,6 +145,7 @@ def reusing(base: type[torch.autograd.Function], kept: KeptAttention, in_recompu
         @staticmethod
         def forward(ctx, query, key, value, cu_seqlens, max_seqlen, is_causal, scale, window_left, window_right, saved):
             out, lse, philox_seed, philox_offset = saved
+            out = out.detach()  # a new tensor object (same storage) that autograd gives this node's history
             ctx.save_for_backward(query, key, value, cu_seqlens, out, lse, philox_seed, philox_offset)
             ctx.max_seqlen, ctx.is_causal, ctx.scale = max_seqlen, is_causal, scale
             ctx.window = (window_left, window_right)
