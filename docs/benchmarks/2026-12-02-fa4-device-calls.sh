@@ -13,7 +13,7 @@
 # Fourth session: callA, callHJ (long-0.6b at defaults 1.39x, auto picked FA4; FA4's gradients), callE (short-8b
 # 1.05x); then GRPO. Next: callA, then callM (profiles of long-0.6b, FA4 against stock), then callF's 8B half.
 # 2026-12-05 (second session): callA + callM ran. Next: callA, then callK (262k on 0.6B with attention's outputs kept
-# through checkpointing, and without), callR2 (long-0.6b with rows within the graphs' reach), callP2 (a 131k
+# through checkpointing, and without), callR2 + callE2 (long-0.6b and short-8b with rows within the graphs' reach), callP2 (a 131k
 # sample's step profiled, plain and kept), then callF's 8B half (never run with FA4); each after callA when the machine
 # went cold.
 # Before the calls, on this machine, from the repository root:
@@ -190,6 +190,19 @@ callP2() {  # after callA, carry [".whl", ".fa4/part2"]: where one long sample's
     el "profile ${reuse:-plain} done"; grep -h "^PROFILE" $L/profile-long${reuse:+-kept}.log | cut -c1-800
     head -c 3000 $OUT/profile-long-131k${reuse:+-kept}-long.txt 2>/dev/null; echo
   done
+  pack
+}
+
+callE2() {  # after callA, carry [".whl", ".fa4/part2"]: short-8b 4-bit with packed rows capped at the CUDA graphs' reach
+  # (HYPERSLOTH_GRAPH_ROWS=1: every step two graphed rows instead of one eager row of ~22-29k tokens) and at defaults,
+  # 20 steps each (~6 min): the row cap becomes the default only if this does not lose (callR2 is the long-0.6b half)
+  fa4_ready
+  HYPERSLOTH_GRAPH_ROWS=1 bench --workloads short-8b --slots hypersloth-1 --warmup 3 --steps 20 --tag rows-capped \
+    --budget-s $(left 300) > $L/bench-8b-capped.log 2>&1
+  el "capped done"; show $L/bench-8b-capped.log
+  bench --workloads short-8b --slots hypersloth-1 --warmup 3 --steps 20 --tag rows-default --budget-s $(left 570) \
+    > $L/bench-8b-default.log 2>&1
+  el "default done"; show $L/bench-8b-default.log
   pack
 }
 
