@@ -13,9 +13,9 @@
 # Fourth session: callA, callHJ (long-0.6b at defaults 1.39x, auto picked FA4; FA4's gradients), callE (short-8b
 # 1.05x); then GRPO. Next: callA, then callM (profiles of long-0.6b, FA4 against stock), then callF's 8B half.
 # 2026-12-05 (second session): callA + callM ran. Next: callA, then callK (262k on 0.6B with attention's outputs kept
-# through checkpointing, and without), callR2 + callE2 (long-0.6b and short-8b with rows within the graphs' reach), callP2 (a 131k
-# sample's step profiled, plain and kept), then callF's 8B half (never run with FA4); each after callA when the machine
-# went cold.
+# through checkpointing, and without), callR2 + callE2 (long-0.6b and short-8b with rows within the graphs' reach),
+# callP2 (a 131k sample's step profiled, plain and kept), then callF's 8B half (never run with FA4); each after callA
+# when the machine went cold.
 # Before the calls, on this machine, from the repository root:
 #   bash ../shared/device/wheelhouse.sh   # .whl/ (unsloth, trl, ...: 25 MB), if not there yet
 #   bash scripts/fa4_wheels.sh            # .fa4/part1 (the DSL's 193 MB compiler library as xz), .fa4/part2 (the rest)
