@@ -218,9 +218,9 @@ def main() -> None:
         torch_registry().activate_flash_attention_impl("FA4")
     results["attention"] = a.attention
     if a.reuse_attention:
-        from HyperSloth.train.patches import enable_unsloth_attention_reuse
+        from HyperSloth.train.attention.recompute import install_on_unsloth
 
-        kept, why = enable_unsloth_attention_reuse(model.get_base_model().model, 100 * 2**30)
+        kept, why = install_on_unsloth(model.get_base_model().model, 100 * 2**30)
         results["attention_reuse"] = why or "installed"
     rng = np.random.default_rng(0)
 

@@ -46,7 +46,8 @@ def main() -> None:
     from HyperSloth.config import FastModelArgs, LoraArgs
     from HyperSloth.train.collate import collate_packed
     from HyperSloth.train.model import load_model, trainable_parameters, training_autocast
-    from HyperSloth.train.patches import enable_unsloth_attention_reuse, enable_unsloth_torch_varlen
+    from HyperSloth.train.attention.recompute import install_on_unsloth
+    from HyperSloth.train.patches import enable_unsloth_torch_varlen
 
     enable_unsloth_torch_varlen()
     rows_list = [int(r) for r in a.rows.split(",")]
@@ -60,7 +61,7 @@ def main() -> None:
     with torch.no_grad():  # LoRA B starts at zero: move it, so the adapters' gradients depend on attention's
         for q in params:
             q.add_(torch.randn_like(q), alpha=1e-3)
-    kept, why = enable_unsloth_attention_reuse(model.get_base_model().model, 60 * 2**30)
+    kept, why = install_on_unsloth(model.get_base_model().model, 60 * 2**30)
     report = {"model": a.model, "installed": kept is not None, "why_not": why, "rows": {}}
     if kept is None:
         print(f"not installed: {why}")

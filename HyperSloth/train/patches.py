@@ -301,30 +301,25 @@ def pad_unsloth_loss_rows(fused_linear=None) -> bool:
     return True
 
 
-def enable_unsloth_attention_reuse(decoder, cap_bytes: int):
-    """Keep attention's outputs through checkpointing on Unsloth's lean varlen path (see module docstring):
-    (the `attention.recompute.KeptAttention` installed, None) or (None, why not)."""
-    from HyperSloth.train.attention.recompute import KeptAttention, reusing
-
+def enable_unsloth_attention_reuse(decoder, wrap) -> str | None:
+    """Put `wrap(base, in_recompute)` (attention.recompute.reusing, bound to its KeptAttention) in place of Unsloth's
+    lean varlen Function (see module docstring): None when installed, else why not."""
     try:
         from unsloth.utils import attention_dispatch
         from unsloth_zoo.gradient_checkpointing import in_gradient_checkpoint_recompute
     except ImportError:
-        return None, "this Unsloth has no lean varlen attention or no recompute marker"
+        return "this Unsloth has no lean varlen attention or no recompute marker"
     base = getattr(attention_dispatch, "_LeanFlashVarlen", None)
     if base is None or not getattr(attention_dispatch, "_LEAN_VARLEN", False):
-        return None, "Unsloth's lean varlen attention is off"
+        return "Unsloth's lean varlen attention is off"
     if getattr(base, "wrapped", None) is not None:
-        return None, "already installed"
+        return "already installed"
     layers = list(getattr(decoder, "layers", []))
     counts = {sum(type(m).__name__.endswith("Attention") for m in layer.modules()) for layer in layers}
     if not layers or counts != {1}:
-        return None, "its decoder layers do not each have one attention module"
-    kept = KeptAttention(cap_bytes)
-    attention_dispatch._LeanFlashVarlen = reusing(base, kept, in_gradient_checkpoint_recompute)
-    decoder.register_forward_pre_hook(lambda module, args: kept.start_forward(module.training))
-    decoder.register_forward_hook(lambda module, args, output: kept.end_forward())
-    return kept, None
+        return "its decoder layers do not each have one attention module"
+    attention_dispatch._LeanFlashVarlen = wrap(base, in_gradient_checkpoint_recompute)
+    return None
 
 
 @contextmanager

@@ -23,6 +23,7 @@ from HyperSloth.outputs.startup import StartupTimeline, process_start_unix
 from HyperSloth.plan.batching import int_column
 from HyperSloth.plan.run import RunDescription, read_run
 from HyperSloth.train import dist
+from HyperSloth.train.attention.recompute import keep_attention
 from HyperSloth.train.attention.setting import settle_attention
 from HyperSloth.train.budget import settle as budget
 from HyperSloth.train.budget import cache as probe_cache
@@ -147,6 +148,7 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path, time
 
     from HyperSloth.plan.eval_set import split_for_run
     from HyperSloth.train.evaluation import eval_summary
+    from HyperSloth.train.trainer_args import rows_within_graphs  # trl: imported after Unsloth (worker.run)
 
     transformers.set_seed(description.seed)
     timeline.mark("train_imports")
@@ -169,8 +171,8 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path, time
     logger.info(f"model {description.hyper_config.fast_model_args.model_name} loaded with {loaded_model.backend} ({loaded_model.dtype})")
     # After the budget (checkpointing and tiling settled: whether the decoder is graphed), before any graph capture.
     attention = settle_attention(description, loaded_model, int(lengths.max()) if len(lengths) else 0)
-    kept_attention = _keep_attention(description, loaded_model, budget_decision)
-    description = _rows_within_graphs(description, loaded_model, int(lengths.max()) if len(lengths) else 0)
+    kept_attention = keep_attention(description, loaded_model, budget_decision)
+    description = rows_within_graphs(description, loaded_model, int(lengths.max()) if len(lengths) else 0)
     if info.is_main:
         run_files.atomic_write_json(run_files.resolved_file(out_dir), {
             "token_budget": budget_decision.as_record(),
@@ -217,52 +219,6 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path, time
     _print_summary(summary, out_dir)
     logger.info(f"{report.format_console(summary)}\nreport: {report.write_report(out_dir)}")
     return summary
-
-
-def _rows_within_graphs(description: RunDescription, loaded_model, longest_sample: int) -> RunDescription:
-    """The run with its packed rows capped at the CUDA graphs' reach (`RunDescription.row_cap`), where the decoder is
-    graphed: the graph pool and a row that runs eagerly beside it share the token budget (step_graph.graph_rows_limit),
-    so a row past the reach runs eagerly, about twice a graphed row's time per token on Qwen3-0.6B (one H200,
-    2026-12-05: 921 ms for 451 ms of GPU work); capped, the planner cuts such a step into rows the graphs serve. A
-    sample longer than the cap still trains whole, alone. While it is measured, only with
-    `run_files.ENV_GRAPH_ROWS` = 1; SFT's packed rows only."""
-    if os.environ.get(run_files.ENV_GRAPH_ROWS) != "1" or description.method != "sft" or description.batching != "packed":
-        return description
-    from HyperSloth.train.attention.setting import decoder_graphed
-    from HyperSloth.train.collate import packed_row_tokens
-    from HyperSloth.train.step_graph import graph_rows_limit
-    from HyperSloth.train.trainer_args import MIN_GRAPH_ROWS
-
-    if not decoder_graphed(description, loaded_model.backend, getattr(loaded_model.model, "config", None)):
-        return description
-    budget = description.token_budget
-    alone = packed_row_tokens(int(longest_sample), budget)  # the longest sample's row: beside the graphs, eagerly
-    cap = graph_rows_limit(budget, alone if alone > budget // 2 else None)
-    if cap >= budget or cap < MIN_GRAPH_ROWS:
-        return description
-    logger.info(f"packed rows of at most {cap:,} tokens (the CUDA graphs' reach within the token budget of "
-                f"{budget:,}): a step with more is cut into rows the graphs serve")
-    return description.model_copy(update={"row_cap": cap})
-
-
-def _keep_attention(description: RunDescription, loaded_model, decision):
-    """Attention's outputs kept through gradient checkpointing (train/attention/recompute.py), SFT on Unsloth with
-    checkpointing on, in the memory the budget left above its peak; while it is measured, only with
-    `run_files.ENV_REUSE_ATTENTION` = 1. The installed `KeptAttention`, or None (one log line says why)."""
-    if os.environ.get(run_files.ENV_REUSE_ATTENTION) != "1":
-        return None
-    if description.method != "sft" or loaded_model.backend != "unsloth" or not description.gradient_checkpointing:
-        logger.info("attention outputs are not kept through checkpointing: it applies to SFT on the Unsloth backend "
-                    "with gradient checkpointing on")
-        return None
-    from HyperSloth.train.attention.recompute import cap_from_budget
-    from HyperSloth.train.patches import enable_unsloth_attention_reuse
-
-    cap = cap_from_budget(decision)
-    kept, why = enable_unsloth_attention_reuse(loaded_model.model.get_base_model().model, cap)
-    logger.info(f"attention outputs kept through checkpointing, up to {cap / 2**30:.1f} GiB" if kept is not None
-                else f"attention outputs are not kept through checkpointing: {why}")
-    return kept
 
 
 def _settle(description: RunDescription, timeline: StartupTimeline, lengths, setup, info: dist.DistInfo):

@@ -165,7 +165,7 @@ callK() {  # after callA, carry [".whl", ".fa4/part2"]: one 262,144-token sample
 }
 
 callR2() {  # after callA, carry [".whl", ".fa4/part2"]: long-0.6b with packed rows capped at the CUDA graphs' reach
-  # (HYPERSLOTH_GRAPH_ROWS=1, worker._rows_within_graphs: 3 of 23 steps ran eagerly at ~2x a graphed row's cost per
+  # (HYPERSLOTH_GRAPH_ROWS=1, trainer_args.rows_within_graphs: 3 of 23 steps ran eagerly at ~2x a graphed row's cost per
   # token, 2026-12-02/05) with stock at its best in the same run, then ours at defaults; mean, p90 and median (~6 min)
   fa4_ready
   HYPERSLOTH_GRAPH_ROWS=1 bench --workloads long-0.6b --slots "hypersloth-1,unsloth-best" --warmup 3 --steps 20 \

@@ -131,13 +131,12 @@ class _Decoder(torch.nn.Module):
 
 @pytest.fixture
 def installed(monkeypatch):
-    """A function installing kept attention with a cap on a decoder (what patches.enable_unsloth_attention_reuse does
-    on Unsloth's module and decoder)."""
+    """A function installing kept attention with a cap on a decoder, as `install_on_unsloth` does on Unsloth's module
+    (the Function looked up at call time replaced; the decoder's forward arms and disarms it)."""
     def install(decoder, cap_bytes=2**30):
         kept = KeptAttention(cap_bytes)
         monkeypatch.setattr(DISPATCH, "Function", reusing(_FlashLike, kept, lambda: RECOMPUTING[0]))
-        decoder.register_forward_pre_hook(lambda module, args: kept.start_forward(module.training))
-        decoder.register_forward_hook(lambda module, args, output: kept.end_forward())
+        kept.attach(decoder)
         return kept
     return install
 
@@ -233,3 +232,26 @@ def test_the_cap_is_a_share_of_the_budgets_headroom_above_the_checkpointed_peak(
     assert cap_from_budget(decision) == int(0.75 * (100 - 18) * 2**30)
     decision.limit_bytes = None  # the CPU's fixed budget: nothing measured, nothing kept
     assert cap_from_budget(decision) == 0
+
+
+def test_attention_outputs_are_kept_only_when_switched_on_for_checkpointed_sft_on_unsloth(monkeypatch, logs):
+    from HyperSloth.outputs import run_files
+    from HyperSloth.train.attention import recompute
+
+    installed = []
+    monkeypatch.setattr(recompute, "install_on_unsloth",
+                        lambda decoder, cap: installed.append((decoder, cap)) or ("kept", None))
+    decoder = object()
+    loaded = types.SimpleNamespace(backend="unsloth", model=types.SimpleNamespace(
+        get_base_model=lambda: types.SimpleNamespace(model=decoder)))
+    sft = types.SimpleNamespace(method="sft", gradient_checkpointing="unsloth")
+    decision = types.SimpleNamespace(limit_bytes=10 * 2**30, verified_peak_bytes=2 * 2**30, tokens=1, fit=None)
+    monkeypatch.delenv(run_files.ENV_REUSE_ATTENTION, raising=False)
+    assert recompute.keep_attention(sft, loaded, decision) is None and installed == []  # off until measured
+    monkeypatch.setenv(run_files.ENV_REUSE_ATTENTION, "1")
+    for description in (types.SimpleNamespace(method="dpo", gradient_checkpointing="unsloth"),
+                        types.SimpleNamespace(method="sft", gradient_checkpointing=False)):
+        assert recompute.keep_attention(description, loaded, decision) is None
+    assert installed == [] and "applies to SFT on the Unsloth backend with gradient checkpointing on" in logs[-1]
+    assert recompute.keep_attention(sft, loaded, decision) == "kept"
+    assert installed == [(decoder, int(0.75 * 8 * 2**30))] and "up to 6.0 GiB" in logs[-1]

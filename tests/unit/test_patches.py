@@ -258,10 +258,14 @@ def test_attention_reuse_is_installed_on_unsloths_lean_varlen_path_only_where_it
     monkeypatch.setitem(sys.modules, "unsloth.utils.attention_dispatch", dispatch)
     monkeypatch.setitem(sys.modules, "unsloth_zoo", types.ModuleType("unsloth_zoo"))
     monkeypatch.setitem(sys.modules, "unsloth_zoo.gradient_checkpointing", marker)
-    assert patches.enable_unsloth_attention_reuse(decoder(1), 2**30) == (None, "Unsloth's lean varlen attention is off")
+    from HyperSloth.train.attention.recompute import install_on_unsloth
+
+    assert install_on_unsloth(decoder(1), 2**30) == (None, "Unsloth's lean varlen attention is off")
     dispatch._LEAN_VARLEN = True
-    kept, why = patches.enable_unsloth_attention_reuse(decoder(2), 2**30)
+    kept, why = install_on_unsloth(decoder(2), 2**30)
     assert kept is None and "one attention module" in why and dispatch._LeanFlashVarlen is LeanFlashVarlen
-    kept, why = patches.enable_unsloth_attention_reuse(decoder(1), 2**30)
+    model = decoder(1)
+    kept, why = install_on_unsloth(model, 2**30)
     assert why is None and kept.cap_bytes == 2**30 and dispatch._LeanFlashVarlen.wrapped is LeanFlashVarlen
-    assert patches.enable_unsloth_attention_reuse(decoder(1), 2**30) == (None, "already installed")
+    assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 1  # armed and disarmed by its forward
+    assert install_on_unsloth(decoder(1), 2**30) == (None, "already installed")

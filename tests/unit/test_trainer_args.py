@@ -1,6 +1,7 @@
 """trainer_args.sft_config_for: HF runs exactly one plan step per optimizer step, whatever SFTConfig defaults to."""
 
 import dataclasses
+import types
 
 import torch
 from trl import SFTConfig
@@ -47,8 +48,6 @@ def test_mixed_precision_is_the_models_dtype_on_gpus_and_off_on_cpu(monkeypatch,
 
 def test_micro_batch_forwards_run_under_trainings_autocast_also_before_accelerate_wraps_the_model(monkeypatch):
     # the graphs captured ahead of train() (capture_planned_graphs) run their forwards through HF's context hook
-    import types
-
     monkeypatch.setattr(trainer, "training_autocast", lambda m: torch.autocast("cpu", dtype=torch.bfloat16))
     fake = types.SimpleNamespace(model=torch.nn.Linear(2, 2))
     fake.autocast_smart_context_manager = types.MethodType(trainer.HyperSlothTrainer.autocast_smart_context_manager,
@@ -143,8 +142,6 @@ def test_trl_never_adds_the_moe_router_loss(tmp_path):
 def test_with_rows_capped_every_planned_row_is_graphed_and_the_pool_is_sized_from_the_memory_budget(monkeypatch):
     # long-0.6b's shape: a 114,176-token budget, steps of ~40-60k tokens; rows capped at half the budget (the graphs'
     # reach) leave no row eager, where uncapped the longest row shrinks the reach below the others
-    import types
-
     import numpy as np
 
     from HyperSloth.plan.batching import PlanSpec, adaptive_partition_batches
@@ -169,3 +166,28 @@ def test_with_rows_capped_every_planned_row_is_graphed_and_the_pool_is_sized_fro
         graphed[rows] = (made["graphs"].layout.max_rows, sum(n for r, n in counts.items() if r > made["graphs"].layout.max_rows))
     assert graphed[cap] == (cap, 0)  # every row within the graphs' reach
     assert graphed[None][0] < cap and graphed[None][1] > 0  # uncapped: the longest rows run eagerly
+
+
+def test_rows_are_capped_at_the_graphs_reach_only_when_switched_on_for_graphed_packed_sft(monkeypatch, logs):
+    from HyperSloth.outputs import run_files
+    from HyperSloth.train.attention import setting
+
+    class Description(types.SimpleNamespace):
+        def model_copy(self, update):
+            return Description(**{**vars(self), **update})
+
+    graphed = [True]
+    monkeypatch.setattr(setting, "decoder_graphed", lambda description, backend, config: graphed[0])
+    loaded = types.SimpleNamespace(backend="unsloth", model=types.SimpleNamespace(config=None))
+    sft = Description(method="sft", batching="packed", token_budget=114_176, row_cap=None)
+    monkeypatch.delenv(run_files.ENV_GRAPH_ROWS, raising=False)
+    assert trainer_args.rows_within_graphs(sft, loaded, 6_900) is sft  # off until measured
+    monkeypatch.setenv(run_files.ENV_GRAPH_ROWS, "1")
+    assert trainer_args.rows_within_graphs(sft, loaded, 6_900).row_cap == 57_088  # half the budget: the graphs' reach
+    assert "packed rows of at most 57,088 tokens" in logs[-1]
+    # a sample longer than half the budget trains alone beside the graphs: the rest fit in what it leaves
+    assert trainer_args.rows_within_graphs(sft, loaded, 70_000).row_cap == 114_176 - 70_000  # (past 65,536: unbucketed)
+    for other in (Description(**{**vars(sft), "method": "dpo"}), Description(**{**vars(sft), "batching": "sorted-pad"})):
+        assert trainer_args.rows_within_graphs(other, loaded, 6_900) is other
+    graphed[0] = False
+    assert trainer_args.rows_within_graphs(sft, loaded, 6_900) is sft

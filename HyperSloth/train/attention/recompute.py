@@ -27,16 +27,21 @@ instead of running the kernel. The backward is the kernel's own, on the recomput
 `KeptAttention` holds the stack; `reusing` wraps a flash-varlen autograd Function with Unsloth's protocol
 (`unsloth.utils.attention_dispatch._LeanFlashVarlen`: `forward(ctx, query, key, value, cu_seqlens, max_seqlen,
 is_causal, scale, window_left, window_right)` saving (query, key, value, cu_seqlens, out, lse, philox_seed,
-philox_offset)). `patches.enable_unsloth_attention_reuse` installs it.
+philox_offset)). `install_on_unsloth` puts it in place (patches.enable_unsloth_attention_reuse); `keep_attention` decides,
+for the worker.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from loguru import logger
+
+from HyperSloth.outputs import run_files
 
 REUSE_SHARE = 0.75  # of the budget's headroom above the checkpointed peak: the most the kept outputs may take
 
@@ -59,6 +64,11 @@ class KeptAttention:
         self.armed = False
         self.kept = self.reused = self.recomputed = self.dropped = 0
         self.peak_bytes = 0
+
+    def attach(self, decoder: torch.nn.Module) -> None:
+        """Arm and disarm with the decoder's forward (`start_forward`, `end_forward`)."""
+        decoder.register_forward_pre_hook(lambda module, args: self.start_forward(module.training))
+        decoder.register_forward_hook(lambda module, args, output: self.end_forward())
 
     def start_forward(self, training: bool) -> None:
         """A decoder forward begins: drop what an earlier micro-batch left, keep from this one if it trains."""
@@ -175,3 +185,33 @@ def reusing(base: type[torch.autograd.Function], kept: KeptAttention, in_recompu
             return base.apply(*args)
 
     return KeptFlashVarlen
+
+
+def keep_attention(description, loaded_model, decision):
+    """The worker's one call: attention's outputs kept through gradient checkpointing (this module), SFT on Unsloth with
+    checkpointing on, in the memory the budget left above its peak; while it is measured, only with
+    `run_files.ENV_REUSE_ATTENTION` = 1. The installed `KeptAttention`, or None (one log line says why)."""
+    if os.environ.get(run_files.ENV_REUSE_ATTENTION) != "1":
+        return None
+    if description.method != "sft" or loaded_model.backend != "unsloth" or not description.gradient_checkpointing:
+        logger.info("attention outputs are not kept through checkpointing: it applies to SFT on the Unsloth backend "
+                    "with gradient checkpointing on")
+        return None
+    cap = cap_from_budget(decision)
+    kept, why = install_on_unsloth(loaded_model.model.get_base_model().model, cap)
+    logger.info(f"attention outputs kept through checkpointing, up to {cap / 2**30:.1f} GiB" if kept is not None
+                else f"attention outputs are not kept through checkpointing: {why}")
+    return kept
+
+
+def install_on_unsloth(decoder: torch.nn.Module, cap_bytes: int) -> tuple[KeptAttention | None, str | None]:
+    """(the installed KeptAttention, None) on Unsloth's lean varlen path (patches.enable_unsloth_attention_reuse),
+    or (None, why not)."""
+    from HyperSloth.train.patches import enable_unsloth_attention_reuse
+
+    kept = KeptAttention(cap_bytes)
+    why = enable_unsloth_attention_reuse(decoder, lambda base, in_recompute: reusing(base, kept, in_recompute))
+    if why is not None:
+        return None, why
+    kept.attach(decoder)
+    return kept, None
