@@ -138,7 +138,8 @@ def torch_profile(model, tokens: int, rng, table_path: str | None, one_sample: b
     by_cpu = events.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=70)
     if table_path:
         with open(table_path, "w") as f:
-            f.write(f"tokens {tokens}, wall {wall:.4f} s/iter, GPU busy {busy:.4f} s/iter, kernels {launches:.0f}/iter\n\n")
+            f.write(f"tokens {tokens}, wall {wall:.4f} s/iter, GPU busy {busy:.4f} s/iter, "
+                    f"kernels {launches:.0f}/iter\n\n")
             f.write(by_gpu + "\n\n" + by_cpu)
     print(by_gpu[:6000], flush=True)
     optimizer.zero_grad(set_to_none=True)
@@ -147,7 +148,8 @@ def torch_profile(model, tokens: int, rng, table_path: str | None, one_sample: b
     top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:15]
     return {"tokens": tokens, "one_sample": one_sample, "wall_s_per_iter": wall, "gpu_busy_s_per_iter": busy,
             "kernels_per_iter": launches,
-            "top_kernels": [(e.key[:90], e.self_device_time_total / 1e6 / iterations, e.count / iterations) for e in top]}
+            "top_kernels": [(e.key[:90], e.self_device_time_total / 1e6 / iterations, e.count / iterations)
+                            for e in top]}
 
 
 def longest(model, lengths: list[int], rng) -> list[dict]:

@@ -106,7 +106,8 @@ def main() -> None:
                "peak_kept_gb": after["peak_kept_bytes"] / 2**30}
         row["speedup"] = row["plain_median_s"] / row["kept_median_s"]
         report["rows"][rows] = row
-        print(json.dumps({rows: {k: v for k, v in row.items() if k not in ("plain_s", "kept_s")}}, indent=1), flush=True)
+        shown = {k: v for k, v in row.items() if k not in ("plain_s", "kept_s")}
+        print(json.dumps({rows: shown}, indent=1), flush=True)
     report["peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
     Path(a.out).write_text(json.dumps(report, indent=1))
     print(f"peak {report['peak_gb']:.1f} GB; written {a.out}")

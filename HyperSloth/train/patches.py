@@ -78,8 +78,9 @@ replaces and the versions it was checked against, and returns whether it applied
     philox_offset); `_varlen_attn_call` calls `_LeanFlashVarlen.apply` when `_LEAN_VARLEN`), unsloth_zoo 2026.10.9
     (`gradient_checkpointing.in_gradient_checkpoint_recompute`); on the CPU with a stand-in kernel and checkpointer
     (tests), and once with `_LeanFlashVarlen`'s own source, aten's two flash ops stood in by CPU attention: the same
-    gradients with 3 attention forwards instead of 6 on 3 checkpointed layers. Not yet on a GPU. Not installed where either is missing, where the lean path is off, or where a decoder layer has
-    more or fewer than one attention module (the kept outputs are a stack, one entry a layer).
+    gradients with 3 attention forwards instead of 6 on 3 checkpointed layers. Not yet on a GPU. Not installed where
+    either is missing, where the lean path is off, or where a decoder layer has more or fewer than one attention
+    module (the kept outputs are a stack, one entry a layer).
 
 `unsloth_static_packed_rows` (a context manager, used only while a CUDA graph is captured)
     Replaces: the entries of `unsloth.utils.packing._PACKED_INFO_CACHE` and `_PACKED_HOST_LENGTHS_CACHE`
@@ -371,9 +372,9 @@ def unsloth_capture_safe_mask_checks():
         return check
 
     patched = []
-    for name, attribute, wrap in (("unsloth.utils.hf_packed_attention", "_mask_is_block_causal", remembered_block_causal),
-                                  ("unsloth_zoo.temporary_patches.gemma4_flash_sliding", "_mask_is_plain_band",
-                                   no_plain_band)):
+    checks = (("unsloth.utils.hf_packed_attention", "_mask_is_block_causal", remembered_block_causal),
+              ("unsloth_zoo.temporary_patches.gemma4_flash_sliding", "_mask_is_plain_band", no_plain_band))
+    for name, attribute, wrap in checks:
         owner = sys.modules.get(name)  # only what Unsloth loaded: nothing else can call it
         original = getattr(owner, attribute, None)
         if original is not None:

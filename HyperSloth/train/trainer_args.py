@@ -22,7 +22,8 @@ from HyperSloth.train.dist import DistInfo, GradientSync
 from HyperSloth.train.evaluation import Evaluator, eval_callbacks, eval_sft_kwargs
 from HyperSloth.train.model import mixed_precision, trainable_parameters
 from HyperSloth.train.plan_loader import PlanSteps
-from HyperSloth.train.step_graph import DecoderGraphs, graph_layout, graph_rows_limit, rows_to_capture, run_graph_refusal
+from HyperSloth.train.step_graph import (DecoderGraphs, graph_layout, graph_rows_limit, rows_to_capture,
+                                         run_graph_refusal)
 
 
 def sft_config_for(targs: TrainingArgsConfig, dtype: torch.dtype, rank: int,
@@ -111,7 +112,8 @@ def rows_within_graphs(description: RunDescription, loaded_model, longest_sample
     2026-12-05: 921 ms for 451 ms of GPU work); capped, the planner cuts such a step into rows the graphs serve. A
     sample longer than the cap still trains whole, alone. While it is measured, only with
     `run_files.ENV_GRAPH_ROWS` = 1; SFT's packed rows only."""
-    if os.environ.get(run_files.ENV_GRAPH_ROWS) != "1" or description.method != "sft" or description.batching != "packed":
+    if (os.environ.get(run_files.ENV_GRAPH_ROWS) != "1" or description.method != "sft"
+            or description.batching != "packed"):
         return description
     from HyperSloth.train.attention.setting import decoder_graphed
 

@@ -287,7 +287,8 @@ class _HostReads:
         self.mode = Mode()
 
 
-@pytest.mark.parametrize("architecture", ["qwen3", "llama", "mistral", "qwen2", "phi3", "gemma3", "gemma3_mm", "gemma4"])
+@pytest.mark.parametrize("architecture",
+                         ["qwen3", "llama", "mistral", "qwen2", "phi3", "gemma3", "gemma3_mm", "gemma4"])
 def test_the_decoders_packed_forward_and_backward_read_nothing_back_while_a_stream_captures(monkeypatch, architecture):
     # What a graph captures (the decoder body, forward and backward) must not read a value back to the host.
     # transformers skips its own reads while a stream captures (is_cuda_stream_capturing); without that, packing's

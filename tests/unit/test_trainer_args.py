@@ -163,7 +163,8 @@ def test_with_rows_capped_every_planned_row_is_graphed_and_the_pool_is_sized_fro
             max_steps=len(plan.steps), num_train_epochs=1))
         made = trainer_args.decoder_graphs(description, loaded, steps, lengths, rank=0)
         counts, longest = trainer_args.planned_rows(steps, lengths, 0, len(plan.steps), plan.spec.token_budget)
-        graphed[rows] = (made["graphs"].layout.max_rows, sum(n for r, n in counts.items() if r > made["graphs"].layout.max_rows))
+        reach = made["graphs"].layout.max_rows
+        graphed[rows] = (reach, sum(n for r, n in counts.items() if r > reach))
     assert graphed[cap] == (cap, 0)  # every row within the graphs' reach
     assert graphed[None][0] < cap and graphed[None][1] > 0  # uncapped: the longest rows run eagerly
 
@@ -187,7 +188,8 @@ def test_rows_are_capped_at_the_graphs_reach_only_when_switched_on_for_graphed_p
     assert "packed rows of at most 57,088 tokens" in logs[-1]
     # a sample longer than half the budget trains alone beside the graphs: the rest fit in what it leaves
     assert trainer_args.rows_within_graphs(sft, loaded, 70_000).row_cap == 114_176 - 70_000  # (past 65,536: unbucketed)
-    for other in (Description(**{**vars(sft), "method": "dpo"}), Description(**{**vars(sft), "batching": "sorted-pad"})):
+    for change in ({"method": "dpo"}, {"batching": "sorted-pad"}):
+        other = Description(**{**vars(sft), **change})
         assert trainer_args.rows_within_graphs(other, loaded, 6_900) is other
     graphed[0] = False
     assert trainer_args.rows_within_graphs(sft, loaded, 6_900) is sft

@@ -27,8 +27,8 @@ instead of running the kernel. The backward is the kernel's own, on the recomput
 `KeptAttention` holds the stack; `reusing` wraps a flash-varlen autograd Function with Unsloth's protocol
 (`unsloth.utils.attention_dispatch._LeanFlashVarlen`: `forward(ctx, query, key, value, cu_seqlens, max_seqlen,
 is_causal, scale, window_left, window_right)` saving (query, key, value, cu_seqlens, out, lse, philox_seed,
-philox_offset)). `install_on_unsloth` puts it in place (patches.enable_unsloth_attention_reuse); `keep_attention` decides,
-for the worker.
+philox_offset)). `install_on_unsloth` puts it in place (patches.enable_unsloth_attention_reuse);
+`keep_attention` decides, for the worker.
 """
 
 from __future__ import annotations
