@@ -371,20 +371,30 @@ def unsloth_capture_safe_mask_checks():
             return original(mask, S, w, _block, packed_seq_lengths=packed_seq_lengths)
         return check
 
-    patched = []
-    checks = (("unsloth.utils.hf_packed_attention", "_mask_is_block_causal", remembered_block_causal),
-              ("unsloth_zoo.temporary_patches.gemma4_flash_sliding", "_mask_is_plain_band", no_plain_band))
-    for name, attribute, wrap in checks:
-        owner = sys.modules.get(name)  # only what Unsloth loaded: nothing else can call it
-        original = getattr(owner, attribute, None)
-        if original is not None:
-            setattr(owner, attribute, wrap(original))
-            patched.append((owner, attribute, original))
-    try:
+    # only the modules Unsloth loaded: nothing else can call them
+    with _wrapped_attributes([
+            (sys.modules.get("unsloth.utils.hf_packed_attention"), "_mask_is_block_causal", remembered_block_causal),
+            (sys.modules.get("unsloth_zoo.temporary_patches.gemma4_flash_sliding"), "_mask_is_plain_band",
+             no_plain_band)]):
         yield
+
+
+@contextmanager
+def _wrapped_attributes(targets):
+    """Inside the block, each (owner, name, wrap) whose owner has `name` set and whose `wrap(value)` is not None holds
+    that wrapped value; after it, the value it had. Yields how many attributes were replaced."""
+    replaced = []
+    for owner, name, wrap in targets:
+        original = getattr(owner, name, None)
+        wrapped = wrap(original) if original is not None else None
+        if wrapped is not None:
+            setattr(owner, name, wrapped)
+            replaced.append((owner, name, original))
+    try:
+        yield len(replaced)
     finally:
-        for owner, attribute, original in patched:
-            setattr(owner, attribute, original)
+        for owner, name, original in reversed(replaced):
+            setattr(owner, name, original)
 
 
 def folded_gqa_decode_attention(self, Qn, kv_seq_len: int, attention_mask):
@@ -439,15 +449,8 @@ def unsloth_folded_gqa_decode(modules=None):
             modules = []
         else:
             modules = [llama, qwen3]
-    replaced = []
-    for module in modules:
-        original = getattr(module, "_decode_attention_core", None)
-        if original is None or getattr(original, "hypersloth_folded", False):
-            continue
-        module._decode_attention_core = _folded_core(original)
-        replaced.append((module, original))
-    try:
-        yield bool(replaced)
-    finally:
-        for module, original in replaced:
-            module._decode_attention_core = original
+    def folded(original):  # a core already folded (an enclosing block) stays as it is
+        return None if getattr(original, "hypersloth_folded", False) else _folded_core(original)
+
+    with _wrapped_attributes([(module, "_decode_attention_core", folded) for module in modules]) as replaced:
+        yield replaced > 0
