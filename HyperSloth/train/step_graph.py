@@ -292,7 +292,8 @@ class DecoderGraphs:
         rows = int(kwargs["input_ids"].shape[-1])
         graph = self.graphs.get(rows)
         if graph is None:
-            graph = self._capture(rows, kwargs, padded, cu)
+            with without_autocast_cache():  # the warm-up and both captures record every cast
+                graph = self._capture(rows, kwargs, padded, cu)
             if graph is None:
                 self.eager_rows += 1
                 return self._original(*args, **kwargs)
@@ -337,7 +338,7 @@ class DecoderGraphs:
         self._stream.wait_stream(torch.cuda.current_stream())
         sync_mode = torch.cuda.get_sync_debug_mode()
         try:
-            with torch.cuda.stream(self._stream), without_autocast_cache():
+            with torch.cuda.stream(self._stream):
                 hidden = self._decoder_hidden(graph, call)  # warm-up: compiles, tunes, fills caches
                 torch.autograd.grad(hidden, self.params, torch.ones_like(hidden), allow_unused=True)
             del hidden
@@ -346,12 +347,11 @@ class DecoderGraphs:
             # A host sync inside a capture fails it with a CUDA error far from its cause: make torch raise
             # at the synchronising call itself (its traceback is kept in `capture_traceback`).
             torch.cuda.set_sync_debug_mode("error")
-            with without_autocast_cache(), torch.cuda.graph(graph.forward, pool=self._pool, stream=self._stream,
-                                                            capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph.forward, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
                 graph.hidden = self._decoder_hidden(graph, call)
             graph.grad_hidden = torch.empty_like(graph.hidden)
-            with without_autocast_cache(), torch.cuda.graph(graph.backward, pool=graph.forward.pool(),
-                                                            stream=self._stream, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph.backward, pool=graph.forward.pool(), stream=self._stream,
+                                  capture_error_mode="thread_local"):
                 grads = torch.autograd.grad(graph.hidden, self.params, graph.grad_hidden, allow_unused=True)
                 graph.grads = tuple(torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads))
         except Exception as error:  # noqa: BLE001 - whatever fails a capture, training goes on eagerly

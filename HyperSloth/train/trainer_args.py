@@ -121,7 +121,7 @@ def rows_within_graphs(description: RunDescription, loaded_model, longest_sample
         return description
     budget = description.token_budget
     alone = packed_row_tokens(int(longest_sample), budget)  # the longest sample's row: beside the graphs, eagerly
-    cap = graph_rows_limit(budget, alone if alone > budget // 2 else None)
+    cap = graph_rows_limit(budget, alone)
     if cap >= budget or cap < MIN_GRAPH_ROWS:
         return description
     logger.info(f"packed rows of at most {cap:,} tokens (the CUDA graphs' reach within the token budget of "
