@@ -17,12 +17,32 @@ def _same_source(a: str, b: str) -> bool:
     return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
 
 
+# The files a tokenizer is loaded from (transformers' fast and slow tokenizers, SentencePiece).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model")
+
+
+def _tokenizer_files(source: str) -> dict[str, bytes] | None:
+    """The tokenizer files of a local folder, name -> content; None for anything else (a Hub id)."""
+    folder = Path(source).expanduser()
+    if not folder.is_dir():
+        return None
+    return {name: (folder / name).read_bytes() for name in TOKENIZER_FILES if (folder / name).is_file()}
+
+
+def _same_files(a: str, b: str) -> bool:
+    """Two local folders holding byte-identical tokenizer files: the same tokenizer, whatever is in them, known
+    without loading either (transformers' import and two tokenizer loads: ~9 s on a 2-core CPU machine)."""
+    files_a = _tokenizer_files(a)
+    return bool(files_a) and files_a == _tokenizer_files(b)
+
+
 def tokenizer_mismatch(entry: dict, model_name: str, dataset_name: str) -> str | None:
     """None when the dataset's tokenizer is (or has the same vocabulary as) the model's; otherwise a message
     that says what to change. Also None when the two cannot be compared here (e.g. a Hub id offline):
     the check must not block a run it cannot judge."""
     built_with = entry.get("tokenizer")
-    if not built_with or _same_source(str(built_with), model_name):
+    if not built_with or _same_source(str(built_with), model_name) or _same_files(str(built_with), model_name):
         return None
     try:
         from transformers import AutoTokenizer

@@ -7,10 +7,13 @@ the config file, and knows nothing about how it was started beyond `DistInfo`.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +105,8 @@ def run(description: RunDescription, info: dist.DistInfo, timeline: StartupTimel
             for note in description.resume_notes:
                 logger.info(note)
         if description.backend == "unsloth":  # before transformers/trl are imported below
-            _prepare_unsloth(info.rank, varlen=description.hyper_config.fast_model_args.attention != "sdpa")
+            with _imports_without_gc():
+                _prepare_unsloth(info.rank, varlen=description.hyper_config.fast_model_args.attention != "sdpa")
             timeline.mark("unsloth_import")
         dist.setup(info, timeout_s=description.nccl_timeout_s)
         timeline.mark("dist_init")
@@ -134,6 +138,25 @@ def _prepare_unsloth(rank: int, varlen: bool = True) -> None:
         logger.info("the fused loss's last row chunk is rounded to 256 rows for cuBLAS (see patches.py)")
 
 
+@contextmanager
+def _imports_without_gc() -> Iterator[None]:
+    """Import the training stack with Python's cyclic garbage collector off, then freeze what it built.
+
+    transformers, TRL, PEFT and datasets (Unsloth too) are ~3,000 modules and a few hundred thousand long-lived
+    objects. With the collector on, each full collection during the import walks them all again, and so would
+    every later one: 2.3 s of a 9.3 s import on a 2-core CPU machine. `gc.freeze()` moves them to the permanent
+    generation, which collections skip; the few thousand cycles the imports leave as garbage stay (no
+    measurable memory: the resident size did not move when they were collected)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if enabled:
+            gc.enable()
+
+
 def _record_failure(out_dir: Path, rank: int, err: BaseException) -> None:
     """Stamp when this rank's exception was raised, before the process group goes down: the peers'
     errors that follow come later, so the launcher can name the rank that failed first."""
@@ -143,12 +166,13 @@ def _record_failure(out_dir: Path, rank: int, err: BaseException) -> None:
 
 def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path, timeline: StartupTimeline
            ) -> dict[str, Any] | None:
-    import transformers
-    from datasets import load_from_disk
+    with _imports_without_gc():
+        import transformers
+        from datasets import load_from_disk
 
-    from HyperSloth.plan.eval_set import split_for_run
-    from HyperSloth.train.evaluation import eval_summary
-    from HyperSloth.train.trainer_args import rows_within_graphs  # trl: imported after Unsloth (worker.run)
+        from HyperSloth.plan.eval_set import split_for_run
+        from HyperSloth.train.evaluation import eval_summary
+        from HyperSloth.train.trainer_args import rows_within_graphs  # trl: imported after Unsloth (worker.run)
 
     transformers.set_seed(description.seed)
     timeline.mark("train_imports")
@@ -403,4 +427,9 @@ if __name__ == "__main__":
     if len(sys.argv) != 2:
         print("usage: python -m HyperSloth.train.worker OUTPUT_DIR/run.json (started by hypersloth-train)", file=sys.stderr)
         sys.exit(2)
-    main_from_cli(sys.argv[1])
+    try:
+        main_from_cli(sys.argv[1])
+    finally:
+        # The interpreter's last collection at exit would walk every object left (~3 s with the training
+        # stack loaded, on a 2-core CPU machine); nothing is left to collect that the exit does not free anyway.
+        gc.freeze()

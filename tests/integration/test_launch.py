@@ -627,3 +627,34 @@ def test_dataset_built_with_another_tokenizer_exits_2(cli, tmp_path, capsys):
     registry["datasets"]["chat"]["tokenizer"] = str(tmp_path / "model")  # the same folder: accepted
     registry_path.write_text(json.dumps(registry))
     assert cli.run([str(config)]) == 0
+
+
+def test_a_copy_of_the_models_tokenizer_is_accepted_without_loading_either(cli, tmp_path, capsys, monkeypatch):
+    """Byte-identical tokenizer files in another folder are the same tokenizer: accepted from the files alone.
+    Files that differ while the vocabulary is the same (another chat template) are compared by loading both."""
+    import shutil
+
+    import transformers
+
+    from HyperSloth.data.tokenizer_check import TOKENIZER_FILES
+    from HyperSloth.train.tiny_model import build_tiny_tokenizer
+
+    texts = [f"hello world number {i} and some more words" for i in range(50)]
+    build_tiny_tokenizer(texts, vocab_size=300).save_pretrained(tmp_path / "model")
+    shutil.copytree(tmp_path / "model", tmp_path / "copy")
+    config = write_config(tmp_path)
+    registry_path = tmp_path / "data" / "data_config.json"
+    registry = json.loads(registry_path.read_text())
+    registry["datasets"]["chat"]["tokenizer"] = str(tmp_path / "copy")
+    registry_path.write_text(json.dumps(registry))
+    loads = []
+    real_load = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda source, *a, **k: loads.append(str(source)) or real_load(source, *a, **k))
+    assert cli.run([str(config)]) == 0, capsys.readouterr().err
+    assert loads == [] and any((tmp_path / "copy" / name).is_file() for name in TOKENIZER_FILES)
+    settings = json.loads((tmp_path / "copy" / "tokenizer_config.json").read_text())
+    settings["chat_template"] = "{{ messages[0]['content'] }}"  # another file, the same vocabulary
+    (tmp_path / "copy" / "tokenizer_config.json").write_text(json.dumps(settings))
+    assert cli.run([str(config), "--overwrite"]) == 0, capsys.readouterr().err
+    assert sorted(loads) == sorted([str(tmp_path / "copy"), str(tmp_path / "model")])

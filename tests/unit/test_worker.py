@@ -201,3 +201,24 @@ def test_a_leaking_run_that_asked_for_packed_rows_or_needs_them_is_refused(monke
     with pytest.raises(PackedRowsLeak, match="gpt_oss on the unsloth backend lets the samples") as err:
         settle()
     assert says in str(err.value) and settled == ["packed"]
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_imports_run_without_the_garbage_collector_and_are_frozen_after(enabled):
+    """The worker's imports: the collector off inside, what they built frozen (skipped by every later collection),
+    and the collector as it was before, also when the import raises."""
+    import gc
+
+    was_enabled = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        with pytest.raises(ImportError):
+            with worker._imports_without_gc():
+                assert not gc.isenabled()
+                kept = [[]]  # tracked by the collector: it must be in the permanent generation after
+                raise ImportError("a module that is not there")
+        assert gc.isenabled() == enabled
+        assert any(obj is kept for obj in gc.get_objects()) is False  # frozen objects are no longer listed
+    finally:
+        gc.unfreeze()
+        (gc.enable if was_enabled else gc.disable)()
