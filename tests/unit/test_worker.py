@@ -222,3 +222,27 @@ def test_imports_run_without_the_garbage_collector_and_are_frozen_after(enabled)
     finally:
         gc.unfreeze()
         (gc.enable if was_enabled else gc.disable)()
+
+
+@pytest.mark.parametrize("collect", [False, True])
+def test_garbage_the_imports_leave_is_collected_before_the_freeze_only_when_asked(collect):
+    """collect=True (Unsloth's import, which initialises CUDA): a cycle left as garbage is freed, not frozen."""
+    import gc
+    import weakref
+
+    class Node:
+        pass
+
+    was_enabled = gc.isenabled()
+    try:
+        with worker._imports_without_gc(collect=collect):
+            node = Node()
+            node.cycle = node
+            alive = weakref.ref(node)
+            del node
+        gc.collect()  # frozen objects are skipped: a frozen cycle survives this
+        assert (alive() is None) == collect
+    finally:
+        gc.unfreeze()
+        gc.collect()
+        (gc.enable if was_enabled else gc.disable)()
