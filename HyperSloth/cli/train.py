@@ -7,6 +7,7 @@ folder, GPUs) is reported here with exit code 2 and no traceback.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import tempfile
@@ -359,5 +360,8 @@ def main(argv: list[str] | None = None) -> None:
     COMMAND.run(train, argv)
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # torchrun and multi-node tmux windows start this module
+    try:
+        main()
+    finally:
+        gc.freeze()  # exit without the last collection walking the training stack, as cli/console.py does
