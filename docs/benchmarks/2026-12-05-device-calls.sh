@@ -71,6 +71,17 @@ callQ2() {  # TRL GRPOTrainer + Unsloth at 64x1, 2 warm-up + 20 timed steps, on 
   pack
 }
 
+callGQ() {  # callG2 and callQ2 in one call, for a session that may get only one machine start (fourth session of
+  # 2026-12-05: starts kept failing): ours at defaults, then TRL GRPOTrainer + Unsloth at 64x1, 2 warm-up + 20 timed
+  # steps each, on one machine (~8-9 min; the budget stops before TRL's slot if ours ran long)
+  bench --workloads grpo-0.6b --slots hypersloth-1,trl-grpo-64x1 --warmup 2 --steps 20 --tag grpo-merged \
+    --budget-s $(left 560) > $L/bench-grpo.log 2>&1
+  el "bench done"; show $L/bench-grpo.log
+  grep -h "merged weights\|samples with the adapter\|CUDA-graph decode\|Error\|Traceback" \
+    $W/grpo-0.6b/out_hypersloth-1/logs/rank0.log | head -5 | cut -c1-400
+  pack
+}
+
 callR() {  # after commits 4182e08 and 09c0b70: Qwen3.5 dense, Qwen3.5-MoE as published and Granite 4.0-H through
   # Unsloth at defaults (no packed-row check on Unsloth for recurrent mixers: sorted-pad; the budget probe under
   # training's autocast, where Granite's Mamba raised a dtype error outside it), graphed and eager; and Gemma 4
