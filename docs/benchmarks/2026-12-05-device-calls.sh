@@ -9,7 +9,8 @@
 # -folded wins), callG2 (GRPO's 20 steps, ours), callQ2 (TRL's GRPO, 20 steps, on the same data), callR (the
 # recurrent models sorted-pad on Unsloth at defaults, Gemma 4 / Qwen2 / Gemma 3 / Phi-3 graphed, graph_check's
 # after-update pair), callQL (QLoRA of the tiny Qwen3 and Qwen3-MoE through Unsloth, never run), then callL if time
-# is left.
+# is left. Where starts are scarce (the fourth session of 2026-12-05: a machine lent, nine starts failed), callGQ
+# first: callG2 and callQ2 in one call.
 source scripts/device_calls_lib.sh  # the GPU environment, $W / $L, el, left, bench, show, pack, ...
 
 callZ() {  # every architecture not yet run through Unsloth, at defaults, graphed and eager: gpt-oss with the sink
