@@ -31,8 +31,9 @@ def commands(script: Path) -> list[tuple[str, list[str]]]:
     text = re.sub(r"\\\n\s*", " ", script.read_text())
     found = []
     for line in text.splitlines():
-        line = line.split("#", 1)[0] if line.lstrip().startswith("#") else line
-        for match in re.finditer(r"(?:python3 scripts/(\w+)\.py|(?:^|[;&|]\s*|\|\|\s*)\s*(bench)(?=\s))", line):
+        if line.lstrip().startswith("#"):
+            continue
+        for match in re.finditer(r"(?:python3 scripts/(\w+)\.py|(?:^|[;&|])\s*(bench)(?=\s))", line):
             name = match.group(1) or "benchmark"
             rest = line[match.end():]
             rest = re.split(r"\s(?:\d?>|&>|\|\||\||&&|;|&(?:\s|$))", rest + " ", maxsplit=1)[0]

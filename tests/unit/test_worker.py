@@ -218,7 +218,7 @@ def test_imports_run_without_the_garbage_collector_and_are_frozen_after(enabled)
                 kept = [[]]  # tracked by the collector: it must be in the permanent generation after
                 raise ImportError("a module that is not there")
         assert gc.isenabled() == enabled
-        assert any(obj is kept for obj in gc.get_objects()) is False  # frozen objects are no longer listed
+        assert not any(obj is kept for obj in gc.get_objects())  # frozen objects are no longer listed
     finally:
         gc.unfreeze()
         (gc.enable if was_enabled else gc.disable)()
