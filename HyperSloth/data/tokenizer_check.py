@@ -20,21 +20,33 @@ def _same_source(a: str, b: str) -> bool:
 # The files a tokenizer is loaded from (transformers' fast and slow tokenizers, SentencePiece).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model")
+# Those that hold a vocabulary: files compared without one (a cache holding only tokenizer_config.json) say nothing.
+VOCABULARY_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model")
 
 
 def _tokenizer_files(source: str) -> dict[str, bytes] | None:
-    """The tokenizer files of a local folder, name -> content; None for anything else (a Hub id)."""
+    """The tokenizer files of a local folder, or of a Hub id's snapshot in the local Hugging Face cache (the
+    revision `main` points to, read without any network call), name -> content; None when there are none."""
     folder = Path(source).expanduser()
-    if not folder.is_dir():
-        return None
-    return {name: (folder / name).read_bytes() for name in TOKENIZER_FILES if (folder / name).is_file()}
+    if folder.is_dir():
+        paths = {name: folder / name for name in TOKENIZER_FILES}
+    else:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            paths = {name: try_to_load_from_cache(source, name) for name in TOKENIZER_FILES}
+        except Exception:  # noqa: BLE001 - not a valid repo id, unreadable cache: nothing known from files
+            return None
+        paths = {name: Path(path) for name, path in paths.items() if isinstance(path, str)}
+    return {name: path.read_bytes() for name, path in paths.items() if path.is_file()} or None
 
 
 def _same_files(a: str, b: str) -> bool:
-    """Two local folders holding byte-identical tokenizer files: the same tokenizer, whatever is in them, known
-    without loading either (transformers' import and two tokenizer loads: ~9 s on a 2-core CPU machine)."""
+    """Two local folders or cached Hub snapshots (e.g. `Qwen/Qwen3-8B` and `unsloth/Qwen3-8B`) holding
+    byte-identical tokenizer files: the same tokenizer, whatever is in them, known without loading either
+    (transformers' import and two tokenizer loads: ~9 s on a 2-core CPU machine)."""
     files_a = _tokenizer_files(a)
-    return bool(files_a) and files_a == _tokenizer_files(b)
+    return bool(files_a) and any(name in files_a for name in VOCABULARY_FILES) and files_a == _tokenizer_files(b)
 
 
 def tokenizer_mismatch(entry: dict, model_name: str, dataset_name: str) -> str | None:
