@@ -9,7 +9,9 @@ from __future__ import annotations
 import copy
 import importlib
 import importlib.util
+import os
 import time
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,6 +137,9 @@ def _load_unsloth(fast: FastModelArgs, lora: LoraArgs | None, dtype: torch.dtype
         unsloth_tiled_mlp=fast.tiled_mlp is True,
     )
     stamps["model_load"] = time.time()
+    line = keep_mamba_layers_out_of_block_compile(model, os.environ)
+    if line:
+        logger.info(line)
     if lora is not None and lora.init_adapter_path:
         from peft import PeftModel
 
@@ -151,6 +156,43 @@ def _load_unsloth(fast: FastModelArgs, lora: LoraArgs | None, dtype: torch.dtype
     if lora is not None:
         stamps["adapter"] = time.time()
     return model, tokenizer
+
+
+def mamba_decoder_layer_compiled_whole(model) -> str | None:
+    """The decoder-layer class Unsloth would compile as one region with a Mamba layer inside it, or None.
+
+    Unsloth 2026.10.9 compiles each decoder layer as one torch.compile region in training
+    (`unsloth/models/_block_compile.py`) and leaves SSM layers out, by its own test (a module with `ssm_state_size`, or
+    a `*Mamba*Mixer`) except in a "legacy" layer list: one class whose name ends in `DecoderLayer`, compiled whole
+    (Granite 4.0-H's `GraniteMoeHybridDecoderLayer`, Bamba's, Falcon-H1's). Lists of several classes (Jamba) or of
+    `*Block`s (Nemotron-H) already keep their Mamba layers out."""
+    for module in model.modules():
+        if not isinstance(module, torch.nn.ModuleList) or len(module) == 0:
+            continue
+        classes = {type(layer) for layer in module}
+        name = type(module[0]).__name__
+        if len(classes) == 1 and name.endswith("DecoderLayer") and any(
+                hasattr(inner, "ssm_state_size") for layer in module for inner in layer.modules()):
+            return name
+    return None
+
+
+def keep_mamba_layers_out_of_block_compile(model, environ: MutableMapping[str, str]) -> str | None:
+    """Turn Unsloth's per-layer compile off (`UNSLOTH_BLOCK_COMPILE=0`, Unsloth's own switch, read at every forward)
+    for a model whose Mamba layers it would compile whole; returns the line that says so (None: nothing changed).
+
+    Why: on one H200 (2026-12-05, fifth session, `arch_check.py` callR) the tiny Granite 4.0-H through Unsloth at
+    defaults (sorted-pad) compiled for 115 s in step 1, then failed in step 2, at a new padded length, inside the
+    compiled backward: inductor's stride check on the Mamba convolution's input (`assert_size_stride(permute_1,
+    (s47, 640, s16), (784160, 1, 1160))`: a stride fixed at step 1's length). Unsloth keeps SSM layers out of its
+    compiled regions everywhere else ("traced, transformers swaps Mamba CUDA scan kernels for a torch scan"). A user
+    who set `UNSLOTH_BLOCK_COMPILE` keeps their setting."""
+    layer = mamba_decoder_layer_compiled_whole(model)
+    if layer is None or "UNSLOTH_BLOCK_COMPILE" in environ:
+        return None
+    environ["UNSLOTH_BLOCK_COMPILE"] = "0"
+    return (f"Unsloth's per-layer compile is off (UNSLOTH_BLOCK_COMPILE=0): it would compile {layer} whole, Mamba "
+            f"layers included, whose compiled backward failed at a second row length (docs/models.md)")
 
 
 def _install_lora_passes(model) -> None:

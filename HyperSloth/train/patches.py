@@ -113,8 +113,19 @@ replaces and the versions it was checked against, and returns whether it applied
     cu_seqlens, total, window=None)`, `_mask_is_plain_band(mask, S, w, _block=1024, packed_seq_lengths=None)`; the
     callers look both names up at call time); on the CPU with stand-ins (tests), and once with Unsloth's own two
     functions loaded from its source: on a packed row's mask each made host reads (2, and 1), and inside the context
-    under a simulated capture, after a warm-up, none, with the same verdicts. Not yet on a GPU. A no-op where a module
-    is not loaded or a function is missing.
+    under a simulated capture, after a warm-up, none, with the same verdicts. On one H200 (2026-12-05, fifth
+    session, `callR`): Gemma 4, Gemma 3 and Qwen2 capture with it, their graphed losses those of eager.
+    And replaces `_maskless_causal_arguments` in `unsloth_zoo.temporary_patches.misc` (a module global, looked up at
+    call time by Unsloth's wrapper of transformers' `create_causal_mask`) with "keep the mask" (None) for the same
+    duration.
+    Why: Unsloth drops the causal mask of a row whose position ids never restart (one sample, no padding), checked on
+    the host (`bool((position_ids.diff(dim=-1) == 1).all())`, misc.py:925 in unsloth_zoo 2026.10.9): Phi-3's capture
+    failed there (one H200, 2026-12-05, fifth session). Inside warm-up and capture the mask is always built, from the
+    row's position ids, as for every packed row of several samples: exact for a row of one sample too, and a graph
+    captured on a one-sample row without its mask would be wrong for the rows of several samples it replays.
+    Checked with: unsloth_zoo 2026.10.9 (`_maskless_causal_arguments(signature, args, kwargs)`, None meaning "call
+    transformers' mask function as usual"); on the CPU with a stand-in (tests); not yet on a GPU. A no-op where a
+    module is not loaded or a function is missing.
 """
 
 from __future__ import annotations
@@ -371,11 +382,17 @@ def unsloth_capture_safe_mask_checks():
             return original(mask, S, w, _block, packed_seq_lengths=packed_seq_lengths)
         return check
 
+    def mask_kept(original):
+        def check(signature, args, kwargs):
+            return None  # "keep the mask": transformers builds it from the row's position ids, no host read
+        return check
+
     # only the modules Unsloth loaded: nothing else can call them
     with _wrapped_attributes([
             (sys.modules.get("unsloth.utils.hf_packed_attention"), "_mask_is_block_causal", remembered_block_causal),
             (sys.modules.get("unsloth_zoo.temporary_patches.gemma4_flash_sliding"), "_mask_is_plain_band",
-             no_plain_band)]):
+             no_plain_band),
+            (sys.modules.get("unsloth_zoo.temporary_patches.misc"), "_maskless_causal_arguments", mask_kept)]):
         yield
 
 

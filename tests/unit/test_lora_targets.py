@@ -4,6 +4,8 @@ adapter moves after a step while the others stay put."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -208,6 +210,33 @@ def test_expert_tensors_are_found_by_shape_not_name():
     names = expert_tensors(tiny("qwen3_moe"))
     assert sorted(set(names.values())) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
     assert expert_tensors(tiny("qwen3")) == {}
+
+
+def test_4bit_expert_tensors_are_found_by_the_shape_they_had_before_packing():
+    """QLoRA of an MoE model through Unsloth: its experts are bitsandbytes 4-bit, stored packed as (n, 1) uint8 with
+    the 3-D shape in the quant state and `_original_shape` (unsloth_zoo moe_utils_bnb4bit); one H200 run gave them
+    no adapter (only attention trained) before the shape was read from there. Counted at their own size too."""
+    from types import SimpleNamespace
+
+    from HyperSloth.train.lora.targets import logical_shape
+
+    model = tiny("qwen3_moe")
+    plain_total = sum(p.numel() for p in model.parameters())
+    for layer in model.model.layers:
+        experts = layer.mlp.experts
+        for name in ("gate_up_proj", "down_proj"):
+            shape = getattr(experts, name).shape
+            packed = torch.nn.Parameter(torch.zeros(shape.numel() // 2, 1, dtype=torch.uint8), requires_grad=False)
+            packed.quant_state = SimpleNamespace(shape=shape)
+            if name == "gate_up_proj":  # Unsloth sets both; either alone is enough
+                packed._original_shape = shape
+            setattr(experts, name, packed)
+    targets = resolve_targets(model, None)
+    assert targets.parameters == ("mlp.experts.down_proj", "mlp.experts.gate_up_proj")
+    assert sum(math.prod(logical_shape(p)) for p in model.parameters()) == plain_total
+    _, record = describe(model, targets)  # the share of the model as loaded, not of its packed bytes
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert record["trainable_share"] == round(trainable / plain_total, 8)
 
 
 def test_the_moe_budget_probe_sends_every_token_to_the_same_experts():

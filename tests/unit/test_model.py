@@ -130,3 +130,22 @@ def test_training_autocast_is_the_trainers_for_the_models_dtype_and_device():
     assert isinstance(context, torch.autocast) and context.device == "cuda" and context.fast_dtype == torch.bfloat16
     assert not isinstance(model_lib.training_autocast(on_gpu(torch.float32)), torch.autocast)
 
+
+
+def test_unsloths_per_layer_compile_is_off_only_where_it_would_compile_mamba_layers_whole():
+    """Granite 4.0-H's decoder layers hold its Mamba layers, one class for the whole list: Unsloth compiles them
+    whole (its compiled backward failed at a second row length on one H200), so its per-layer compile is turned off
+    with its own switch; a model whose Mamba layers sit in `*Block`s (Nemotron-H), or without any, keeps it; a
+    user's own setting wins."""
+    from gguf_models import SHAPE, granite4_h_config, nemotron_h_config
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    granite = AutoModelForCausalLM.from_config(granite4_h_config())
+    environ: dict[str, str] = {}
+    line = model_lib.keep_mamba_layers_out_of_block_compile(granite, environ)
+    assert environ == {"UNSLOTH_BLOCK_COMPILE": "0"} and "GraniteMoeHybridDecoderLayer" in line
+    assert model_lib.keep_mamba_layers_out_of_block_compile(granite, {"UNSLOTH_BLOCK_COMPILE": "1"}) is None
+    for config in (nemotron_h_config(), Qwen3Config(**SHAPE)):
+        other = AutoModelForCausalLM.from_config(config)
+        environ = {}
+        assert model_lib.keep_mamba_layers_out_of_block_compile(other, environ) is None and environ == {}

@@ -204,10 +204,13 @@ def test_unsloths_mask_checks_are_answered_without_the_gpu_inside_a_capture(monk
     sliding = types.ModuleType("unsloth_zoo.temporary_patches.gemma4_flash_sliding")
     sliding._mask_is_plain_band = lambda mask, S, w, _block=1024, packed_seq_lengths=None: (calls.append(("band", S, w))
                                                                                               or True)
+    misc = types.ModuleType("unsloth_zoo.temporary_patches.misc")
+    misc._maskless_causal_arguments = lambda signature, args, kwargs: calls.append("maskless") or dict(kwargs)
     monkeypatch.setitem(sys.modules, packed.__name__, packed)
     monkeypatch.setitem(sys.modules, sliding.__name__, sliding)
+    monkeypatch.setitem(sys.modules, misc.__name__, misc)
     monkeypatch.setattr(patches, "_BLOCK_CAUSAL_VERDICTS", {})
-    originals = packed._mask_is_block_causal, sliding._mask_is_plain_band
+    originals = packed._mask_is_block_causal, sliding._mask_is_plain_band, misc._maskless_causal_arguments
     capturing = [False]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     mask = torch.ones(1, 1, 8, 8, dtype=torch.bool)
@@ -216,15 +219,19 @@ def test_unsloths_mask_checks_are_answered_without_the_gpu_inside_a_capture(monk
         assert packed._mask_is_block_causal(mask, None, 8) is False
         assert sliding._mask_is_plain_band(mask, 8, 4) is False
         assert sliding._mask_is_plain_band(None, 8, 4) is True  # mask-free: Unsloth's answer (no GPU read)
+        # the mask is kept, never dropped on a host check of the position ids (Phi-3's failed capture)
+        assert misc._maskless_causal_arguments(None, (), {"position_ids": mask}) is None
     assert calls == [("block", 8, 4), ("block", 8, None), ("band", 8, 4)]
     with patches.unsloth_capture_safe_mask_checks():
         capturing[0] = True
         assert packed._mask_is_block_causal(mask, None, 8, 4) is True  # the warm-up's verdicts, unchecked
         assert packed._mask_is_block_causal(mask, None, 8) is False
         assert sliding._mask_is_plain_band(mask, 8, 4) is False
+        assert misc._maskless_causal_arguments(None, (), {"position_ids": mask}) is None
         assert packed._mask_is_block_causal(mask, None, 16, 4) is True  # no warm-up of this row: Unsloth's check
     assert calls[3:] == [("block", 16, 4)]
-    assert (packed._mask_is_block_causal, sliding._mask_is_plain_band) == originals
+    assert (packed._mask_is_block_causal, sliding._mask_is_plain_band, misc._maskless_causal_arguments) == originals
+    assert misc._maskless_causal_arguments(None, (), {}) == {}  # outside: Unsloth's shortcut as before
     monkeypatch.delitem(sys.modules, sliding.__name__)  # an Unsloth without the router: the other check alone
     with patches.unsloth_capture_safe_mask_checks():
         assert packed._mask_is_block_causal is not originals[0]

@@ -20,6 +20,7 @@ Knows nothing of backends or ranks: model.py passes the result to PEFT or Unslot
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -120,13 +121,24 @@ def expert_tensors(model: nn.Module) -> dict[str, str]:
         return {}
     found = {}
     for name, param in model.named_parameters():
-        if param.ndim != 3 or param.shape[0] != experts or _outside_text(name) or "lora_" in name:
+        shape = logical_shape(param)
+        if len(shape) != 3 or shape[0] != experts or _outside_text(name) or "lora_" in name:
             continue
         match = list(_LAYER.finditer(name))
         if match:
             suffix = name[match[-1].end():].replace(".base_layer", "").replace(".parametrizations", "")
             found[name] = suffix.removesuffix(".original")
     return found
+
+
+def logical_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The shape a parameter has to the model: a bitsandbytes 4-bit parameter is stored packed (n, 1) and keeps its
+    own in its quant state (Unsloth quantizes transformers 5's fused 3-D expert tensors so, for QLoRA of an MoE
+    model, and records `_original_shape` for PEFT's `target_parameters`)."""
+    original = getattr(param, "_original_shape", None)
+    if original is None and getattr(param, "quant_state", None) is not None:
+        original = getattr(param.quant_state, "shape", None)
+    return tuple(original if original is not None else param.shape)
 
 
 def _is_router(name: str, module: nn.Linear, experts: int) -> bool:
@@ -209,5 +221,4 @@ def describe(model: nn.Module, targets: LoraTargets) -> tuple[str, dict[str, Any
 
 def _numel(param: torch.Tensor) -> int:
     """Elements of the weight as loaded: a bitsandbytes 4-bit weight packs two values per byte."""
-    quant = getattr(param, "quant_state", None)
-    return int(quant.shape.numel()) if quant is not None and hasattr(quant, "shape") else param.numel()
+    return math.prod(logical_shape(param))
