@@ -128,4 +128,18 @@ callQL() {  # QLoRA at defaults through Unsloth (load_in_4bit=True), the way mos
   pack
 }
 
+callS() {  # after 93f5f78, its three fixes on tiny models at once (~2 min): QLoRA of the tiny Qwen3-MoE (do the experts
+  # get adapters now, and train?), Phi-3 graphed (does the capture pass the maskless check now?), Granite 4.0-H through
+  # Unsloth (does step 2 run with Unsloth's per-layer compile off?)
+  timeout $(left 170) python3 scripts/arch_check.py --out $OUT/arch4 --work /tmp/hs_arch4 --load-in-4bit \
+    --architectures qwen3_moe --modes graphs > $L/arch4.log 2>&1 &
+  timeout $(left 170) python3 scripts/arch_check.py --out $OUT/arch --architectures phi3,granite4_h --modes graphs \
+    --parallel 2 > $L/arch.log 2>&1 &
+  wait; el "arch checks done"
+  arch_runs $OUT/arch4 $OUT/arch
+  grep -h "LoRA targets\|UNSLOTH_BLOCK_COMPILE\|capture" $OUT/arch4/*.log $OUT/arch/*.log | cut -c1-300
+  tar czf $OUT/arch-logs.tgz -C $OUT arch arch4 && rm -rf $OUT/arch $OUT/arch4
+  pack
+}
+
 "$@"
