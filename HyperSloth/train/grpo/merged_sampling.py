@@ -4,7 +4,9 @@ Why: sampling is most of a GRPO step (docs/grpo.md: 5.95 of 6.16 s on one H200 f
 two small GEMMs per projection and token step are much of the decode. Measured on one H200 (2026-12-05,
 `scripts/sampling_bench.py`, 64 rows of 256 tokens, LoRA r=16 on every projection): Unsloth's decode took 21.8 ms
 per token step with the adapter, 13.7 ms without it (423 of its 1,205 kernels per token step are the adapter's).
-On merged weights the decode runs the adapter-free path while sampling the adapted model.
+On merged weights the decode runs the adapter-free path while sampling the adapted model: 13.18 ms per token step
+against 19.77 through the adapter and 12.62 without one (one H200, 2026-12-05, fifth session; a GRPO step 3.98 s,
+1.72x TRL's GRPOTrainer + Unsloth; docs/grpo.md).
 
 How: for every LoRA projection, a copy of its base weight is kept, the weight becomes W + scale * B A (computed in
 float32, rounded once to the weight's dtype, written in place, so CUDA graphs captured over it read the merged
