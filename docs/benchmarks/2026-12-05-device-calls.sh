@@ -11,6 +11,9 @@
 # after-update pair), callQL (QLoRA of the tiny Qwen3 and Qwen3-MoE through Unsloth, never run), then callL if time
 # is left. Where starts are scarce (the fourth session of 2026-12-05: a machine lent, nine starts failed), callGQ
 # first: callG2 and callQ2 in one call.
+# Ran (fifth session of 2026-12-05, one H200): callGQ (GRPO 1.72x), callR, callQL, and callG cut to 3 calls per engine
+# (docs/benchmarks.md). Next: callS (the three fixes of 93f5f78 on tiny models, ~2 min), then the FA4 calls of
+# 2026-12-02-fa4-device-calls.sh (callA, then callK, callR2, callE2), then callP (MoE profile) if time is left.
 source scripts/device_calls_lib.sh  # the GPU environment, $W / $L, el, left, bench, show, pack, ...
 
 callZ() {  # every architecture not yet run through Unsloth, at defaults, graphed and eager: gpt-oss with the sink
