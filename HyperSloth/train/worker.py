@@ -12,6 +12,7 @@ import hashlib
 import os
 import sys
 import time
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -80,13 +81,28 @@ CUDA_ERROR_HINT = ("a CUDA kernel failed; the traceback shows where the failure 
                    "train without Unsloth's kernels")
 
 
+# raised inside code torch.compile generated (Unsloth compiles a model's layers), where torch's own advice is for the
+# author of a custom op
+COMPILED_ERROR_HINT = ("it failed inside code torch.compile generated (Unsloth compiles the model's layers): run again "
+                       "with UNSLOTH_COMPILE_DISABLE=1 in the environment to train without Unsloth's compiled layers, "
+                       "or with fast_model_args.backend='transformers'")
+_COMPILED_CODE = ("/torch/_inductor/", "/torch/_dynamo/", "/torchinductor_")
+
+
 def describe_error(err: BaseException) -> str:
-    """"Type: message"; for a CUDA kernel error, its first line and CUDA_ERROR_HINT instead of torch's advice."""
+    """"Type: message"; for a CUDA kernel error, its first line and CUDA_ERROR_HINT instead of torch's advice; for
+    an error raised in torch.compile'd code (Granite 4.0-H on Unsloth, one H200, 2026-12-05: inductor's stride
+    assertion and three lines on custom ops), its first line and COMPILED_ERROR_HINT."""
     text = f"{type(err).__name__}: {err}"
-    if "CUDA error: " not in text.splitlines()[0]:
-        return text
-    kept = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith(_CUDA_BOILERPLATE)]
-    return "\n".join([*kept, CUDA_ERROR_HINT])
+    if "CUDA error: " in text.splitlines()[0]:
+        kept = [line for line in text.splitlines()
+                if line.strip() and not line.lstrip().startswith(_CUDA_BOILERPLATE)]
+        return "\n".join([*kept, CUDA_ERROR_HINT])
+    frames = traceback.extract_tb(err.__traceback__)
+    if "out of memory" not in text.splitlines()[0] and any(  # an OOM's lines on memory stay
+            part in frame.filename.replace("\\", "/") for frame in frames for part in _COMPILED_CODE):
+        return "\n".join([text.splitlines()[0], COMPILED_ERROR_HINT])
+    return text
 
 
 def run(description: RunDescription, info: dist.DistInfo, timeline: StartupTimeline) -> dict[str, Any] | None:

@@ -66,6 +66,34 @@ def test_a_cuda_kernel_error_says_what_to_do_instead_of_torchs_advice(tmp_path):
     assert recorded == worker.describe_error(cuda)
 
 
+def test_an_error_in_compiled_code_says_how_to_train_uncompiled():
+    """Granite 4.0-H through Unsloth stopped so on an H200 (2026-12-05): an assertion raised in inductor's generated
+    code, then torch's three lines for custom-op authors. The report keeps the first line and says what to try."""
+    message = ("expected size 32==32, stride 266800==784160 at dim=0\nThis error most often comes from a incorrect "
+               "fake (aka meta) kernel for a custom op.\nUse torch.library.opcheck to test your custom op.")
+    generated = compile(f"def call():\n    raise AssertionError({message!r})\n",
+                        "/tmp/torchinductor_root/oj/cojwzttx.py", "exec")
+    namespace: dict = {}
+    exec(generated, namespace)
+    try:
+        namespace["call"]()
+    except AssertionError as raised:
+        err = raised
+    assert worker.describe_error(err).splitlines() == [
+        "AssertionError: expected size 32==32, stride 266800==784160 at dim=0", worker.COMPILED_ERROR_HINT]
+    assert "UNSLOTH_COMPILE_DISABLE=1" in worker.COMPILED_ERROR_HINT
+    oom = "CUDA out of memory. Tried to allocate 2.00 GiB.\nOf the allocated memory 70 GiB is allocated by PyTorch"
+    exec(compile(f"def oom():\n    raise RuntimeError({oom!r})\n", "/tmp/torchinductor_root/ab.py", "exec"), namespace)
+    try:
+        namespace["oom"]()
+    except RuntimeError as raised:
+        assert worker.describe_error(raised) == f"RuntimeError: {oom}"  # its lines on memory kept
+    try:
+        raise AssertionError(message)  # the same text from our own code: left as it is
+    except AssertionError as raised:
+        assert worker.describe_error(raised) == f"AssertionError: {message}"
+
+
 def test_a_config_problem_found_by_a_worker_exits_2_with_its_message(tmp_path, monkeypatch, capfd, restore_loguru):
     from HyperSloth.config import ConfigError
 
