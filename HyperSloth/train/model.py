@@ -162,18 +162,18 @@ def mamba_decoder_layer_compiled_whole(model) -> str | None:
     """The decoder-layer class Unsloth would compile as one region with a Mamba layer inside it, or None.
 
     Unsloth 2026.10.9 compiles each decoder layer as one torch.compile region in training
-    (`unsloth/models/_block_compile.py`) and leaves SSM layers out, by its own test (a module with `ssm_state_size`, or
-    a `*Mamba*Mixer`) except in a "legacy" layer list: one class whose name ends in `DecoderLayer`, compiled whole
-    (Granite 4.0-H's `GraniteMoeHybridDecoderLayer`, Bamba's, Falcon-H1's). Lists of several classes (Jamba) or of
-    `*Block`s (Nemotron-H) already keep their Mamba layers out."""
-    for module in model.modules():
-        if not isinstance(module, torch.nn.ModuleList) or len(module) == 0:
-            continue
-        classes = {type(layer) for layer in module}
-        name = type(module[0]).__name__
-        if len(classes) == 1 and name.endswith("DecoderLayer") and any(
-                hasattr(inner, "ssm_state_size") for layer in module for inner in layer.modules()):
-            return name
+    (`unsloth/models/_block_compile.py`) and leaves SSM layers out, by its own test (a module with `ssm_state_size`),
+    except in a "legacy" layer list: one class whose name ends in `DecoderLayer`, compiled whole (Granite 4.0-H's
+    `GraniteMoeHybridDecoderLayer`, Bamba's, Falcon-H1's). Lists of several classes (Jamba) or of `*Block`s
+    (Nemotron-H) already keep their Mamba layers out."""
+    from HyperSloth.train.lora.install import decoder_layers
+
+    layers = decoder_layers(model) or []
+    names = {type(layer).__name__ for layer in layers}
+    if len(names) != 1 or not next(iter(names)).endswith("DecoderLayer"):
+        return None
+    if any(hasattr(inner, "ssm_state_size") for layer in layers for inner in layer.modules()):
+        return names.pop()
     return None
 
 

@@ -94,14 +94,14 @@ def describe_error(err: BaseException) -> str:
     an error raised in torch.compile'd code (Granite 4.0-H on Unsloth, one H200, 2026-12-05: inductor's stride
     assertion and three lines on custom ops), its first line and COMPILED_ERROR_HINT."""
     text = f"{type(err).__name__}: {err}"
-    if "CUDA error: " in text.splitlines()[0]:
-        kept = [line for line in text.splitlines()
-                if line.strip() and not line.lstrip().startswith(_CUDA_BOILERPLATE)]
+    lines = text.splitlines()
+    if "CUDA error: " in lines[0]:
+        kept = [line for line in lines if line.strip() and not line.lstrip().startswith(_CUDA_BOILERPLATE)]
         return "\n".join([*kept, CUDA_ERROR_HINT])
     frames = traceback.extract_tb(err.__traceback__)
-    if "out of memory" not in text.splitlines()[0] and any(  # an OOM's lines on memory stay
+    if "out of memory" not in lines[0] and any(  # an OOM's lines on memory stay
             part in frame.filename.replace("\\", "/") for frame in frames for part in _COMPILED_CODE):
-        return "\n".join([text.splitlines()[0], COMPILED_ERROR_HINT])
+        return "\n".join([lines[0], COMPILED_ERROR_HINT])
     return text
 
 
