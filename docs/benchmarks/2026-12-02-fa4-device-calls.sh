@@ -16,6 +16,9 @@
 # through checkpointing, and without), callR2 + callE2 (long-0.6b and short-8b with rows within the graphs' reach),
 # callP2 (a 131k sample's step profiled, plain and kept), then callF's 8B half (never run with FA4); each after callA
 # when the machine went cold.
+# 2026-12-05 (sixth session, one H100): callA, callR2 (capped rows: same median, worse mean; HYPERSLOTH_GRAPH_ROWS
+# stays off), callK3 (callK cut to fit: kept vs plain on one 131,072-token sample). Next: callA, then callE2, callP2,
+# callF's 8B half.
 # Before the calls, on this machine, from the repository root:
 #   bash ../shared/device/wheelhouse.sh   # .whl/ (unsloth, trl, ...: 25 MB), if not there yet
 #   bash scripts/fa4_wheels.sh            # .fa4/part1 (the DSL's 193 MB compiler library as xz), .fa4/part2 (the rest)
@@ -161,6 +164,22 @@ callK() {  # after callA, carry [".whl", ".fa4/part2"]: one 262,144-token sample
   bench --workloads longctx-0.6b --long-tokens 262144 --warmup 0 --steps 1 --slots hypersloth-1 --tag fa4-lc262k \
     --budget-s $(left 570) > $L/bench-lc06.log 2>&1
   el "without done"; show $L/bench-lc06.log
+  pack
+}
+
+callK3() {  # after callA, carry [".whl", ".fa4/part2"]: callK cut to ~4 min (the sixth session had 400 s left): the
+  # reuse check at 32k, then one 131,072-token sample on Qwen3-0.6B, first step, kept then plain
+  fa4_ready
+  timeout $(left 100) python3 scripts/reuse_check.py --model 0.6b --checkpoint $W/ckpt_0.6b --rows 32768 \
+    --out $OUT/reuse-check-0.6b.json > $L/reuse-check.log 2>&1
+  el "reuse check done"; grep -v "^Unsloth\|^==\|^ *$" $L/reuse-check.log | tail -12 | cut -c1-300
+  HYPERSLOTH_REUSE_ATTENTION=1 bench --workloads longctx-0.6b --long-tokens 131072 --warmup 0 --steps 1 \
+    --slots hypersloth-1 --tag fa4-lc131k-kept --budget-s 140 > $L/bench-kept.log 2>&1
+  el "kept done"; show $L/bench-kept.log
+  grep -h "attention outputs" $W/longctx-0.6b/out_hypersloth-1/logs/rank0.log | head -3 | cut -c1-300
+  bench --workloads longctx-0.6b --long-tokens 131072 --warmup 0 --steps 1 --slots hypersloth-1 --tag fa4-lc131k \
+    --budget-s 140 > $L/bench-plain.log 2>&1
+  el "plain done"; show $L/bench-plain.log
   pack
 }
 

@@ -14,6 +14,10 @@
 # Ran (fifth session of 2026-12-05, one H200): callGQ (GRPO 1.72x), callR, callQL, and callG cut to 3 calls per engine
 # (docs/benchmarks.md). Next: callS (the three fixes of 93f5f78 on tiny models, ~2 min), then the FA4 calls of
 # 2026-12-02-fa4-device-calls.sh (callA, then callK, callR2, callE2), then callP (MoE profile) if time is left.
+# Ran (sixth session of 2026-12-05, one H100 after seven failed starts): callS (the three fixes work), callPE (Phi-3
+# eager, for callS's graphed losses), then of 2026-12-02-fa4-device-calls.sh callA, callR2 (rows within the graphs'
+# reach do not pay) and callK3 (attention kept through checkpointing, one 131k sample: -1.9%). Next: the FA4 calls
+# left there (callE2, callP2, callF's 8B half), then callP (MoE profile) if time is left.
 source scripts/device_calls_lib.sh  # the GPU environment, $W / $L, el, left, bench, show, pack, ...
 
 callZ() {  # every architecture not yet run through Unsloth, at defaults, graphed and eager: gpt-oss with the sink
@@ -143,6 +147,12 @@ callS() {  # after 93f5f78, its three fixes on tiny models at once (~2 min): QLo
   grep -h "LoRA targets\|UNSLOTH_BLOCK_COMPILE\|capture" $OUT/arch4/*.log $OUT/arch/*.log | cut -c1-300
   tar czf $OUT/arch-logs.tgz -C $OUT arch arch4 && rm -rf $OUT/arch $OUT/arch4
   pack
+}
+
+callPE() {  # right after callS, same machine (~90 s): Phi-3 eager, the other half of callS's graphed Phi-3 (graphed
+  # vs eager losses; arch_check's --modes graphs ran only the graphed half)
+  timeout $(left 130) python3 scripts/arch_check.py --out $OUT/arch --architectures phi3 --modes eager > $L/arch.log 2>&1
+  el done; arch_runs $OUT/arch; rm -rf $OUT/arch
 }
 
 "$@"
