@@ -109,8 +109,13 @@ def main() -> None:
         shown = {k: v for k, v in row.items() if k not in ("plain_s", "kept_s")}
         print(json.dumps({rows: shown}, indent=1), flush=True)
     report["peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    unreached = [rows for rows, row in report["rows"].items() if not row["reused_per_step"]]
+    report["kept_path_reached"] = not unreached
     Path(a.out).write_text(json.dumps(report, indent=1))
     print(f"peak {report['peak_gb']:.1f} GB; written {a.out}")
+    if unreached:  # the kept rows then compare a plain recompute with itself: not a check of the kept path
+        sys.exit(f"the kept path was not reached at {', '.join(map(str, unreached))} tokens (nothing kept or reused); "
+                 "training's run summary (attention_reuse) says whether it is reached there")
 
 
 if __name__ == "__main__":
