@@ -124,7 +124,8 @@ replaces and the versions it was checked against, and returns whether it applied
     row's position ids, as for every packed row of several samples: exact for a row of one sample too, and a graph
     captured on a one-sample row without its mask would be wrong for the rows of several samples it replays.
     Checked with: unsloth_zoo 2026.10.9 (`_maskless_causal_arguments(signature, args, kwargs)`, None meaning "call
-    transformers' mask function as usual"); on the CPU with a stand-in (tests); not yet on a GPU. A no-op where a
+    transformers' mask function as usual"); on the CPU with a stand-in (tests); on one H100 (2026-12-05, sixth
+    session, `callS` and `callPE`): Phi-3 captures, its graphed losses within 1.4e-5 of eager. A no-op where a
     module is not loaded or a function is missing.
 """
 
