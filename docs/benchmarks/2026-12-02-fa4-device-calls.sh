@@ -121,6 +121,16 @@ callF() {  # one 262,144-token sample trained whole, first step (issue 33: <= 60
   pack
 }
 
+callF8() {  # after callA, carry [".whl", ".fa4/part2"]: callF's 8B half alone (never run with FA4): one 262,144-token
+  # sample on Qwen3-8B 4-bit trained whole, first step (<= 120 s; 199 s on 2026-12-01 with bundled flash), ~9 min
+  fa4_ready
+  bench --workloads longctx-8b --long-tokens 262144 --warmup 0 --steps 1 --slots hypersloth-1 --tag fa4-lc262k \
+    --budget-s $(left 585) > $L/bench-lc8.log 2>&1
+  el "longctx-8b done"; show $L/bench-lc8.log; attention_lines longctx-8b
+  grep -h "step 1\|first step\|peak" $W/longctx-8b/out_hypersloth-1/logs/rank0.log | tail -5 | cut -c1-300
+  pack
+}
+
 long_defaults() {  # long-0.6b at defaults after the check's fix (it times graph replays for a graphed decoder: FA4
   # 0.41 ms against 0.70 there), stock at its best in the same run; the 1.45x target (~4 minutes)
   bench --workloads long-0.6b --slots "hypersloth-1,unsloth-best" --warmup 3 --steps 20 \
