@@ -196,7 +196,7 @@ def record_for(name: str, workload: str, raw: dict, data: dict, a, launched: flo
         # model's generate, bench_grpo.GenerateTimer), apart from the step's total; the mean reward per step
         "generation_s": raw.get("generation_s"), "rewards": raw.get("rewards"),
         "attention": raw.get("attention"),  # {requested, kernel, reason}: HyperSloth's setting or Unsloth's own rule
-        "attention_reuse": raw.get("attention_reuse"),  # HYPERSLOTH_REUSE_ATTENTION=1: kept, reused, recomputed
+        "attention_reuse": raw.get("attention_reuse"),  # checkpointed SFT on Unsloth: kept, reused, recomputed
         # HyperSloth: the packed-row check (train/packing/check.py) and the batching it trained with
         "packing": raw.get("packing"), "batching": raw.get("batching"),
         "salvaged_after_timeout": raw.get("salvaged_after_timeout", False),

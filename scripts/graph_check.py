@@ -82,9 +82,9 @@ def main() -> None:
     from HyperSloth.config import FastModelArgs, LoraArgs
     from HyperSloth.train.step_graph import DecoderGraphs, graph_layout
     from HyperSloth.train.model import load_model, trainable_parameters
-    from HyperSloth.train.patches import enable_unsloth_torch_varlen, unsloth_static_packed_rows
+    from HyperSloth.train.patches import unsloth_static_packed_rows, unsloth_training_patches
 
-    shim = enable_unsloth_torch_varlen()
+    shim = unsloth_training_patches()["torch_varlen"]  # the patches a worker applies
     loaded = load_model(
         FastModelArgs(model_name=str(ckpt), max_seq_length=4096, dtype="bfloat16", load_in_4bit=FOUR_BIT[a.model],
                       backend="unsloth"),

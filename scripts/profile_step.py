@@ -201,9 +201,10 @@ def main() -> None:
     from HyperSloth.config import FastModelArgs, LoraArgs
     from HyperSloth.train.budget import probe as budget_probe
     from HyperSloth.train.model import load_model
-    from HyperSloth.train.patches import enable_unsloth_torch_varlen
+    from HyperSloth.train.patches import unsloth_training_patches
 
-    results: dict = {"varlen_shim": enable_unsloth_torch_varlen(), "gc": a.gc, "checkpoint": a.checkpoint}
+    shim = unsloth_training_patches()["torch_varlen"]  # the patches a worker applies: it attends as training does
+    results: dict = {"varlen_shim": shim, "gc": a.gc, "checkpoint": a.checkpoint}
     gc = {"True": True, "False": False}.get(a.gc, a.gc)
     max_seq = max([a.max_seq, a.profile_long] + [int(x) for x in a.longest.split(",") if x])
     fast = FastModelArgs(model_name=a.checkpoint, max_seq_length=max_seq, dtype="bfloat16", backend="unsloth",

@@ -47,9 +47,9 @@ def main() -> None:
     from HyperSloth.train.collate import collate_packed
     from HyperSloth.train.model import load_model, trainable_parameters, training_autocast
     from HyperSloth.train.attention.recompute import install_on_unsloth
-    from HyperSloth.train.patches import enable_unsloth_torch_varlen
+    from HyperSloth.train.patches import unsloth_training_patches
 
-    enable_unsloth_torch_varlen()
+    unsloth_training_patches()  # as a worker attends: without it the rows went to SDPA, not the kept path
     rows_list = [int(r) for r in a.rows.split(",")]
     loaded = load_model(
         FastModelArgs(model_name=str(ckpt), max_seq_length=max(rows_list), dtype="bfloat16",

@@ -79,7 +79,7 @@ ENV_LAUNCH_STAMPS = "HYPERSLOTH_LAUNCH_STAMPS"
 # Where the budget probe caches its measurements (HyperSloth.train.budget.cache); "off" turns the cache off.
 ENV_CACHE_DIR = "HYPERSLOTH_CACHE_DIR"
 ENV_PAD_LOSS_ROWS = "HYPERSLOTH_PAD_LOSS_ROWS"  # "0": leave Unsloth's fused loss unpatched (train/patches.py)
-# "1": keep attention's outputs through checkpointing (train/attention/recompute.py), until measured on a GPU
+# "0": recompute attention's forward under checkpointing instead of keeping its outputs (train/attention/recompute.py)
 ENV_REUSE_ATTENTION = "HYPERSLOTH_REUSE_ATTENTION"
 # "1": packed rows planned within the CUDA graphs' reach (the worker's row cap, plan.run.RunDescription.row_cap), until
 # measured on a GPU

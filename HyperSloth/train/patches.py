@@ -65,12 +65,12 @@ replaces and the versions it was checked against, and returns whether it applied
     `from .llama import _decode_attention_core` in qwen3.py), against an expanded reference on the CPU (fp32);
     not yet on a GPU. A no-op where either module or the function is missing.
 
-`enable_unsloth_attention_reuse` (while measured: only with `run_files.ENV_REUSE_ATTENTION` = 1)
+`enable_unsloth_attention_reuse` (checkpointed SFT at defaults; `run_files.ENV_REUSE_ATTENTION` = 0 leaves it out)
     Replaces: `unsloth.utils.attention_dispatch._LeanFlashVarlen` (a module global, looked up at every packed call by
     `_varlen_attn_call`) with `attention.recompute.reusing` around it, and puts a forward pre-hook and hook on the
     decoder.
     Why: with gradient checkpointing the backward recomputes every layer's forward, attention's included: on one
-    262,144-token sample about a quarter of attention's time, ~11 s of Qwen3-0.6B's 75.4 s step. The first pass
+    262,144-token sample of Qwen3-0.6B with FA4 (one H100) the step took 51.9 s kept against 64.2 s plain. The first pass
     keeps each layer's attention output and log-sum-exp within the memory the budget left (train/attention/
     recompute.py), and the recompute returns them; the backward is Unsloth's own (`_LeanFlashVarlen.backward`).
     Checked with: unsloth 2026.10.9 (`_LeanFlashVarlen.forward(ctx, query, key, value, cu_seqlens, max_seqlen,
@@ -312,6 +312,18 @@ def pad_unsloth_loss_rows(fused_linear=None) -> bool:
     fused_linear._logits_into = padded_logits_into
     fused_linear._dz_w_acc = padded_dz_w_acc
     return True
+
+
+def unsloth_training_patches(varlen: bool = True) -> dict[str, bool]:
+    """The patches a worker applies once Unsloth is imported, in its order: {patch: whether it applied}. `varlen`:
+    packed rows through torch's varlen flash kernel (off for fast_model_args.attention='sdpa'). The GPU check scripts
+    call it too, so that they attend as training does: without `enable_unsloth_hf_packed_attention` a Qwen3 row went
+    to SDPA (cuDNN's kernel, on one H100) and never reached the lean varlen path (scripts/profile_step.py, 2026-12-05)."""
+    applied = {"torch_varlen": varlen and enable_unsloth_torch_varlen()}
+    applied["hf_packed_attention"] = varlen and enable_unsloth_hf_packed_attention()
+    applied["packed_sink_attention"] = enable_unsloth_packed_sink_attention()  # inert until the packed-row check
+    applied["loss_rows"] = pad_unsloth_loss_rows()
+    return applied
 
 
 def enable_unsloth_attention_reuse(decoder, wrap) -> str | None:

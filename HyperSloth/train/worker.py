@@ -138,19 +138,18 @@ def _prepare_unsloth(rank: int, varlen: bool = True) -> None:
     """Import Unsloth first (it patches transformers/trl), with a compile cache of this rank's own; `varlen`:
     packed rows through torch's varlen flash kernel (off for fast_model_args.attention='sdpa')."""
     from HyperSloth.train import model as model_lib
-    from HyperSloth.train.patches import (enable_unsloth_hf_packed_attention, enable_unsloth_packed_sink_attention,
-                                          enable_unsloth_torch_varlen, pad_unsloth_loss_rows)
+    from HyperSloth.train.patches import unsloth_training_patches
 
     # One compile cache per rank: ranks compiling into one folder race (unsloth-zoo #379).
     os.environ.setdefault("UNSLOTH_COMPILE_LOCATION", run_files.compile_cache_dir(rank))
     os.environ.setdefault("UNSLOTH_DISABLE_AUTO_PADDING_FREE", "1")  # HyperSloth plans the batches
     model_lib.import_backend("unsloth")
-    if varlen and enable_unsloth_torch_varlen():
+    applied = unsloth_training_patches(varlen)
+    if applied["torch_varlen"]:
         logger.info("packed rows use torch's varlen flash kernel (GQA shim for torch 2.11, see patches.py)")
-    if varlen and enable_unsloth_hf_packed_attention():
+    if applied["hf_packed_attention"]:
         logger.info("packed rows on transformers' attention path use Unsloth's varlen kernel (see patches.py)")
-    enable_unsloth_packed_sink_attention()  # inert until the packed-row check needs it (gpt-oss): it logs then
-    if pad_unsloth_loss_rows():
+    if applied["loss_rows"]:
         logger.info("the fused loss's last row chunk is rounded to 256 rows for cuBLAS (see patches.py)")
 
 

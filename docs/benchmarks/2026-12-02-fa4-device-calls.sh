@@ -131,6 +131,16 @@ callF8() {  # after callA, carry [".whl", ".fa4/part2"]: callF's 8B half alone (
   pack
 }
 
+callRC() {  # carry [".whl"] (no FA4 needed: Unsloth's lean varlen path on bundled flash): scripts/reuse_check.py after
+  # it applies the worker's patches (patches.unsloth_training_patches; before, its rows went to SDPA and the kept path
+  # was never reached): loss and LoRA gradients kept vs plain next to plain vs plain, at 32k and 64k (~3 min)
+  source scripts/device_calls_lib.sh
+  timeout $(left 560) python3 scripts/reuse_check.py --model 0.6b --checkpoint $W/ckpt_0.6b --rows 32768,65536 \
+    --repeats 2 --out $OUT/reuse-check-0.6b.json > $L/reuse-check.log 2>&1; echo "rc=$?"
+  el "reuse check done"; grep -v "^Unsloth\|^==\|^ *$" $L/reuse-check.log | tail -40 | cut -c1-300
+  pack
+}
+
 long_defaults() {  # long-0.6b at defaults after the check's fix (it times graph replays for a graphed decoder: FA4
   # 0.41 ms against 0.70 there), stock at its best in the same run; the 1.45x target (~4 minutes)
   bench --workloads long-0.6b --slots "hypersloth-1,unsloth-best" --warmup 3 --steps 20 \

@@ -234,7 +234,8 @@ def test_the_cap_is_a_share_of_the_budgets_headroom_above_the_checkpointed_peak(
     assert cap_from_budget(decision) == 0
 
 
-def test_attention_outputs_are_kept_only_when_switched_on_for_checkpointed_sft_on_unsloth(monkeypatch, logs):
+def test_attention_outputs_are_kept_by_default_for_checkpointed_sft_on_unsloth_within_the_budgets_room(
+        monkeypatch, logs):
     from HyperSloth.outputs import run_files
     from HyperSloth.train.attention import recompute
 
@@ -247,11 +248,19 @@ def test_attention_outputs_are_kept_only_when_switched_on_for_checkpointed_sft_o
     sft = types.SimpleNamespace(method="sft", gradient_checkpointing="unsloth")
     decision = types.SimpleNamespace(limit_bytes=10 * 2**30, verified_peak_bytes=2 * 2**30, tokens=1, fit=None)
     monkeypatch.delenv(run_files.ENV_REUSE_ATTENTION, raising=False)
-    assert recompute.keep_attention(sft, loaded, decision) is None and installed == []  # off until measured
-    monkeypatch.setenv(run_files.ENV_REUSE_ATTENTION, "1")
-    for description in (types.SimpleNamespace(method="dpo", gradient_checkpointing="unsloth"),
-                        types.SimpleNamespace(method="sft", gradient_checkpointing=False)):
-        assert recompute.keep_attention(description, loaded, decision) is None
-    assert installed == [] and "applies to SFT on the Unsloth backend with gradient checkpointing on" in logs[-1]
-    assert recompute.keep_attention(sft, loaded, decision) == "kept"
+    logged = len(logs)
+    for description, backend in ((types.SimpleNamespace(method="dpo", gradient_checkpointing="unsloth"), "unsloth"),
+                                 (types.SimpleNamespace(method="sft", gradient_checkpointing=False), "unsloth"),
+                                 (sft, "transformers")):
+        other = types.SimpleNamespace(backend=backend, model=loaded.model)
+        assert recompute.keep_attention(description, other, decision) is None
+    assert installed == [] and len(logs) == logged  # nothing to save there: no line
+    assert recompute.keep_attention(sft, loaded, decision) == "kept"  # the default
     assert installed == [(decoder, int(0.75 * 8 * 2**30))] and "up to 6.0 GiB" in logs[-1]
+    monkeypatch.setenv(run_files.ENV_REUSE_ATTENTION, "0")
+    assert recompute.keep_attention(sft, loaded, decision) is None and len(installed) == 1
+    assert "HYPERSLOTH_REUSE_ATTENTION=0" in logs[-1]
+    monkeypatch.delenv(run_files.ENV_REUSE_ATTENTION)
+    decision.limit_bytes = None  # nothing measured (a given budget): no room known, nothing kept
+    assert recompute.keep_attention(sft, loaded, decision) is None and len(installed) == 1
+    assert "no memory room" in logs[-1]

@@ -1,6 +1,7 @@
 """patches.py: the GQA wrapper Unsloth gets for torch 2.11's varlen_attn must equal grouped-query attention."""
 
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -165,6 +166,27 @@ def test_unsloths_varlen_routing_for_transformers_attention_is_installed_when_un
     assert patches.enable_unsloth_hf_packed_attention() is True and calls == [1]
     monkeypatch.setitem(sys.modules, "unsloth.utils.hf_packed_attention", None)  # an Unsloth without it
     assert patches.enable_unsloth_hf_packed_attention() is False
+
+
+def test_the_training_patches_are_one_call_that_the_gpu_scripts_share_and_varlen_off_leaves_the_attention_ones_out(
+        monkeypatch):
+    """The worker and the GPU check scripts apply the same patches (a script without the hf packed-attention route
+    profiled cuDNN's SDPA instead of the varlen kernel training runs)."""
+    calls = []
+    for name in ("enable_unsloth_torch_varlen", "enable_unsloth_hf_packed_attention",
+                 "enable_unsloth_packed_sink_attention", "pad_unsloth_loss_rows"):
+        monkeypatch.setattr(patches, name, lambda name=name: calls.append(name) or name != "pad_unsloth_loss_rows")
+    assert patches.unsloth_training_patches() == {"torch_varlen": True, "hf_packed_attention": True,
+                                                  "packed_sink_attention": True, "loss_rows": False}
+    assert calls == ["enable_unsloth_torch_varlen", "enable_unsloth_hf_packed_attention",
+                     "enable_unsloth_packed_sink_attention", "pad_unsloth_loss_rows"]
+    calls.clear()
+    applied = patches.unsloth_training_patches(varlen=False)  # fast_model_args.attention='sdpa'
+    assert applied["torch_varlen"] is False and applied["hf_packed_attention"] is False
+    assert calls == ["enable_unsloth_packed_sink_attention", "pad_unsloth_loss_rows"]
+    for script in ("profile_step.py", "reuse_check.py", "graph_check.py"):
+        source = (Path(__file__).resolve().parents[2] / "scripts" / script).read_text()
+        assert "unsloth_training_patches(" in source, script
 
 
 def test_unsloths_sink_attention_is_wrapped_once_and_only_with_its_helpers(monkeypatch):
