@@ -81,9 +81,6 @@ ENV_CACHE_DIR = "HYPERSLOTH_CACHE_DIR"
 ENV_PAD_LOSS_ROWS = "HYPERSLOTH_PAD_LOSS_ROWS"  # "0": leave Unsloth's fused loss unpatched (train/patches.py)
 # "0": recompute attention's forward under checkpointing instead of keeping its outputs (train/attention/recompute.py)
 ENV_REUSE_ATTENTION = "HYPERSLOTH_REUSE_ATTENTION"
-# "1": packed rows planned within the CUDA graphs' reach (the worker's row cap, plan.run.RunDescription.row_cap), until
-# measured on a GPU
-ENV_GRAPH_ROWS = "HYPERSLOTH_GRAPH_ROWS"
 # N: record the CUDA allocator's history over optimizer steps 1..N, into logs/rank{r}.memory_snapshot.pickle
 # (train/profiling.MemorySnapshot).
 ENV_MEMORY_SNAPSHOT = "HYPERSLOTH_MEMORY_SNAPSHOT"

@@ -18,7 +18,7 @@ def plan_spec_for(run: RunDescription) -> PlanSpec:
         samples_per_step=run.global_batch_size,
         mode=run.batching,
         micro_batch_size=run.micro_batch_size,
-        token_budget=min(run.token_budget, run.row_cap or run.token_budget),  # rows within the graphs' reach
+        token_budget=run.token_budget,
         group_by_length=run.group_by_length,
         group_window_steps=run.group_window_steps,
         seed=run.seed,

@@ -163,11 +163,6 @@ class RunDescription(BaseModel):
         "(as many as the token budget needs)."
     )
     token_budget: int = Field(gt=0, description="Packed mode: most tokens in one micro-batch.")
-    row_cap: int | None = Field(
-        None, gt=0, description="Packed mode: most tokens in one packed row when below token_budget: the CUDA "
-        "graphs' reach (train/step_graph.py graph_rows_limit), so that no row runs beside the graphs eagerly; a "
-        "sample longer than it still trains whole, alone. Set by the worker (trainer_args.rows_within_graphs; "
-        "run_files.ENV_GRAPH_ROWS while it is measured); None = token_budget.")
     token_budget_source: Literal["explicit", "auto-cpu", "auto"] = Field(
         description="Where token_budget comes from: tokens_per_micro_batch as given; 'auto' on CPU "
         "(per_device_train_batch_size x max_seq_length); 'auto' on a GPU: that product is only the preview's "

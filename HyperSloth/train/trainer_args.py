@@ -6,7 +6,6 @@ The trainers themselves, and the factories that call these, are in trainer.py an
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
@@ -15,14 +14,13 @@ from loguru import logger
 from trl import SFTConfig
 
 from HyperSloth.config import TrainingArgsConfig
-from HyperSloth.outputs import run_files
 from HyperSloth.plan.run import RunDescription, rank_seed
 from HyperSloth.train.collate import packed_row_tokens
 from HyperSloth.train.dist import DistInfo, GradientSync
 from HyperSloth.train.evaluation import Evaluator, eval_callbacks, eval_sft_kwargs
 from HyperSloth.train.model import mixed_precision, trainable_parameters
 from HyperSloth.train.plan_loader import PlanSteps
-from HyperSloth.train.step_graph import (DecoderGraphs, graph_layout, graph_rows_limit, rows_to_capture,
+from HyperSloth.train.step_graph import (DecoderGraphs, graph_layout, rows_to_capture,
                                          run_graph_refusal)
 
 
@@ -88,8 +86,8 @@ def decoder_graphs(description: RunDescription, loaded_model, steps: PlanSteps, 
 
     targs = description.training_config
     total = targs.max_steps or (targs.num_train_epochs or 1) * steps.steps_per_epoch
-    counts, longest_row = planned_rows(steps, lengths, rank, total, spec.token_budget)  # rows <= the plan's cap
-    # The graph pool and any eager row beside it share the memory budget (description.token_budget), not the cap
+    counts, longest_row = planned_rows(steps, lengths, rank, total, spec.token_budget)
+    # The graph pool and any eager row beside it share the token budget
     layout = graph_layout(spec.samples_per_step, int(lengths.max()), description.token_budget, longest_row)
     if layout.max_rows < MIN_GRAPH_ROWS:
         reason = (f"the longest planned row ({longest_row:,} tokens) runs eagerly and leaves room for graphs of "
@@ -103,30 +101,6 @@ def decoder_graphs(description: RunDescription, loaded_model, steps: PlanSteps, 
 
 
 MIN_GRAPH_ROWS = 2048  # below this a graph saves too little to be worth its capture
-
-
-def rows_within_graphs(description: RunDescription, loaded_model, longest_sample: int) -> RunDescription:
-    """The run with its packed rows capped at the CUDA graphs' reach (`RunDescription.row_cap`), where the decoder is
-    graphed: the graph pool and a row that runs eagerly beside it share the token budget (step_graph.graph_rows_limit),
-    so a row past the reach runs eagerly, about twice a graphed row's time per token on Qwen3-0.6B (one H200,
-    2026-12-05: 921 ms for 451 ms of GPU work); capped, the planner cuts such a step into rows the graphs serve. A
-    sample longer than the cap still trains whole, alone. While it is measured, only with
-    `run_files.ENV_GRAPH_ROWS` = 1; SFT's packed rows only."""
-    if (os.environ.get(run_files.ENV_GRAPH_ROWS) != "1" or description.method != "sft"
-            or description.batching != "packed"):
-        return description
-    from HyperSloth.train.attention.setting import decoder_graphed
-
-    if not decoder_graphed(description, loaded_model.backend, getattr(loaded_model.model, "config", None)):
-        return description
-    budget = description.token_budget
-    alone = packed_row_tokens(int(longest_sample), budget)  # the longest sample's row: beside the graphs, eagerly
-    cap = graph_rows_limit(budget, alone)
-    if cap >= budget or cap < MIN_GRAPH_ROWS:
-        return description
-    logger.info(f"packed rows of at most {cap:,} tokens (the CUDA graphs' reach within the token budget of "
-                f"{budget:,}): a step with more is cut into rows the graphs serve")
-    return description.model_copy(update={"row_cap": cap})
 
 
 ROW_SCAN_STEPS = 20_000  # the longest row is looked for in this many steps at most (planning every epoch costs)

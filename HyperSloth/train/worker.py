@@ -190,7 +190,6 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path, time
 
         from HyperSloth.plan.eval_set import split_for_run
         from HyperSloth.train.evaluation import eval_summary
-        from HyperSloth.train.trainer_args import rows_within_graphs  # trl: imported after Unsloth (worker.run)
 
     transformers.set_seed(description.seed)
     timeline.mark("train_imports")
@@ -214,12 +213,10 @@ def _train(description: RunDescription, info: dist.DistInfo, out_dir: Path, time
     # After the budget (checkpointing and tiling settled: whether the decoder is graphed), before any graph capture.
     attention = settle_attention(description, loaded_model, int(lengths.max()) if len(lengths) else 0)
     kept_attention = keep_attention(description, loaded_model, budget_decision)
-    description = rows_within_graphs(description, loaded_model, int(lengths.max()) if len(lengths) else 0)
     if info.is_main:
         run_files.atomic_write_json(run_files.resolved_file(out_dir), {
             "token_budget": budget_decision.as_record(),
             "gradient_checkpointing": description.gradient_checkpointing, "tiled_mlp": description.tiled_mlp,
-            "row_cap": description.row_cap,
             "attention": attention.as_record(), "lora_targets": loaded_model.lora_targets,
             "packing": loaded_model.packing})
     # A hold-out leaves the training rows; the eval rows are checked against the resolved fingerprint.

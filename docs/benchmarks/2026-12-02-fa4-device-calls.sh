@@ -19,6 +19,11 @@
 # 2026-12-05 (sixth session, one H100): callA, callR2 (capped rows: same median, worse mean; HYPERSLOTH_GRAPH_ROWS
 # stays off), callK3 (callK cut to fit: kept vs plain on one 131,072-token sample). Next: callA, then callE2, callP2,
 # callF's 8B half.
+# 2026-12-05 (seventh session, one H100): callA, callP2 (the script ran cuDNN's SDPA, not FA4: fixed in 42a810e),
+# callF8 (262k on 8B: 209.2 s), callK4 (262k on 0.6B: plain 64.2 s, kept 51.9 s), callE2 (capped rows: no gain).
+# Next: callRC (the fixed reuse_check.py; .whl only), then callA + callP2 again (a 131k step profiled on FA4).
+# The row cap that callR2 and callE2 switch on (HYPERSLOTH_GRAPH_ROWS=1) was removed after them (it did not pay): at
+# later commits those calls time the defaults twice.
 # Before the calls, on this machine, from the repository root:
 #   bash ../shared/device/wheelhouse.sh   # .whl/ (unsloth, trl, ...: 25 MB), if not there yet
 #   bash scripts/fa4_wheels.sh            # .fa4/part1 (the DSL's 193 MB compiler library as xz), .fa4/part2 (the rest)
@@ -128,6 +133,20 @@ callF8() {  # after callA, carry [".whl", ".fa4/part2"]: callF's 8B half alone (
     --budget-s $(left 585) > $L/bench-lc8.log 2>&1
   el "longctx-8b done"; show $L/bench-lc8.log; attention_lines longctx-8b
   grep -h "step 1\|first step\|peak" $W/longctx-8b/out_hypersloth-1/logs/rank0.log | tail -5 | cut -c1-300
+  pack
+}
+
+callK4() {  # after callA, carry [".whl", ".fa4/part2"]: one 262,144-token sample on Qwen3-0.6B (among 31 short ones), first
+  # step, the plain recompute then attention's outputs kept (typed as one command on 2026-12-05, seventh session: plain
+  # 64.2 s, kept 51.9 s; kept is the default since 42a810e, so the plain run now needs HYPERSLOTH_REUSE_ATTENTION=0)
+  fa4_ready
+  HYPERSLOTH_REUSE_ATTENTION=0 bench --workloads longctx-0.6b --long-tokens 262144 --warmup 0 --steps 1 \
+    --slots hypersloth-1 --tag h100-lc262k --budget-s 250 > $L/bench-plain.log 2>&1
+  el "plain done"; show $L/bench-plain.log
+  bench --workloads longctx-0.6b --long-tokens 262144 --warmup 0 --steps 1 --slots hypersloth-1 \
+    --tag h100-lc262k-kept --budget-s $(left 560) > $L/bench-kept.log 2>&1
+  el "kept done"; show $L/bench-kept.log
+  grep -h "attention outputs\|attention:" $W/longctx-0.6b/out_hypersloth-1/logs/rank0.log | head -4 | cut -c1-300
   pack
 }
 

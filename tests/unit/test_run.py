@@ -132,9 +132,6 @@ def test_plan_spec_comes_from_the_description(setup):
     assert spec.attention_coef == pytest.approx(attention_coef(str(setup / "model")))
     hub = resolve(write_config(setup, model="org/model", name="hub.py"))
     assert plan_spec_for(hub).attention_coef == PlanSpec(1, 1, mode="sorted-pad").attention_coef  # default
-    assert run.row_cap is None
-    assert plan_spec_for(run.model_copy(update={"row_cap": 1024})).token_budget == 1024  # rows within the graphs'
-    assert plan_spec_for(run.model_copy(update={"row_cap": 4096})).token_budget == 2048  # never past the budget
 
 
 def test_every_problem_is_reported_at_once(setup):

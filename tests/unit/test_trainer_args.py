@@ -139,57 +139,30 @@ def test_trl_never_adds_the_moe_router_loss(tmp_path):
     assert args.router_aux_loss_coef == 0.0
 
 
-def test_with_rows_capped_every_planned_row_is_graphed_and_the_pool_is_sized_from_the_memory_budget(monkeypatch):
-    # long-0.6b's shape: a 114,176-token budget, steps of ~40-60k tokens; rows capped at half the budget (the graphs'
-    # reach) leave no row eager, where uncapped the longest row shrinks the reach below the others
+def test_the_graph_pool_is_the_token_budget_less_the_longest_planned_row_which_runs_eagerly_beside_it(monkeypatch):
+    # long-0.6b's shape: a 114,176-token budget, steps of ~40-60k tokens: the longest planned row shrinks the graphs'
+    # reach below half the budget, and the rows past it run eagerly (capping rows at the reach was measured twice on
+    # an H100, 2026-12-05, and did not pay: docs/benchmarks.md)
     import numpy as np
 
     from HyperSloth.plan.batching import PlanSpec, adaptive_partition_batches
+    from HyperSloth.train.step_graph import graph_rows_limit
 
     monkeypatch.setattr(trainer_args, "run_graph_refusal", lambda *args: None)
     rng = np.random.default_rng(0)
     lengths = np.clip(rng.lognormal(7.5, 0.8, size=256), 64, 6_900).astype(np.int64)
-    budget, cap = 114_176, 57_088
+    budget = 114_176
     decoder = torch.nn.Linear(2, 2)
     loaded = types.SimpleNamespace(backend="unsloth", model=types.SimpleNamespace(
         config=None, parameters=decoder.parameters, get_base_model=lambda: types.SimpleNamespace(model=decoder)))
     monkeypatch.setattr(trainer_args, "trainable_parameters", lambda model: list(decoder.parameters()))
-    graphed = {}
-    for rows in (None, cap):
-        plan = adaptive_partition_batches(lengths, lengths - 1, PlanSpec(
-            num_ranks=1, samples_per_step=32, mode="packed", token_budget=min(budget, rows or budget), seed=0))
-        steps = types.SimpleNamespace(plan=lambda epoch, plan=plan: plan, steps_per_epoch=len(plan.steps))
-        description = types.SimpleNamespace(token_budget=budget, training_config=types.SimpleNamespace(
-            max_steps=len(plan.steps), num_train_epochs=1))
-        made = trainer_args.decoder_graphs(description, loaded, steps, lengths, rank=0)
-        counts, longest = trainer_args.planned_rows(steps, lengths, 0, len(plan.steps), plan.spec.token_budget)
-        reach = made["graphs"].layout.max_rows
-        graphed[rows] = (reach, sum(n for r, n in counts.items() if r > reach))
-    assert graphed[cap] == (cap, 0)  # every row within the graphs' reach
-    assert graphed[None][0] < cap and graphed[None][1] > 0  # uncapped: the longest rows run eagerly
-
-
-def test_rows_are_capped_at_the_graphs_reach_only_when_switched_on_for_graphed_packed_sft(monkeypatch, logs):
-    from HyperSloth.outputs import run_files
-    from HyperSloth.train.attention import setting
-
-    class Description(types.SimpleNamespace):
-        def model_copy(self, update):
-            return Description(**{**vars(self), **update})
-
-    graphed = [True]
-    monkeypatch.setattr(setting, "decoder_graphed", lambda description, backend, config: graphed[0])
-    loaded = types.SimpleNamespace(backend="unsloth", model=types.SimpleNamespace(config=None))
-    sft = Description(method="sft", batching="packed", token_budget=114_176, row_cap=None)
-    monkeypatch.delenv(run_files.ENV_GRAPH_ROWS, raising=False)
-    assert trainer_args.rows_within_graphs(sft, loaded, 6_900) is sft  # off until measured
-    monkeypatch.setenv(run_files.ENV_GRAPH_ROWS, "1")
-    assert trainer_args.rows_within_graphs(sft, loaded, 6_900).row_cap == 57_088  # half the budget: the graphs' reach
-    assert "packed rows of at most 57,088 tokens" in logs[-1]
-    # a sample longer than half the budget trains alone beside the graphs: the rest fit in what it leaves
-    assert trainer_args.rows_within_graphs(sft, loaded, 70_000).row_cap == 114_176 - 70_000  # (past 65,536: unbucketed)
-    for change in ({"method": "dpo"}, {"batching": "sorted-pad"}):
-        other = Description(**{**vars(sft), **change})
-        assert trainer_args.rows_within_graphs(other, loaded, 6_900) is other
-    graphed[0] = False
-    assert trainer_args.rows_within_graphs(sft, loaded, 6_900) is sft
+    plan = adaptive_partition_batches(lengths, lengths - 1, PlanSpec(
+        num_ranks=1, samples_per_step=32, mode="packed", token_budget=budget, seed=0))
+    steps = types.SimpleNamespace(plan=lambda epoch: plan, steps_per_epoch=len(plan.steps))
+    description = types.SimpleNamespace(token_budget=budget, training_config=types.SimpleNamespace(
+        max_steps=len(plan.steps), num_train_epochs=1))
+    made = trainer_args.decoder_graphs(description, loaded, steps, lengths, rank=0)
+    counts, longest = trainer_args.planned_rows(steps, lengths, 0, len(plan.steps), budget)
+    reach = made["graphs"].layout.max_rows
+    assert reach == graph_rows_limit(budget, longest) < budget // 2
+    assert sum(n for r, n in counts.items() if r > reach) > 0  # the longest rows run eagerly
