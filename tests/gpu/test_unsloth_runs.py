@@ -8,7 +8,9 @@ Skipped without CUDA and Unsloth (CI has neither). On the lent GPU machine, from
 CLI on the tiny model (HyperSloth.train.tiny_model) and the shipped sample chats, ~30-60 s, mostly Unsloth's import:
 - Unsloth's save path: checkpoints that verify, and a resume from step 3 that gives the uninterrupted run's losses;
 - `lora_args.init_adapter_path` under Unsloth: the run starts from the saved adapter;
-- 4-bit (bitsandbytes) with CUDA graphs: the graphed run gives the eager run's losses.
+- 4-bit (bitsandbytes) with CUDA graphs: the graphed run gives the eager run's losses;
+- with Unsloth's checkpointing, attention's outputs kept for the recompute (the default) give the plain recompute's
+  losses and adapter.
 """
 
 from __future__ import annotations
@@ -57,13 +59,15 @@ GRAPHED_BUDGET = 16384
 
 
 def _config(workdir: Path, model_dir: Path, name: str, *, four_bit: bool = False, graphs: bool = True,
-            init_adapter: Path | None = None, steps: int = STEPS, resume: str | None = None) -> Path:
+            init_adapter: Path | None = None, steps: int = STEPS, resume: str | None = None,
+            checkpointing: bool = False) -> Path:
     hyper: dict[str, Any] = {
         "data": {"dataset_name": DATASET, "data_dir": "data"},
         "training": {"gpus": [0], "loss_type": "response_only", "batching": "packed",
-                     "tokens_per_micro_batch": GRAPHED_BUDGET, "cuda_graphs": graphs},
+                     "tokens_per_micro_batch": "auto" if checkpointing else GRAPHED_BUDGET, "cuda_graphs": graphs},
         "fast_model_args": {"model_name": str(model_dir), "max_seq_length": MAX_SEQ_LENGTH, "dtype": "bfloat16",
-                            "backend": "unsloth", "load_in_4bit": four_bit},
+                            "backend": "unsloth", "load_in_4bit": four_bit,
+                            "use_gradient_checkpointing": "unsloth" if checkpointing else False},
         "lora_args": {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0,
                       "init_adapter_path": str(init_adapter) if init_adapter else None},
     }
@@ -77,9 +81,10 @@ def _config(workdir: Path, model_dir: Path, name: str, *, four_bit: bool = False
     return path
 
 
-def _train(workdir: Path, config: Path, name: str) -> RunResult:
+def _train(workdir: Path, config: Path, name: str, extra_env: dict[str, str] | None = None) -> RunResult:
     # The CPU suite's environment (no outer torchrun, no Hub), with this machine's first GPU in place of none.
-    env = {**run_env(), "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
+    env = {**run_env(), "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0],
+           **(extra_env or {})}
     code, output, ended = _run([*_script("hypersloth-train"), str(config)], workdir, env, RUN_TIMEOUT_S)
     # RunResult's reading helpers only; the spec records the one GPU.
     return RunResult(RunSpec(name=name, gpus=1), workdir / "outputs" / name, config, code, output, ended).check_ok()
@@ -140,3 +145,22 @@ def test_four_bit_with_cuda_graphs_gives_the_eager_losses(workdir, tiny_model_di
     assert not eager.summary["cuda_graphs"]["enabled"]
     a, b = _losses(eager), _losses(graphed)
     assert np.max(np.abs(a - b) / np.abs(a)) <= GPU_RTOL, (a.tolist(), b.tolist())
+
+
+def test_attention_outputs_kept_through_checkpointing_give_the_plain_recompute_losses_and_adapter(workdir,
+                                                                                                  tiny_model_dir):
+    """The default for checkpointed SFT on Unsloth (train/attention/recompute.py): every layer's attention output is
+    kept from the first pass and reused by the recompute, and the run trains as with the plain recompute
+    (HYPERSLOTH_REUSE_ATTENTION=0). The measured budget ("auto") gives the room the kept outputs live in."""
+    from HyperSloth.outputs import run_files
+
+    kept = _train(workdir, _config(workdir, tiny_model_dir, "gc-kept", checkpointing=True), "gc-kept")
+    plain = _train(workdir, _config(workdir, tiny_model_dir, "gc-plain", checkpointing=True), "gc-plain",
+                   extra_env={run_files.ENV_REUSE_ATTENTION: "0"})
+    reuse = kept.summary.get("attention_reuse")
+    assert reuse and reuse["kept"] > 0 and reuse["reused"] == reuse["kept"] and reuse["dropped"] == 0, reuse
+    assert not plain.summary.get("attention_reuse"), plain.summary.get("attention_reuse")
+    a, b = _losses(plain), _losses(kept)
+    assert np.max(np.abs(a - b) / np.abs(a)) <= GPU_RTOL, (a.tolist(), b.tolist())
+    error = relative_error(flat_adapter(plain.adapter()), flat_adapter(kept.adapter()))
+    assert error <= GPU_RTOL, f"final adapters differ: relative error {error:.3g}"
