@@ -21,7 +21,8 @@
 # callF's 8B half.
 # 2026-12-05 (seventh session, one H100): callA, callP2 (the script ran cuDNN's SDPA, not FA4: fixed in 42a810e),
 # callF8 (262k on 8B: 209.2 s), callK4 (262k on 0.6B: plain 64.2 s, kept 51.9 s), callE2 (capped rows: no gain).
-# Next: callRC (the fixed reuse_check.py; .whl only), then callA + callP2 again (a 131k step profiled on FA4).
+# Next: callKT (the kept default's GPU test and the fixed reuse_check.py; .whl only), then callA + callP2 again (a
+# 131k step profiled on FA4).
 # The row cap that callR2 and callE2 switch on (HYPERSLOTH_GRAPH_ROWS=1) was removed after them (it did not pay): at
 # later commits those calls time the defaults twice.
 # Before the calls, on this machine, from the repository root:
@@ -156,6 +157,18 @@ callRC() {  # carry [".whl"] (no FA4 needed: Unsloth's lean varlen path on bundl
   source scripts/device_calls_lib.sh
   timeout $(left 560) python3 scripts/reuse_check.py --model 0.6b --checkpoint $W/ckpt_0.6b --rows 32768,65536 \
     --repeats 2 --out $OUT/reuse-check-0.6b.json > $L/reuse-check.log 2>&1; echo "rc=$?"
+  el "reuse check done"; grep -v "^Unsloth\|^==\|^ *$" $L/reuse-check.log | tail -40 | cut -c1-300
+  pack
+}
+
+callKT() {  # carry [".whl"]: the kept-attention default on the GPU, both checks in one call (~5 min): the GPU test (the
+  # tiny model through hypersloth-train with Unsloth's checkpointing, kept against HYPERSLOTH_REUSE_ATTENTION=0: losses,
+  # adapter, kept == reused), then callRC's reuse_check.py (Qwen3-0.6B's shape, loss and gradients at 32k and 64k)
+  source scripts/device_calls_lib.sh
+  timeout $(left 240) python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_unsloth_runs.py \
+    -k attention_outputs_kept > $L/gpu-test.log 2>&1; echo "gpu test rc=$?"; tail -15 $L/gpu-test.log | cut -c1-300
+  timeout $(left 560) python3 scripts/reuse_check.py --model 0.6b --checkpoint $W/ckpt_0.6b --rows 32768,65536 \
+    --repeats 2 --out $OUT/reuse-check-0.6b.json > $L/reuse-check.log 2>&1; echo "reuse check rc=$?"
   el "reuse check done"; grep -v "^Unsloth\|^==\|^ *$" $L/reuse-check.log | tail -40 | cut -c1-300
   pack
 }
