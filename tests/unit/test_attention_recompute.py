@@ -263,4 +263,7 @@ def test_attention_outputs_are_kept_by_default_for_checkpointed_sft_on_unsloth_w
     monkeypatch.delenv(run_files.ENV_REUSE_ATTENTION)
     decision.limit_bytes = None  # nothing measured (a given budget): no room known, nothing kept
     assert recompute.keep_attention(sft, loaded, decision) is None and len(installed) == 1
-    assert "no memory room" in logs[-1]
+    assert "no memory room is known" in logs[-1] and "tokens_per_micro_batch='auto'" in logs[-1]
+    decision.limit_bytes = 2 * 2**30  # measured, and the peak fills it
+    assert recompute.keep_attention(sft, loaded, decision) is None and len(installed) == 1
+    assert "leaves no memory room" in logs[-1]

@@ -202,8 +202,10 @@ def keep_attention(description, loaded_model, decision):
         return None
     cap = cap_from_budget(decision)
     if cap <= 0:
-        logger.info("attention outputs are not kept through checkpointing: the token budget measured no memory room "
-                    "above its checkpointed peak")
+        why = ("the measured token budget leaves no memory room above its checkpointed peak"
+               if getattr(decision, "limit_bytes", None) else "no memory room is known above the checkpointed peak "
+               "(the token budget was given; tokens_per_micro_batch='auto' measures it)")
+        logger.info(f"attention outputs are not kept through checkpointing: {why}")
         return None
     kept, why = install_on_unsloth(loaded_model.model.get_base_model().model, cap)
     logger.info(f"attention outputs kept through checkpointing (the recompute skips attention's forward), up to "
