@@ -64,8 +64,8 @@ class FastModelArgs(BaseModel):
     use_gradient_checkpointing: bool | Literal["unsloth"] = Field(
         False, description="Recompute activations in backward to save memory; 'unsloth' = Unsloth's offloaded variant. "
         "SFT on Unsloth keeps each layer's attention output for the recompute in the memory the measured token budget "
-        "leaves (one 262,144-token sample of Qwen3-0.6B: 51.9 s against 64.2 s); HYPERSLOTH_REUSE_ATTENTION=0 "
-        "recomputes it instead."
+        "leaves (one 262,144-token sample of Qwen3-0.6B: 51.9 s against 64.2 s; docs/attention.md says how to "
+        "recompute it instead)."
     )
     tiled_mlp: bool | Literal["auto"] = Field(
         "auto", description="Run each MLP in row tiles (Unsloth's tiled MLP; Unsloth backend only): less activation "
