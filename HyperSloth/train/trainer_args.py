@@ -86,8 +86,8 @@ def decoder_graphs(description: RunDescription, loaded_model, steps: PlanSteps, 
 
     targs = description.training_config
     total = targs.max_steps or (targs.num_train_epochs or 1) * steps.steps_per_epoch
-    counts, longest_row = planned_rows(steps, lengths, rank, total, spec.token_budget)
-    # The graph pool and any eager row beside it share the token budget
+    # the token budget bounds each planned row, and the graph pool and any eager row beside it share it
+    counts, longest_row = planned_rows(steps, lengths, rank, total, description.token_budget)
     layout = graph_layout(spec.samples_per_step, int(lengths.max()), description.token_budget, longest_row)
     if layout.max_rows < MIN_GRAPH_ROWS:
         reason = (f"the longest planned row ({longest_row:,} tokens) runs eagerly and leaves room for graphs of "

@@ -131,7 +131,6 @@ def test_training_autocast_is_the_trainers_for_the_models_dtype_and_device():
     assert not isinstance(model_lib.training_autocast(on_gpu(torch.float32)), torch.autocast)
 
 
-
 def test_unsloths_per_layer_compile_is_off_only_where_it_would_compile_mamba_layers_whole():
     """Granite 4.0-H's decoder layers hold its Mamba layers, one class for the whole list: Unsloth compiles them
     whole (its compiled backward failed at a second row length on one H200), so its per-layer compile is turned off
